@@ -1,0 +1,94 @@
+"""mconvert's command line: `mconvert hf-to-mcore`, `mconvert mcore-to-hf`, `mconvert verify`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from mconvert.errors import ConversionError
+
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _dtype(name: str | None):
+    if name is None:
+        return None
+    import torch
+
+    return getattr(torch, DTYPE_NAMES[name])
+
+
+def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", "--target-tensor-parallel-size", dest="tp", type=int, default=1, help="tensor parallel size")
+    parser.add_argument("--pp", "--target-pipeline-parallel-size", dest="pp", type=int, default=1, help="pipeline parallel size")
+    parser.add_argument("--ep", "--target-expert-parallel-size", dest="ep", type=int, default=1, help="expert parallel size")
+    parser.add_argument(
+        "--etp", "--target-expert-tensor-parallel-size", dest="etp", type=int, default=None,
+        help="expert tensor parallel size (default: the same as --tp, as in Megatron)",
+    )
+
+
+def _hf_to_mcore(options: argparse.Namespace) -> int:
+    from mconvert.converters.hf_to_mcore import ARGS_SCRIPT, convert_hf_to_mcore
+    from mconvert.converters.megatron import Parallelism
+
+    started = time.perf_counter()
+    parallelism = Parallelism(
+        options.tp, options.pp, options.ep, options.etp, options.make_vocab_size_divisible_by
+    )
+    result = convert_hf_to_mcore(
+        options.load_dir,
+        options.save_dir,
+        parallelism=parallelism,
+        model_size=options.model_size,
+        dtype=_dtype(options.dtype),
+        transformer_impl=options.transformer_impl,
+        overwrite=options.overwrite,
+        progress=lambda message: print(message, file=sys.stderr),
+    )
+    plan = result.plan
+    print(
+        f"wrote {options.save_dir}: {plan.family.name}, {len(plan.shapes)} tensors, "
+        f"TP={parallelism.tp} PP={parallelism.pp} EP={parallelism.ep}, {str(plan.dtype).removeprefix('torch.')}, "
+        f"{time.perf_counter() - started:.1f}s"
+    )
+    print(f"Megatron-LM flags for this model (also in {options.save_dir}/{ARGS_SCRIPT}):")
+    print("  " + " \\\n  ".join(result.flags))
+    print(
+        f"load with: --load {options.save_dir} --ckpt-format torch_dist --finetune --no-load-optim --no-load-rng"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mconvert", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    to_mcore = commands.add_parser("hf-to-mcore", help="HF safetensors -> Megatron-Core torch_dist checkpoint")
+    to_mcore.add_argument("--load-dir", required=True, help="HF checkpoint directory (config.json + safetensors)")
+    to_mcore.add_argument("--save-dir", required=True, help="where to write the torch_dist checkpoint")
+    to_mcore.add_argument("--model-size", default=None, help="Megatron-LM's --model-size (llama2-7B, llama3, mistral, qwen2.5, ...) or a family name (qwen3, ...); read from config.json when absent")
+    _add_parallel_flags(to_mcore)
+    to_mcore.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="stored dtype (default: config.json's)")
+    to_mcore.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="as Megatron-LM's flag (default 128)")
+    to_mcore.add_argument(
+        "--transformer-impl", choices=("transformer_engine", "local"), default="transformer_engine",
+        help="the layer spec the checkpoint is meant for (recorded in its args; both specs load it)",
+    )
+    to_mcore.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
+    to_mcore.set_defaults(run=_hf_to_mcore)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = build_parser().parse_args(argv)
+    try:
+        return options.run(options)
+    except ConversionError as error:
+        print(f"mconvert: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

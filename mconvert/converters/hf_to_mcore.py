@@ -1,0 +1,114 @@
+"""HF safetensors -> Megatron-Core torch_dist, streaming: one layer's tensor at a time is read, transformed,
+cut into its tensor-parallel chunks and written; nothing holds the whole model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from mconvert.converters import megatron, torch_dist
+from mconvert.converters.megatron import Parallelism
+from mconvert.converters.output import atomic_directory, check_target
+from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
+from mconvert.converters.safetensors_io import HFCheckpoint
+from mconvert.errors import ConversionError
+from mconvert.mappings import get_mapping
+from mconvert.mappings.family import Family
+from mconvert.mappings.spec import ModelSpec
+
+ARGS_SCRIPT = "megatron_args.sh"
+
+
+@dataclass(frozen=True)
+class Conversion:
+    plan: Plan
+    args: argparse.Namespace
+    flags: list[str]
+
+
+def read_hf_config(load_dir: Path) -> dict:
+    path = load_dir / "config.json"
+    if not path.exists():
+        raise ConversionError(f"{path}: missing (not an HF checkpoint directory)")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ConversionError(f"{path}: not valid JSON ({e})") from None
+
+
+def fused_expert_layers(family: Family, spec: ModelSpec, hf: HFCheckpoint) -> frozenset[int]:
+    """MoE layers whose experts the HF checkpoint stores fused in 3-D tensors instead of one per expert."""
+    table = family.table
+    if spec.moe is None or not table.fused_experts:
+        return frozenset()
+    fused_name = table.fused_experts[0].hf_names[0].split("[")[0]
+    return frozenset(
+        layer
+        for layer in range(spec.num_layers)
+        if spec.layer_is_moe(layer) and table.layer_prefix.format(layer=layer) + fused_name in hf.tensors
+    )
+
+
+def build_piece(piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: torch.dtype) -> torch.Tensor:
+    """The Megatron tensor region of `piece`, from its HF tensors, padded and in the target dtype."""
+    tensor = piece.entry.to_mcore([hf.read(ref.name, ref.index) for ref in piece.sources], spec).to(dtype)
+    rows = piece.layout.shape[0]
+    if piece.layout.real_rows is not None and rows > tensor.shape[0]:
+        tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
+    return tensor
+
+
+def convert_hf_to_mcore(
+    load_dir: str | os.PathLike,
+    save_dir: str | os.PathLike,
+    *,
+    parallelism: Parallelism = Parallelism(),
+    model_size: str | None = None,
+    dtype: torch.dtype | None = None,
+    transformer_impl: str = "transformer_engine",
+    overwrite: bool = False,
+    progress: Callable[[str], None] = lambda message: None,
+) -> Conversion:
+    """Convert the HF checkpoint in `load_dir` into a torch_dist checkpoint in `save_dir` for `parallelism`."""
+    load_dir, save_dir = Path(load_dir), Path(save_dir)
+    config = read_hf_config(load_dir)
+    family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
+    check_target(save_dir, overwrite)
+    hf = HFCheckpoint(load_dir)
+    plan = build_plan(family, spec, parallelism, dtype, transformer_impl, fused_expert_layers(family, spec, hf))
+    check_sources(plan, {name: stored.shape for name, stored in hf.tensors.items()}, hf.where)
+    args = megatron.megatron_args(spec, parallelism, plan.dtype, transformer_impl)
+    flags = megatron.megatron_flags(args)
+
+    with atomic_directory(save_dir, overwrite) as work:
+        release = work / torch_dist.RELEASE
+        release.mkdir()
+        writer = torch_dist.DCPWriter(release)
+        try:
+            for key, shape in plan.shapes.items():
+                writer.declare(key, shape, plan.dtype)
+            for number, piece in enumerate(plan.pieces, 1):
+                tensor = build_piece(piece, hf, spec, plan.dtype)
+                axis = piece.layout.split_axis or 0
+                for offsets, part in piece.chunks():
+                    chunk = tensor[(slice(None),) * axis + (part,)]
+                    for key in piece.keys:
+                        writer.write_chunk(key, (*piece.offsets, *offsets), chunk)
+                if number % 100 == 0:
+                    progress(f"{number}/{len(plan.pieces)} tensors written")
+            for key in plan.extra_state_keys:
+                writer.write_object(key, torch_dist.EMPTY_EXTRA_STATE)
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+        torch_dist.write_common(release, args)
+        (work / ARGS_SCRIPT).write_text("MODEL_ARGS=(\n" + "".join(f"    {flag}\n" for flag in flags) + ")\n")
+        torch_dist.write_tracker(work)
+    return Conversion(plan, args, flags)

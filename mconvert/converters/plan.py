@@ -1,0 +1,163 @@
+"""The plan of a conversion: every Megatron tensor of the checkpoint, and for each layer (and expert) of it,
+the HF tensors it is made of, the transform, and how tensor parallelism chunks it.
+
+Built from a family's table and a ModelSpec alone, before any weight is read, so that every check (missing
+or extra tensors, wrong shapes, parallel sizes) happens before anything is written. Both directions of
+conversion execute the same plan.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from mconvert.converters import megatron
+from mconvert.converters.megatron import Parallelism, TensorLayout
+from mconvert.errors import ConversionError
+from mconvert.mappings.family import Family
+from mconvert.mappings.spec import ModelSpec
+from mconvert.mappings.transforms import Entry
+
+# HF names `name[index]` select one slice of a tensor's first axis: one expert of a fused expert tensor.
+_INDEXED = re.compile(r"^(?P<name>.+)\[(?P<index>\d+)\]$")
+
+
+@dataclass(frozen=True)
+class HFRef:
+    name: str
+    index: int | None = None
+
+    @staticmethod
+    def parse(text: str) -> HFRef:
+        match = _INDEXED.match(text)
+        return HFRef(match["name"], int(match["index"])) if match else HFRef(text)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One region of a Megatron tensor (a whole model tensor, or one layer's or one expert's slice of a
+    stacked one) and the HF tensors it is built from."""
+
+    keys: tuple[str, ...]  # checkpoint keys that hold this region (one, or two names of the same tensor)
+    offsets: tuple[int, ...]  # leading offsets of the region: (layer,), (layer, expert), (expert,) or ()
+    layout: TensorLayout
+    entry: Entry
+    sources: tuple[HFRef, ...]
+
+    @property
+    def key(self) -> str:
+        return self.keys[0]
+
+    def chunks(self) -> list[tuple[tuple[int, ...], slice]]:
+        """(offsets within the region, slice along the split axis) of each tensor-parallel chunk."""
+        shape, axis = self.layout.shape, self.layout.split_axis
+        if axis is None:
+            return [((0,) * len(shape), slice(None))]
+        step = shape[axis] // self.layout.fragments
+        return [
+            (tuple(i * step if a == axis else 0 for a in range(len(shape))), slice(i * step, (i + 1) * step))
+            for i in range(self.layout.fragments)
+        ]
+
+
+@dataclass(frozen=True)
+class Plan:
+    family: Family
+    spec: ModelSpec
+    parallelism: Parallelism
+    dtype: torch.dtype
+    transformer_impl: str
+    shapes: dict[str, tuple[int, ...]]  # every checkpoint key's global shape
+    pieces: tuple[Piece, ...]
+    extra_state_keys: tuple[str, ...]
+
+    def hf_names(self) -> set[str]:
+        return {ref.name for piece in self.pieces for ref in piece.sources}
+
+
+def _active(entries: tuple[Entry, ...], spec: ModelSpec) -> list[Entry]:
+    return [entry for entry in entries if entry.when is None or getattr(spec, entry.when)]
+
+
+def build_plan(
+    family: Family,
+    spec: ModelSpec,
+    parallelism: Parallelism,
+    dtype: torch.dtype | None = None,
+    transformer_impl: str = "transformer_engine",
+    fused_expert_layers: frozenset[int] = frozenset(),
+) -> Plan:
+    """`fused_expert_layers`: layers whose HF experts are stored fused (3-D tensors) rather than per expert."""
+    parallelism.validate(spec)
+    table = family.table
+    shapes: dict[str, tuple[int, ...]] = {}
+    pieces: list[Piece] = []
+    modules: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # module key -> (offsets, leading shape)
+
+    def add(keys: tuple[str, ...], offsets, leading, layout: TensorLayout, entry: Entry, sources: list[str]):
+        for key in keys:
+            shapes.setdefault(key, (*leading, *layout.shape))
+            module = key.rsplit(".", 1)[0]
+            modules[f"{module}@{offsets}"] = (module, offsets, leading)
+        pieces.append(Piece(keys, offsets, layout, entry, tuple(HFRef.parse(s) for s in sources)))
+
+    for entry in _active(table.model, spec):
+        add((entry.mcore,), (), (), megatron.tensor_layout(entry.mcore, spec, parallelism), entry, list(entry.hf_names))
+
+    layers = megatron.layer_axis(spec)
+    for layer in range(spec.num_layers):
+        prefix = table.layer_prefix.format(layer=layer)
+        is_moe = spec.layer_is_moe(layer)
+        for entry in _active(table.attention + (table.moe_mlp if is_moe else table.dense_mlp), spec):
+            names = [entry.mcore]
+            if is_moe and entry.mcore == megatron.MOE_NORM:
+                names.append(megatron.MOE_NORM_LOCAL)
+            located = [megatron.layer_key(name, layer, spec) for name in names]
+            layout = megatron.tensor_layout(entry.mcore, spec, parallelism)
+            add(tuple(k for k, _ in located), located[0][1], layers, layout, entry, [prefix + n for n in entry.hf_names])
+        for module in megatron.EXTRA_STATE_ONLY_MODULES:
+            key, offsets = megatron.layer_key(module, layer, spec)
+            modules[f"{key}@{offsets}"] = (key, offsets, layers)
+        if not is_moe:
+            continue
+        num_experts = spec.moe.num_experts
+        experts = table.fused_experts if layer in fused_expert_layers else table.experts
+        for expert in range(num_experts):
+            for entry in _active(experts, spec):
+                key, offsets = megatron.layer_key(megatron.EXPERTS_PREFIX + entry.mcore, layer, spec)
+                layout = megatron.tensor_layout(entry.mcore, spec, parallelism, expert=True)
+                sources = [prefix + n.format(expert=expert) for n in entry.hf_names]
+                add((key,), (*offsets, expert), (*layers, num_experts), layout, entry, sources)
+
+    extra_state_keys = tuple(megatron.extra_state_key(module, offsets, leading) for module, offsets, leading in modules.values())
+    return Plan(family, spec, parallelism, dtype or spec.dtype, transformer_impl, shapes, tuple(pieces), extra_state_keys)
+
+
+def check_sources(plan: Plan, available: dict[str, tuple[int, ...]], where) -> None:
+    """Every HF tensor the plan reads exists with the shape config.json implies; none is left unread.
+
+    `available`: HF name -> shape; `where(name)` says where a tensor is stored, for messages.
+    """
+    for piece in plan.pieces:
+        layout = piece.layout
+        region = (layout.real_rows, *layout.shape[1:]) if layout.real_rows else layout.shape
+        for ref, expected in zip(piece.sources, piece.entry.hf_shapes(region, plan.spec)):
+            if ref.name not in available:
+                raise ConversionError(f"tensor '{ref.name}' is missing from the HF checkpoint (needed for {piece.key})")
+            shape = available[ref.name]
+            if ref.index is not None:
+                if not shape or ref.index >= shape[0]:
+                    raise ConversionError(f"{where(ref.name)} has shape {list(shape)}: no slice {ref.index} along its first axis")
+                shape = shape[1:]
+            if tuple(shape) != tuple(expected):
+                raise ConversionError(f"{where(ref.name)} has shape {list(shape)}, config.json implies {list(expected)}")
+    unread = set(available) - plan.hf_names()
+    if not plan.spec.untie_embeddings:
+        # Tied checkpoints may store the output layer too; it is the embedding.
+        unread.discard("lm_head.weight")
+    unread = {name for name in unread if not name.endswith("rotary_emb.inv_freq")}
+    if unread:
+        name = sorted(unread)[0]
+        raise ConversionError(f"{where(name)} is not used by the {plan.family.name} mapping ({len(unread)} such tensors)")

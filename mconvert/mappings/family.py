@@ -1,0 +1,40 @@
+"""Family: one architecture's knowledge, as data. A table of entries per scope, and its config rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mconvert.mappings.spec import ModelSpec
+from mconvert.mappings.transforms import Entry
+
+
+@dataclass(frozen=True)
+class Table:
+    """Which HF tensors make which Megatron tensors, per scope.
+
+    Megatron names are relative to their scope (`self_attention.linear_qkv.weight` within a layer); where
+    they are stacked, padded and sharded is the converters' business. HF names of layer scopes are relative
+    to `layer_prefix`; expert entries hold `{expert}`. `fused_experts` is the alternative HF layout with all
+    experts in one 3-D tensor, named `name[{expert}]` for expert's slice of it.
+    """
+
+    model: tuple[Entry, ...]
+    attention: tuple[Entry, ...]
+    dense_mlp: tuple[Entry, ...]
+    moe_mlp: tuple[Entry, ...] = ()
+    experts: tuple[Entry, ...] = ()
+    fused_experts: tuple[Entry, ...] = ()
+    layer_prefix: str = "model.layers.{layer}."
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    # HF config.json `model_type` values this family reads.
+    model_types: tuple[str, ...]
+    # Prefixes of `--model-size` values (Megatron-LM's and ours) that name this family.
+    model_sizes: tuple[str, ...]
+    table: Table
+    read_config: Callable[[dict[str, Any]], ModelSpec]
+    write_config: Callable[[ModelSpec], dict[str, Any]]

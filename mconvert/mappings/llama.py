@@ -1,0 +1,65 @@
+"""Llama 2, Llama 3/3.1/3.2, Mistral, Yi: the Llama naming that Qwen2 and Qwen3 share."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mconvert.mappings.family import Family, Table
+from mconvert.mappings.spec import ModelSpec, read_dense_spec, write_dense_config
+from mconvert.mappings.transforms import Concat, QKVInterleave, Rename
+
+MODEL = (
+    Rename("embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+    Rename("decoder.final_layernorm.weight", "model.norm.weight"),
+    Rename("output_layer.weight", "lm_head.weight", when="untie_embeddings"),
+)
+
+ATTENTION = (
+    Rename("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+    QKVInterleave(
+        "self_attention.linear_qkv.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"
+    ),
+    QKVInterleave(
+        "self_attention.linear_qkv.bias",
+        "self_attn.q_proj.bias",
+        "self_attn.k_proj.bias",
+        "self_attn.v_proj.bias",
+        when="qkv_bias",
+    ),
+    Rename("self_attention.q_layernorm.weight", "self_attn.q_norm.weight", when="qk_norm"),
+    Rename("self_attention.k_layernorm.weight", "self_attn.k_norm.weight", when="qk_norm"),
+    Rename("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+    Rename("self_attention.linear_proj.bias", "self_attn.o_proj.bias", when="linear_bias"),
+)
+
+DENSE_MLP = (
+    Rename("mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight"),
+    Concat("mlp.linear_fc1.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    Concat("mlp.linear_fc1.bias", ("mlp.gate_proj.bias", "mlp.up_proj.bias"), when="linear_bias"),
+    Rename("mlp.linear_fc2.weight", "mlp.down_proj.weight"),
+    Rename("mlp.linear_fc2.bias", "mlp.down_proj.bias", when="linear_bias"),
+)
+
+TABLE = Table(model=MODEL, attention=ATTENTION, dense_mlp=DENSE_MLP)
+
+
+def read_config(config: dict[str, Any]) -> ModelSpec:
+    return read_dense_spec(config, "llama")
+
+
+def write_config(spec: ModelSpec) -> dict[str, Any]:
+    if spec.hf_config.get("model_type") == "mistral":
+        return write_dense_config(spec, "mistral", "MistralForCausalLM")
+    config = write_dense_config(spec, "llama", "LlamaForCausalLM")
+    config.update(attention_bias=spec.linear_bias, mlp_bias=spec.linear_bias)
+    return config
+
+
+FAMILY = Family(
+    name="llama",
+    model_types=("llama", "mistral"),
+    model_sizes=("llama", "mistral", "yi"),
+    table=TABLE,
+    read_config=read_config,
+    write_config=write_config,
+)

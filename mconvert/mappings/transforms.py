@@ -1,0 +1,105 @@
+"""The invertible weight transforms that mapping tables are built from.
+
+Each entry of a table names one Megatron tensor (relative to its scope: the model, a layer or an expert),
+the HF tensors it is made of, and how: `to_mcore` builds the Megatron tensor from the HF ones, `to_hf` is its
+exact inverse, and `hf_shapes` says which HF shapes a given Megatron shape implies (so bad input is caught
+before anything is computed). Both directions of conversion come from the same entry.
+
+`when` names a boolean attribute of the ModelSpec that must hold for the entry to exist (a bias that only some
+configs have, the output layer of an untied model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from mconvert.mappings.spec import ModelSpec
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Rename:
+    """One HF tensor is one Megatron tensor."""
+
+    mcore: str
+    hf: str
+    when: str | None = None
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return (self.hf,)
+
+    def hf_shapes(self, shape: Shape, spec: ModelSpec) -> list[Shape]:
+        return [shape]
+
+    def to_mcore(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
+        return tensors[0]
+
+    def to_hf(self, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
+        return [tensor]
+
+
+@dataclass(frozen=True)
+class Concat:
+    """Equal-sized HF tensors stacked along dim 0: gate and up projections into Megatron's fused fc1."""
+
+    mcore: str
+    hf_names: tuple[str, ...]
+    when: str | None = None
+
+    def hf_shapes(self, shape: Shape, spec: ModelSpec) -> list[Shape]:
+        parts = len(self.hf_names)
+        return [(shape[0] // parts, *shape[1:])] * parts
+
+    def to_mcore(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
+        return torch.cat(list(tensors), dim=0)
+
+    def to_hf(self, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
+        return [part.contiguous() for part in tensor.chunk(len(self.hf_names), dim=0)]
+
+
+@dataclass(frozen=True)
+class QKVInterleave:
+    """Separate q, k, v projections (weight or bias) into Megatron's fused linear_qkv.
+
+    Megatron orders the fused output by query group: for each of the `ng` groups, that group's `nq/ng` query
+    heads, then its key head, then its value head. Tensor parallelism then splits whole groups.
+    """
+
+    mcore: str
+    q: str
+    k: str
+    v: str
+    when: str | None = None
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return (self.q, self.k, self.v)
+
+    @staticmethod
+    def _rows(spec: ModelSpec) -> tuple[int, int, int]:
+        """Rows of q, k and v per query group."""
+        heads_per_group = spec.num_attention_heads // spec.num_query_groups
+        return heads_per_group * spec.head_dim, spec.head_dim, spec.head_dim
+
+    def hf_shapes(self, shape: Shape, spec: ModelSpec) -> list[Shape]:
+        rest = shape[1:]
+        return [(rows * spec.num_query_groups, *rest) for rows in self._rows(spec)]
+
+    def to_mcore(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
+        groups = spec.num_query_groups
+        q, k, v = (t.reshape(groups, -1, *t.shape[1:]) for t in tensors)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *tensors[0].shape[1:])
+
+    def to_hf(self, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
+        grouped = tensor.reshape(spec.num_query_groups, -1, *tensor.shape[1:])
+        parts = torch.split(grouped, list(self._rows(spec)), dim=1)
+        return [part.reshape(-1, *tensor.shape[1:]).contiguous() for part in parts]
+
+
+Entry = Rename | Concat | QKVInterleave
