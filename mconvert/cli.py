@@ -61,6 +61,42 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(options: argparse.Namespace) -> int:
+    import json
+    import os
+    import warnings
+    from pathlib import Path
+
+    # megatron-core and torch warn about optional kernels they fall back from, in every rank: noise here.
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    warnings.simplefilter("ignore")
+
+    from mconvert.converters.megatron import Parallelism
+    from mconvert.verify.run import ArchitectureMismatch, VerifyRequest, verify
+
+    request = VerifyRequest(
+        hf_dir=Path(options.hf),
+        mcore_dir=Path(options.mcore),
+        parallelism=Parallelism(options.tp, options.pp, options.ep, options.etp),
+        device=options.device,
+        dtype=options.dtype,
+        prompts_file=Path(options.prompts) if options.prompts else None,
+        timeout_s=options.timeout,
+    )
+    try:
+        report = verify(request)
+    except ConversionError as error:
+        print(f"mconvert verify: error: {error}", file=sys.stderr)
+        return 2
+    except ArchitectureMismatch as mismatch:
+        print(f"mconvert verify: FAIL: the checkpoint is not the HF model: {mismatch}", file=sys.stderr)
+        return 1
+    print(report.table())
+    if options.json:
+        Path(options.json).write_text(json.dumps(report.to_json(), indent=2))
+    return 0 if report.passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mconvert", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     to_mcore.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
     to_mcore.set_defaults(run=_hf_to_mcore)
+
+    check = commands.add_parser("verify", help="compare the HF model's logits with the converted Megatron-Core model's")
+    check.add_argument("--hf", required=True, help="HF checkpoint directory")
+    check.add_argument("--mcore", required=True, help="torch_dist checkpoint directory")
+    _add_parallel_flags(check)
+    check.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="GPUs through NCCL, or CPU gloo ranks")
+    check.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype both models run in")
+    check.add_argument("--prompts", default=None, help="text file, one prompt a line (needs a tokenizer in --hf)")
+    check.add_argument("--json", default=None, help="write the report as JSON here")
+    check.add_argument("--timeout", type=float, default=1800.0, help="seconds before ranks are stopped (never hang)")
+    check.set_defaults(run=_verify)
     return parser
 
 

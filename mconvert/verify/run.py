@@ -1,0 +1,145 @@
+"""`mconvert verify`: run the HF model and the converted Megatron-Core model on the same prompts and decide,
+by the thresholds in compare.py, whether they agree.
+
+The Megatron side is built from the checkpoint's own stored args (not from the HF config, so a wrong stored
+arg is caught), loaded with megatron-core's dist_checkpointing at the requested TP/PP/EP, on GPUs through
+NCCL or on CPU gloo ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mconvert.converters import megatron
+from mconvert.converters.hf_to_mcore import read_hf_config
+from mconvert.converters.megatron import Parallelism
+from mconvert.converters.torch_dist import read_args
+from mconvert.errors import ConversionError
+from mconvert.mappings import get_mapping
+from mconvert.verify.compare import THRESHOLDS, Report, compare_logits, first_diverging_layer
+from mconvert.verify.hf_side import Outputs, hf_outputs
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Arguments that define the network; a difference in any of them means the two sides are different models.
+ARCHITECTURE_ARGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+    "vocab_size", "rotary_base", "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
+    "norm_epsilon", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights",
+    "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax", "moe_layer_freq",
+    "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+)
+
+
+class ArchitectureMismatch(Exception):
+    """The checkpoint's stored args describe another model than the HF config.json."""
+
+
+def builtin_prompts(vocab_size: int) -> list[torch.Tensor]:
+    """Token ids that need no tokenizer: fixed pseudo-random sequences of a few lengths over the vocabulary."""
+    generator = torch.Generator().manual_seed(20261122)
+    return [torch.randint(0, vocab_size, (length,), generator=generator) for length in (7, 16, 32, 64)]
+
+
+def text_prompts(path: Path, hf_dir: Path) -> list[torch.Tensor]:
+    import transformers
+
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ConversionError(f"--prompts needs a tokenizer in {hf_dir} ({e})") from None
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ConversionError(f"--prompts {path}: no prompts in the file")
+    return [torch.tensor(tokenizer(line)["input_ids"]) for line in lines]
+
+
+def check_architecture(hf_dir: Path, stored: argparse.Namespace) -> None:
+    _, spec = get_mapping(read_hf_config(hf_dir), source=str(hf_dir / "config.json"))
+    expected = vars(megatron.megatron_args(spec, Parallelism(), spec.dtype, "local"))
+    differences = [
+        f"{name}: checkpoint {getattr(stored, name, None)!r}, HF {expected.get(name)!r}"
+        for name in ARCHITECTURE_ARGS
+        # Checkpoints saved by Megatron training may leave some out; what they do store must agree.
+        if getattr(stored, name, None) is not None and getattr(stored, name) != expected.get(name)
+    ]
+    if differences:
+        raise ArchitectureMismatch("; ".join(differences))
+
+
+def megatron_outputs(
+    ckpt_dir: str, prompts: list[torch.Tensor], vocab_size: int, dtype: torch.dtype, device: str
+) -> Outputs:
+    """Runs in every rank: load the checkpoint into megatron-core's GPTModel and run the prompts."""
+    from mconvert.verify.megatron_model import uses_transformer_engine
+    from mconvert.verify.megatron_side import forward_logits_and_hidden_states, load_model, torch_dist_dir
+
+    args = read_args(torch_dist_dir(ckpt_dir))
+    impl = "transformer_engine" if uses_transformer_engine("transformer_engine") else "local"
+    model = load_model(ckpt_dir, args, dtype, device, transformer_impl=impl)
+    outputs = Outputs([], [])
+    for tokens in prompts:
+        logits, hidden = forward_logits_and_hidden_states(model, tokens[None])
+        outputs.logits.append(logits[0, :, :vocab_size].float())  # padding rows cut
+        outputs.hidden_states.append([h[0] for h in hidden])
+    return outputs
+
+
+@dataclass(frozen=True)
+class VerifyRequest:
+    hf_dir: Path
+    mcore_dir: Path
+    parallelism: Parallelism
+    device: str = "cpu"
+    dtype: str = "fp32"
+    prompts_file: Path | None = None
+    timeout_s: float = 1800.0
+
+
+def verify(request: VerifyRequest) -> Report:
+    """Compare the two models; raises ConversionError for unusable input, ArchitectureMismatch for
+    different models."""
+    from mconvert.verify.distributed import ParallelLayout, run_ranks
+    from mconvert.verify.megatron_side import torch_dist_dir
+
+    par = request.parallelism
+    if request.device == "cuda":
+        if not torch.cuda.is_available():
+            raise ConversionError("--device cuda: no GPU is visible")
+        world = ParallelLayout(tp=par.tp, pp=par.pp, ep=par.ep, etp=par.etp).world_size
+        if world > torch.cuda.device_count():
+            raise ConversionError(f"--tp/--pp/--ep need {world} GPUs, {torch.cuda.device_count()} visible")
+    if not (request.hf_dir / "config.json").exists():
+        raise ConversionError(f"--hf {request.hf_dir}: no config.json")
+    stored = read_args(torch_dist_dir(request.mcore_dir))
+    check_architecture(request.hf_dir, stored)
+    vocab_size = read_hf_config(request.hf_dir)["vocab_size"]
+    prompts = (
+        text_prompts(request.prompts_file, request.hf_dir)
+        if request.prompts_file
+        else builtin_prompts(vocab_size)
+    )
+    dtype = DTYPES[request.dtype]
+    seconds = {}
+    started = time.perf_counter()
+    reference = hf_outputs(request.hf_dir, prompts, dtype, request.device)
+    seconds["hf"] = time.perf_counter() - started
+    started = time.perf_counter()
+    candidate = run_ranks(
+        megatron_outputs, str(request.mcore_dir), prompts, vocab_size, dtype, request.device,
+        tp=par.tp, pp=par.pp, ep=par.ep, etp=par.etp, device=request.device, timeout_s=request.timeout_s,
+    )
+    seconds["megatron"] = time.perf_counter() - started
+    limits = THRESHOLDS[request.dtype]
+    metrics = [compare_logits(ref, cand) for ref, cand in zip(reference.logits, candidate.logits)]
+    diverged = [
+        first_diverging_layer(ref, cand, limits.max_hidden_rel)
+        for ref, cand in zip(reference.hidden_states, candidate.hidden_states)
+    ]
+    first = min((layer for layer in diverged if layer is not None), default=None)
+    passed = all(m.passes(limits) for m in metrics)
+    return Report(passed, request.dtype, limits, metrics, first, seconds)

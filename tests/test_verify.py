@@ -1,0 +1,64 @@
+"""`mconvert verify` on CPU gloo ranks: passes for a faithful conversion of every family, fails for a
+checkpoint of another model, and reports usage errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from mconvert.cli import main
+from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+from mconvert.converters.megatron import Parallelism
+
+FAMILIES = {
+    "llama": ("llama-3.1-8b", Parallelism(tp=2)),
+    "qwen2": ("qwen2.5-7b-instruct", Parallelism(pp=2)),
+    "qwen3": ("qwen3-8b", Parallelism(tp=2)),
+}
+
+
+def verify(capsys, hf, mcore, *flags):
+    code = main(["verify", "--hf", str(hf), "--mcore", str(mcore), "--device", "cpu", *flags])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_verify_passes_for_a_faithful_conversion(family, hf_model_factory, tmp_path, capsys):
+    config, parallelism = FAMILIES[family]
+    hf = hf_model_factory(config)
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
+    report = tmp_path / "report.json"
+    code, out, _ = verify(capsys, hf, tmp_path / "mcore", "--tp", str(parallelism.tp), "--pp", str(parallelism.pp), "--json", str(report))
+    assert code == 0, out
+    assert out.strip().endswith("PASS")
+    result = json.loads(report.read_text())
+    assert result["passed"] and len(result["prompts"]) == 4
+    assert all(p["top1_agreement"] == 1.0 and p["kl"] < 1e-8 for p in result["prompts"])
+
+
+def test_verify_fails_for_another_model(hf_model_factory, tmp_path, capsys):
+    """Negative control: same architecture, other weights."""
+    hf = hf_model_factory("qwen3-8b")
+    other = hf_model_factory("qwen3-8b", seed=1)
+    convert_hf_to_mcore(other, tmp_path / "other", parallelism=Parallelism())
+    code, out, _ = verify(capsys, hf, tmp_path / "other")
+    assert code == 1
+    assert "FAIL" in out and "first diverge at decoder layer 0" in out
+
+
+def test_verify_fails_for_another_architecture(hf_model_factory, tmp_path, capsys):
+    convert_hf_to_mcore(hf_model_factory("qwen3-8b", layers=3), tmp_path / "deeper", parallelism=Parallelism())
+    code, _, err = verify(capsys, hf_model_factory("qwen3-8b"), tmp_path / "deeper")
+    assert code == 1 and "num_layers: checkpoint 3, HF 2" in err
+
+
+def test_verify_usage_errors(hf_model_factory, tmp_path, capsys):
+    hf = hf_model_factory("qwen3-8b")
+    code, _, err = verify(capsys, hf, tmp_path / "nothing")
+    assert code == 2 and "nothing" in err
+    if not torch.cuda.is_available():
+        code, _, err = verify(capsys, hf, tmp_path, "--device", "cuda")
+        assert code == 2 and "--device cuda" in err
