@@ -1,0 +1,22 @@
+"""Shared test models: random-init HF checkpoints made by transformers from the real configs, shrunk."""
+
+from __future__ import annotations
+
+import pytest
+
+from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
+
+
+@pytest.fixture(scope="session")
+def hf_model_factory(tmp_path_factory):
+    """make(name, **config overrides) -> directory of a shrunk random-init HF checkpoint (cached per args)."""
+    made = {}
+
+    def make(config_name: str, layers: int = 2, max_shard_size: str | None = None, **overrides):
+        key = (config_name, layers, max_shard_size, tuple(sorted(overrides.items())))
+        if key not in made:
+            out = tmp_path_factory.mktemp(config_name.replace(".", "_"))
+            made[key] = make_hf_checkpoint(shrink(real_config(config_name), layers=layers, **overrides), out / "hf", max_shard_size=max_shard_size)
+        return made[key]
+
+    return make
