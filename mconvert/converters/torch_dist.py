@@ -272,7 +272,7 @@ class DCPCheckpoint:
                 by_first_offset[key] = (thin, wide)
             thin, wide = by_first_offset[key]
             candidates = wide + [n for row in range(offsets[0], offsets[0] + shape[0]) for n in thin.get(row, ())] if shape else wide
-            hit = sorted(n for n in candidates if _overlap(chunks[n].offsets, chunks[n].sizes, offsets, shape) is not None)
+            hit = sorted(n for n in candidates if region_overlap(chunks[n].offsets, chunks[n].sizes, offsets, shape) is not None)
             needs.append(hit)
             for n in hit:
                 uses[(key, n)] = uses.get((key, n), 0) + 1
@@ -284,7 +284,7 @@ class DCPCheckpoint:
                 if (key, n) not in loaded:
                     loaded[(key, n)] = self._load_chunk(key, n)
                 chunk_meta = self.metadata.state_dict_metadata[key].chunks[n]
-                within_chunk, within_out = _overlap(chunk_meta.offsets, chunk_meta.sizes, offsets, shape)
+                within_chunk, within_out = region_overlap(chunk_meta.offsets, chunk_meta.sizes, offsets, shape)
                 part = loaded[(key, n)][within_chunk]
                 out[within_out] = part
                 covered += part.numel()
@@ -296,7 +296,7 @@ class DCPCheckpoint:
             yield out
 
 
-def _overlap(chunk_offsets, chunk_sizes, offsets, shape) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+def region_overlap(chunk_offsets, chunk_sizes, offsets, shape) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
     """Slices of a chunk and of a region selecting what they share, or None when they share nothing."""
     in_chunk, in_region = [], []
     for c0, cn, r0, rn in zip(chunk_offsets, chunk_sizes, offsets, shape):
