@@ -86,14 +86,17 @@ class LegacyCheckpoint:
         first = states[min(states)]
         self.args: argparse.Namespace | None = first.get("args")
         pp_size = getattr(self.args, "pipeline_model_parallel_size", 1) or 1
-        # Megatron-LM names a rank `mp_rank_TT_PPP` with pipeline parallelism, then `_EEE` with expert parallelism.
+        ep_size = getattr(self.args, "expert_model_parallel_size", 1) or 1
+        # Megatron-LM names a rank `mp_rank_TT_PPP` with pipeline parallelism, then `_EEE` with expert
+        # parallelism: one suffix is the expert rank only when the args say EP without PP.
+        expert_only = ep_size > 1 and pp_size == 1
         files: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
         for suffix, state in states.items():
             if "model" not in state:
                 extra = " (virtual pipeline stages are not supported)" if "model0" in state else ""
                 raise ConversionError(f"{ranks[suffix]}: holds no 'model' state{extra}")
             tp, rest = suffix[0], list(suffix[1:])
-            pp = rest.pop(0) if rest and (pp_size > 1 or len(suffix) == 3) else 0
+            pp = rest.pop(0) if rest and (len(rest) == 2 or not expert_only) else 0
             ep = rest.pop(0) if rest else 0
             files[(tp, pp, ep)] = state["model"]
         self._index(files)
@@ -140,6 +143,9 @@ class LegacyCheckpoint:
             return megatron.EXPERTS_PREFIX + m[2], layer, ep_rank * local_experts + int(m[1])
         if (m := _GROUPED_EXPERT.match(sub)) is not None:
             return f"{megatron.EXPERTS_PREFIX}{m[1]}.{m[2]}", layer, ep_rank * local_experts + int(m[3])
+        for local_name, stored_name in megatron.LOCAL_SPEC_RENAMES.items():
+            if sub.startswith(local_name):
+                sub = stored_name + sub.removeprefix(local_name)
         return sub, layer, None
 
     @staticmethod

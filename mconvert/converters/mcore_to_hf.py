@@ -203,6 +203,10 @@ def check_stored(plan: Plan, shapes: dict[str, Shape], location: str) -> None:
                 f"{location}: tensor '{key}' has shape {list(stored)}, the model's config implies {list(expected)}"
             )
     used = {key for piece in plan.pieces for key in piece.keys}
+    if not plan.spec.untie_embeddings:
+        # With tied embeddings and PP > 1, the last stage keeps a copy of the embedding as its output layer
+        # (legacy checkpoints store it): it is the embedding.
+        used.add("output_layer.weight")
     unused = sorted(set(shapes) - used)
     if unused:
         raise ConversionError(

@@ -25,6 +25,9 @@ EXPERTS_PREFIX = "mlp.experts.experts."
 # checkpoint loads in both specs (checkpoint keys nobody asks for are ignored when loading).
 MOE_NORM = "pre_mlp_layernorm.weight"
 MOE_NORM_LOCAL = "mlp.linear_fc1.layer_norm_weight"
+# How the local (non-TE) spec's module names map to checkpoint names (its `sharded_state_dict_keys_map`): its
+# norms are modules of their own, stored under the names of the TE layers they are fused into.
+LOCAL_SPEC_RENAMES = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 # Modules with `_extra_state` that own no tensor we write: attention's core (asked for by megatron-core 0.13/0.14).
 EXTRA_STATE_ONLY_MODULES = ("self_attention.core_attention",)
 

@@ -153,12 +153,17 @@ def read_args(release_dir: Path) -> argparse.Namespace:
 
 # --- Reading ---------------------------------------------------------------------------------------------
 
-# What a DCP `.metadata` pickle may name: torch's own DCP classes, torch.Size, dtypes and layouts. Anything
-# else (it is a pickle: it could name any callable) is refused rather than run.
+# What a DCP `.metadata` pickle may name: torch's own DCP classes, torch.Size, dtypes and layouts (and the
+# save plans megatron-core keeps in it). Anything else (it is a pickle: it could name any callable) is refused
+# rather than run.
 _METADATA_GLOBALS = {
     ("torch", "Size"),
     ("torch.serialization", "_get_layout"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.planner", "SavePlan"),
+    ("torch.distributed.checkpoint.planner", "WriteItem"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"),
     ("collections", "OrderedDict"),
 }
 _METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
