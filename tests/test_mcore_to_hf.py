@@ -172,3 +172,17 @@ def test_safetensors_writer_takes_tensors_in_any_order(tmp_path):
     loaded = {k: v for f in files for k, v in load_file(f).items()}
     assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 * 2**20
+
+
+def test_a_tied_model_does_not_leak_its_tie_into_the_next(hf_model_factory):
+    """No state is kept between conversions: tied, untied, tied again, each as its own config says."""
+    results = []
+    for name in ("qwen2.5-7b-instruct-tied", "qwen2.5-7b-instruct", "qwen2.5-7b-instruct-tied"):
+        hf = hf_dir(hf_model_factory, name)
+        config = json.loads((hf / "config.json").read_text())
+        hf_state = read_hf(hf)
+        mcore_state = hf_to_mcore_state_dict(hf_state, config)
+        back = mcore_to_hf_state_dict(mcore_state, config)
+        results.append(("output_layer.weight" in mcore_state, "lm_head.weight" in back))
+        assert all(torch.equal(back[k], hf_state[k]) for k in back)
+    assert results == [(False, False), (True, True), (False, False)]
