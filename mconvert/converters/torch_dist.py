@@ -229,10 +229,14 @@ class DCPCheckpoint:
         }
         self.object_keys = [k for k, m in metadata.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)]
 
-    def _read_bytes(self, index: MetadataIndex) -> bytes:
+    def _storage(self, index: MetadataIndex) -> _StorageInfo:
         info = self.metadata.storage_data[index]
         if getattr(info, "transform_descriptors", None):
             raise ConversionError(f"{self.directory}: '{index.fqn}' is stored transformed ({info.transform_descriptors}), which is not supported")
+        return info
+
+    def _read_bytes(self, index: MetadataIndex) -> bytes:
+        info = self._storage(index)
         path = self.directory / info.relative_path
         with open(path, "rb") as f:
             f.seek(info.offset)
@@ -243,7 +247,14 @@ class DCPCheckpoint:
 
     def _load_chunk(self, key: str, number: int) -> torch.Tensor:
         chunk = self.metadata.state_dict_metadata[key].chunks[number]
-        tensor = torch.load(io.BytesIO(self._read_bytes(MetadataIndex(key, chunk.offsets, number))), map_location="cpu", weights_only=True)
+        info = self._storage(MetadataIndex(key, chunk.offsets, number))
+        # torch.load reads the chunk's archive in place, through a window on the file: no copy of its bytes.
+        with open(self.directory / info.relative_path, "rb") as f:
+            try:
+                window = io.BufferedReader(_FileWindow(f, info.offset, info.length), buffer_size=1 << 20)
+                tensor = torch.load(window, map_location="cpu", weights_only=True)
+            except RuntimeError as e:
+                raise ConversionError(f"{self.directory / info.relative_path}: chunk {number} of '{key}' is unreadable ({e})") from None
         if tensor.numel() != math.prod(chunk.sizes):
             raise ConversionError(f"{self.directory}: chunk {number} of '{key}' holds {tensor.numel()} elements, metadata says {list(chunk.sizes)}")
         return tensor.reshape(tuple(chunk.sizes))
@@ -299,6 +310,34 @@ class DCPCheckpoint:
             if covered != out.numel():
                 raise ConversionError(f"{self.directory}: the stored chunks of '{key}' cover {covered} of the {out.numel()} elements at {list(offsets)}")
             yield out
+
+
+class _FileWindow(io.RawIOBase):
+    """The bytes [offset, offset + length) of an open file, as a seekable file of their own."""
+
+    def __init__(self, file, offset: int, length: int):
+        self._file, self._offset, self._length, self._position = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = min(max(base + position, 0), self._length)
+        return self._position
+
+    def readinto(self, buffer) -> int:
+        size = min(len(buffer), self._length - self._position)
+        self._file.seek(self._offset + self._position)
+        read = self._file.readinto(memoryview(buffer)[:size])
+        self._position += read
+        return read
 
 
 def region_overlap(chunk_offsets, chunk_sizes, offsets, shape) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
