@@ -61,6 +61,29 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     return 0
 
 
+def _mcore_to_hf(options: argparse.Namespace) -> int:
+    from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+
+    started = time.perf_counter()
+    result = convert_mcore_to_hf(
+        options.load_dir,
+        options.save_dir,
+        iteration=options.iteration,
+        hf_config_dir=options.hf_config,
+        dtype=_dtype(options.dtype),
+        max_shard_size=options.max_shard_size,
+        overwrite=options.overwrite,
+        progress=lambda message: print(message, file=sys.stderr),
+    )
+    plan = result.plan
+    print(
+        f"wrote {options.save_dir}: {plan.family.name} ({result.config['architectures'][0]}), "
+        f"{len(plan.hf_shapes())} tensors, {str(plan.dtype).removeprefix('torch.')}, "
+        f"{time.perf_counter() - started:.1f}s"
+    )
+    return 0
+
+
 def _verify(options: argparse.Namespace) -> int:
     import json
     import os
@@ -114,6 +137,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     to_mcore.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
     to_mcore.set_defaults(run=_hf_to_mcore)
+
+    to_hf = commands.add_parser("mcore-to-hf", help="Megatron-Core torch_dist (or legacy torch) checkpoint -> HF safetensors")
+    to_hf.add_argument("--load-dir", required=True, help="Megatron checkpoint directory (with latest_checkpointed_iteration.txt)")
+    to_hf.add_argument("--save-dir", required=True, help="where to write the HF model directory")
+    to_hf.add_argument("--iteration", type=int, default=None, help="the iter_NNNNNNN to convert (default: the tracker file's)")
+    to_hf.add_argument(
+        "--hf-config", default=None, metavar="REF_DIR",
+        help="an HF model directory of this architecture: its config.json is the base of the written one, its "
+        "generation config and tokenizer files are copied (needed when the checkpoint stores no args)",
+    )
+    to_hf.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="written dtype (default: the checkpoint's)")
+    to_hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    to_hf.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
+    to_hf.set_defaults(run=_mcore_to_hf)
 
     check = commands.add_parser("verify", help="compare the HF model's logits with the converted Megatron-Core model's")
     check.add_argument("--hf", required=True, help="HF checkpoint directory")

@@ -25,6 +25,9 @@ EXPERTS_PREFIX = "mlp.experts.experts."
 # checkpoint loads in both specs (checkpoint keys nobody asks for are ignored when loading).
 MOE_NORM = "pre_mlp_layernorm.weight"
 MOE_NORM_LOCAL = "mlp.linear_fc1.layer_norm_weight"
+# How the local (non-TE) spec's module names map to checkpoint names (its `sharded_state_dict_keys_map`): its
+# norms are modules of their own, stored under the names of the TE layers they are fused into.
+LOCAL_SPEC_RENAMES = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 # Modules with `_extra_state` that own no tensor we write: attention's core (asked for by megatron-core 0.13/0.14).
 EXTRA_STATE_ONLY_MODULES = ("self_attention.core_attention",)
 
@@ -262,3 +265,101 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         if a.moe_shared_expert_gate:
             flags.append("--moe-shared-expert-gate")
     return flags
+
+
+def parallelism_from_args(args: argparse.Namespace) -> Parallelism:
+    """The layout a checkpoint was saved with, as its args record it."""
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    return Parallelism(
+        tp=tp,
+        pp=getattr(args, "pipeline_model_parallel_size", 1) or 1,
+        ep=getattr(args, "expert_model_parallel_size", 1) or 1,
+        etp=None if etp in (None, tp) else etp,
+        make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128) or 128,
+    )
+
+
+def _moe_layers(freq: int | list[int], num_layers: int) -> tuple[bool, ...]:
+    """Megatron's --moe-layer-freq (parsed to an int or a list when args are stored): every k-th layer from
+    layer 0 for an int, else one 0/1 per layer."""
+    if isinstance(freq, int):
+        return tuple(layer % freq == 0 for layer in range(num_layers))
+    if len(freq) != num_layers:
+        raise ConversionError(f"args: moe_layer_freq has {len(freq)} entries for {num_layers} layers")
+    return tuple(bool(x) for x in freq)
+
+
+def spec_from_args(
+    args: argparse.Namespace, family: str, vocab_size: int | None = None, hf_config: dict[str, Any] | None = None
+) -> ModelSpec:
+    """The model that Megatron-LM `args` describe (the inverse of `megatron_args`), read as Megatron-LM reads
+    them, defaults included. `vocab_size` is the real vocabulary when args lack it (Megatron-LM takes it from
+    the tokenizer and may store only the padded size). Architectures no family has are errors."""
+
+    def arg(name: str, default: Any = None) -> Any:
+        value = getattr(args, name, None)
+        return default if value is None else value
+
+    unsupported = [
+        (arg("normalization", "LayerNorm") != "RMSNorm", f"normalization {arg('normalization', 'LayerNorm')} (RMSNorm is supported)"),
+        (not arg("swiglu", False), "an MLP without SwiGLU"),
+        (arg("position_embedding_type", "learned_absolute") != "rope", f"position embeddings '{arg('position_embedding_type', 'learned_absolute')}' (rope is supported)"),
+        (arg("apply_layernorm_1p", False), "layernorm_1p"),
+        (arg("rotary_percent", 1.0) != 1.0, f"rotary_percent {arg('rotary_percent')}"),
+        (arg("rotary_interleaved", False), "interleaved rotary embeddings"),
+        (arg("multi_latent_attention", False), "multi-latent attention"),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            raise ConversionError(f"args describe a model with {what}, which no supported family has")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings"):
+        if arg(name) is None:
+            raise ConversionError(f"args: required argument '{name}' is missing")
+    vocab = arg("vocab_size", vocab_size)
+    if vocab is None:
+        raise ConversionError("args record no vocab_size (only the padded size): pass --hf-config with the real vocabulary")
+    heads = args.num_attention_heads
+    params_dtype = arg("params_dtype")
+    if not isinstance(params_dtype, torch.dtype):
+        params_dtype = torch.bfloat16 if arg("bf16", False) else torch.float16 if arg("fp16", False) else torch.float32
+    moe: MoESpec | None = None
+    if arg("num_experts"):
+        moe = MoESpec(
+            num_experts=args.num_experts,
+            top_k=arg("moe_router_topk", 2),
+            ffn_hidden_size=arg("moe_ffn_hidden_size", args.ffn_hidden_size),
+            moe_layers=_moe_layers(arg("moe_layer_freq", 1), args.num_layers),
+            router_pre_softmax=arg("moe_router_pre_softmax", False),
+            shared_expert_ffn_hidden_size=arg("moe_shared_expert_intermediate_size"),
+            shared_expert_gate=arg("moe_shared_expert_gate", False),
+        )
+    if arg("use_rope_scaling", False):
+        rope: RopeScaling | None = RopeScaling(kind="llama3", factor=float(arg("rope_scaling_factor", 8.0)))
+    elif arg("rotary_seq_len_interpolation_factor") is not None:
+        rope = RopeScaling(kind="linear", factor=float(args.rotary_seq_len_interpolation_factor))
+    else:
+        rope = None
+    linear_bias = bool(arg("add_bias_linear", True))
+    return ModelSpec(
+        family=family,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=heads,
+        # Megatron-LM ignores --num-query-groups unless --group-query-attention is given.
+        num_query_groups=arg("num_query_groups", heads) if arg("group_query_attention", False) else heads,
+        head_dim=arg("kv_channels", args.hidden_size // heads),
+        vocab_size=vocab,
+        max_position_embeddings=args.max_position_embeddings,
+        norm_eps=float(arg("norm_epsilon", 1e-5)),
+        rope_theta=float(arg("rotary_base", 10000)),
+        rope_scaling=rope,
+        untie_embeddings=bool(arg("untie_embeddings_and_output_weights", False)),
+        qkv_bias=linear_bias or bool(arg("add_qkv_bias", False)),
+        linear_bias=linear_bias,
+        qk_norm=bool(arg("qk_layernorm", False)),
+        dtype=params_dtype,
+        moe=moe,
+        hf_config=dict(hf_config or {}),
+    )

@@ -76,6 +76,21 @@ class Plan:
     def hf_names(self) -> set[str]:
         return {ref.name for piece in self.pieces for ref in piece.sources}
 
+    def hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every HF tensor the plan reads or writes, with its shape (a tensor of which pieces fill one slice
+        each, `name[index]`, spans all its slices), in the order of the pieces."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for piece in self.pieces:
+            layout = piece.layout
+            region = (layout.real_rows, *layout.shape[1:]) if layout.real_rows else layout.shape
+            for ref, shape in zip(piece.sources, piece.entry.hf_shapes(region, self.spec)):
+                if ref.index is None:
+                    shapes[ref.name] = tuple(shape)
+                else:
+                    slices = max(ref.index + 1, shapes.get(ref.name, (0,))[0])
+                    shapes[ref.name] = (slices, *shape)
+        return shapes
+
 
 def _active(entries: tuple[Entry, ...], spec: ModelSpec) -> list[Entry]:
     return [entry for entry in entries if entry.when is None or getattr(spec, entry.when)]

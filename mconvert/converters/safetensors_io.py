@@ -122,3 +122,102 @@ class HFCheckpoint:
         if length == 0:
             return torch.empty(shape, dtype=stored.dtype)
         return torch.frombuffer(buffer, dtype=stored.dtype).reshape(shape)
+
+
+_ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}
+_SIZE_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as transformers' max_shard_size: "5GB" (10^9), "500MiB" (2^20), or a plain number."""
+    value = text.strip().upper()
+    for unit, factor in _SIZE_UNITS.items():
+        if value.endswith(unit):
+            value, multiplier = value[: -len(unit)], factor
+            break
+    else:
+        multiplier = 1
+    try:
+        size = int(float(value) * multiplier)
+    except ValueError:
+        raise ConversionError(f"size '{text}' is not a number of bytes with an optional unit (5GB, 500MiB)") from None
+    if size <= 0:
+        raise ConversionError(f"size '{text}' must be positive")
+    return size
+
+
+class SafetensorsWriter:
+    """Sharded safetensors files written as the tensors come, in any order, with bounded memory.
+
+    The layout of every file (which tensors, their headers and byte offsets) is computed from the tensors'
+    names, dtypes and shapes before any data exists; each tensor (or each slice of its first axis) is then
+    written at its place. `finish` checks that every byte was written and writes the index.
+    """
+
+    def __init__(self, directory: Path, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], max_shard_size: int):
+        self.directory = directory
+        groups: list[list[str]] = [[]]
+        group_bytes = 0
+        for name, (dtype, shape) in tensors.items():
+            size = math.prod(shape) * dtype.itemsize
+            if groups[-1] and group_bytes + size > max_shard_size:
+                groups.append([])
+                group_bytes = 0
+            groups[-1].append(name)
+            group_bytes += size
+        self.places: dict[str, tuple[Path, int, torch.dtype, tuple[int, ...]]] = {}
+        self.weight_map: dict[str, str] = {}
+        self._unwritten: dict[str, int] = {}
+        self.total_bytes = 0
+        for number, names in enumerate(groups, 1):
+            file = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
+            header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+            offset = 0
+            for name in names:
+                dtype, shape = tensors[name]
+                size = math.prod(shape) * dtype.itemsize
+                header[name] = {"dtype": _ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+                offset += size
+            encoded = json.dumps(header, separators=(",", ":")).encode()
+            encoded += b" " * (-len(encoded) % 8)  # tensors start 8-byte aligned, as the safetensors library writes
+            path = directory / file
+            with open(path, "wb") as f:
+                f.write(struct.pack("<Q", len(encoded)) + encoded)
+                f.truncate(8 + len(encoded) + offset)
+            base = 8 + len(encoded)
+            for name in names:
+                dtype, shape = tensors[name]
+                self.places[name] = (path, base + header[name]["data_offsets"][0], dtype, tuple(shape))
+                self.weight_map[name] = file
+                self._unwritten[name] = math.prod(shape) * dtype.itemsize
+            self.total_bytes += offset
+        self._files: dict[Path, object] = {}
+
+    def write(self, name: str, tensor: torch.Tensor, index: int | None = None) -> None:
+        """Write tensor `name`, or its slice `index` along the first axis."""
+        path, begin, dtype, shape = self.places[name]
+        if index is not None:
+            begin += index * math.prod(shape[1:]) * dtype.itemsize
+            shape = shape[1:]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise AssertionError(f"'{name}': got {tensor.dtype} {list(tensor.shape)}, the layout says {dtype} {list(shape)}")
+        if path not in self._files:
+            self._files[path] = open(path, "r+b")
+        f = self._files[path]
+        f.seek(begin)
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        f.write(memoryview(data))
+        self._unwritten[name] -= data.nbytes
+
+    def finish(self) -> None:
+        self.close()
+        unwritten = [name for name, left in self._unwritten.items() if left]
+        if unwritten:
+            raise AssertionError(f"{len(unwritten)} tensors not (fully) written, e.g. '{unwritten[0]}'")
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": self.weight_map}
+        (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()

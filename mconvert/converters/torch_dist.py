@@ -125,16 +125,247 @@ def write_tracker(checkpoint_dir: Path) -> None:
     (checkpoint_dir / TRACKER_FILE).write_text(RELEASE)
 
 
+def _load_common(path: Path) -> dict:
+    """common.pt's dict, unpickling only tensors and argparse.Namespace."""
+    # The context manager removes on exit what it added, even if it was allowed before (megatron-core allows
+    # Namespace process-wide on import): add only what is missing.
+    missing = [cls for cls in (argparse.Namespace,) if cls not in torch.serialization.get_safe_globals()]
+    try:
+        with torch.serialization.safe_globals(missing):
+            common = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ConversionError(f"{path}: holds objects other than args and tensors ({str(e).splitlines()[0]})") from None
+    if not isinstance(common, dict):
+        raise ConversionError(f"{path}: holds a {type(common).__name__}, not a dict")
+    return common
+
+
 def read_args(release_dir: Path) -> argparse.Namespace:
     """The Megatron-LM args stored in a checkpoint's common.pt (unpickling only what args hold)."""
     path = release_dir / "common.pt"
     if not path.exists():
         raise ConversionError(f"{path}: missing (no Megatron args stored with the checkpoint)")
-    # The context manager removes on exit what it added, even if it was allowed before (megatron-core allows
-    # Namespace process-wide on import): add only what is missing.
-    missing = [cls for cls in (argparse.Namespace,) if cls not in torch.serialization.get_safe_globals()]
-    with torch.serialization.safe_globals(missing):
-        common = torch.load(path, map_location="cpu", weights_only=True)
+    common = _load_common(path)
     if "args" not in common:
         raise ConversionError(f"{path}: holds no 'args'")
     return common["args"]
+
+
+# --- Reading ---------------------------------------------------------------------------------------------
+
+# What a DCP `.metadata` pickle may name: torch's own DCP classes, torch.Size, dtypes and layouts (and the
+# save plans megatron-core keeps in it). Anything else (it is a pickle: it could name any callable) is refused
+# rather than run.
+_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.planner", "SavePlan"),
+    ("torch.distributed.checkpoint.planner", "WriteItem"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"),
+    ("torch.distributed.checkpoint.planner", "TensorWriteData"),
+    ("collections", "OrderedDict"),
+}
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"'{module}.{name}' is not allowed in DCP metadata")
+
+
+def iteration_dir(load_dir: Path, iteration: int | None = None) -> Path:
+    """The directory of one saved iteration: `--iteration N`'s `iter_000000N`, else the one the tracker file
+    names (`release` or a number), else `load_dir` itself when it holds the checkpoint files directly."""
+    if not load_dir.is_dir():
+        raise ConversionError(f"--load-dir {load_dir}: not a directory")
+    if iteration is not None:
+        directory = load_dir / f"iter_{iteration:07d}"
+        if not directory.is_dir():
+            saved = sorted(p.name for p in load_dir.glob("iter_*")) + ([RELEASE] if (load_dir / RELEASE).is_dir() else [])
+            raise ConversionError(f"--iteration {iteration}: {directory} does not exist (saved: {', '.join(saved) or 'none'})")
+        return directory
+    tracker = load_dir / TRACKER_FILE
+    if tracker.exists():
+        text = tracker.read_text().strip()
+        if text == RELEASE:
+            return load_dir / RELEASE
+        if not text.isdigit():
+            raise ConversionError(f"{tracker}: holds '{text}', neither 'release' nor an iteration number")
+        return load_dir / f"iter_{int(text):07d}"
+    return load_dir
+
+
+class DCPCheckpoint:
+    """A DCP checkpoint directory opened for reading: every key's global shape from `.metadata`, and any
+    region of a tensor, assembled from the stored chunks it intersects (however the saver chunked it)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        path = directory / ".metadata"
+        if not path.exists():
+            raise ConversionError(f"{directory}: no .metadata (not a torch_dist checkpoint)")
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+            raise ConversionError(f"{path}: unreadable DCP metadata ({e})") from None
+        if not isinstance(metadata, Metadata):
+            raise ConversionError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
+        self.metadata = metadata
+        self.shapes: dict[str, tuple[int, ...]] = {
+            key: tuple(meta.size)
+            for key, meta in metadata.state_dict_metadata.items()
+            if isinstance(meta, TensorStorageMetadata)
+        }
+        self.dtypes: dict[str, torch.dtype] = {
+            key: meta.properties.dtype
+            for key, meta in metadata.state_dict_metadata.items()
+            if isinstance(meta, TensorStorageMetadata)
+        }
+        self.object_keys = [k for k, m in metadata.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)]
+
+    def _storage(self, index: MetadataIndex) -> _StorageInfo:
+        info = self.metadata.storage_data[index]
+        if getattr(info, "transform_descriptors", None):
+            raise ConversionError(f"{self.directory}: '{index.fqn}' is stored transformed ({info.transform_descriptors}), which is not supported")
+        return info
+
+    def _read_bytes(self, index: MetadataIndex) -> bytes:
+        info = self._storage(index)
+        path = self.directory / info.relative_path
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        if len(data) != info.length:
+            raise ConversionError(f"{path}: truncated while reading '{index.fqn}'")
+        return data
+
+    def _load_chunk(self, key: str, number: int) -> torch.Tensor:
+        chunk = self.metadata.state_dict_metadata[key].chunks[number]
+        info = self._storage(MetadataIndex(key, chunk.offsets, number))
+        # torch.load reads the chunk's archive in place, through a window on the file: no copy of its bytes.
+        with open(self.directory / info.relative_path, "rb") as f:
+            try:
+                window = io.BufferedReader(_FileWindow(f, info.offset, info.length), buffer_size=1 << 20)
+                tensor = torch.load(window, map_location="cpu", weights_only=True)
+            except RuntimeError as e:
+                raise ConversionError(f"{self.directory / info.relative_path}: chunk {number} of '{key}' is unreadable ({e})") from None
+        if tensor.numel() != math.prod(chunk.sizes):
+            raise ConversionError(f"{self.directory}: chunk {number} of '{key}' holds {tensor.numel()} elements, metadata says {list(chunk.sizes)}")
+        return tensor.reshape(tuple(chunk.sizes))
+
+    def read_object(self, key: str, allowed: tuple[type, ...] = ()) -> Any:
+        """An object stored with `torch.save` under `key`, unpickling only tensors and `allowed` classes."""
+        missing = [cls for cls in allowed if cls not in torch.serialization.get_safe_globals()]
+        with torch.serialization.safe_globals(missing):
+            return torch.load(io.BytesIO(self._read_bytes(MetadataIndex(key))), map_location="cpu", weights_only=True)
+
+    def read_regions(self, regions: list[tuple[str, tuple[int, ...], tuple[int, ...]]]):
+        """Yield, for each (key, offsets, shape) in order, that region of the tensor `key`.
+
+        Each stored chunk is read once: a chunk that several regions need is kept until the last of them is
+        served, then dropped. Regions ordered by key and offset keep that to the chunks of one key at a time.
+        """
+        needs: list[list[int]] = []
+        uses: dict[tuple[str, int], int] = {}
+        by_first_offset: dict[str, tuple[dict[int, list[int]], list[int]]] = {}
+        for key, offsets, shape in regions:
+            chunks = self.metadata.state_dict_metadata[key].chunks
+            if key not in by_first_offset:
+                # Chunks one row thick along the first axis (a layer's) are found by that row, not by a scan.
+                thin: dict[int, list[int]] = {}
+                wide: list[int] = []
+                for n, chunk in enumerate(chunks):
+                    if len(chunk.sizes) and chunk.sizes[0] == 1:
+                        thin.setdefault(chunk.offsets[0], []).append(n)
+                    else:
+                        wide.append(n)
+                by_first_offset[key] = (thin, wide)
+            thin, wide = by_first_offset[key]
+            candidates = wide + [n for row in range(offsets[0], offsets[0] + shape[0]) for n in thin.get(row, ())] if shape else wide
+            hit = sorted(n for n in candidates if region_overlap(chunks[n].offsets, chunks[n].sizes, offsets, shape) is not None)
+            needs.append(hit)
+            for n in hit:
+                uses[(key, n)] = uses.get((key, n), 0) + 1
+        loaded: dict[tuple[str, int], torch.Tensor] = {}
+        for (key, offsets, shape), hit in zip(regions, needs):
+            out = torch.empty(shape, dtype=self.dtypes[key])
+            covered = 0
+            for n in hit:
+                if (key, n) not in loaded:
+                    loaded[(key, n)] = self._load_chunk(key, n)
+                chunk_meta = self.metadata.state_dict_metadata[key].chunks[n]
+                within_chunk, within_out = region_overlap(chunk_meta.offsets, chunk_meta.sizes, offsets, shape)
+                part = loaded[(key, n)][within_chunk]
+                out[within_out] = part
+                covered += part.numel()
+                uses[(key, n)] -= 1
+                if uses[(key, n)] == 0:
+                    del loaded[(key, n)]
+            if covered != out.numel():
+                raise ConversionError(f"{self.directory}: the stored chunks of '{key}' cover {covered} of the {out.numel()} elements at {list(offsets)}")
+            yield out
+
+
+class _FileWindow(io.RawIOBase):
+    """The bytes [offset, offset + length) of an open file, as a seekable file of their own."""
+
+    def __init__(self, file, offset: int, length: int):
+        self._file, self._offset, self._length, self._position = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = min(max(base + position, 0), self._length)
+        return self._position
+
+    def readinto(self, buffer) -> int:
+        size = min(len(buffer), self._length - self._position)
+        self._file.seek(self._offset + self._position)
+        read = self._file.readinto(memoryview(buffer)[:size])
+        self._position += read
+        return read
+
+
+def region_overlap(chunk_offsets, chunk_sizes, offsets, shape) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+    """Slices of a chunk and of a region selecting what they share, or None when they share nothing."""
+    in_chunk, in_region = [], []
+    for c0, cn, r0, rn in zip(chunk_offsets, chunk_sizes, offsets, shape):
+        begin, end = max(c0, r0), min(c0 + cn, r0 + rn)
+        if begin >= end:
+            return None
+        in_chunk.append(slice(begin - c0, end - c0))
+        in_region.append(slice(begin - r0, end - r0))
+    return tuple(in_chunk), tuple(in_region)
+
+
+def read_common_args(release_dir: Path, dcp: DCPCheckpoint) -> argparse.Namespace | None:
+    """The Megatron-LM args a checkpoint was saved with, or None when it has none (megatron-core's
+    `dist_checkpointing.save` of a bare model's state). megatron-core up to 0.16 keeps the common state in
+    `common.pt`; later ones store it as a `common_state` object among the DCP shards instead."""
+    if (release_dir / "common.pt").exists():
+        return _load_common(release_dir / "common.pt").get("args")
+    for key in dcp.object_keys:
+        if key.split("/")[0] != "common_state":
+            continue
+        try:
+            common = dcp.read_object(key, (argparse.Namespace,))
+        except pickle.UnpicklingError as e:
+            raise ConversionError(f"{release_dir}: common state '{key}' holds more than args ({e})") from None
+        args = common.get("args") if isinstance(common, dict) else None
+        if isinstance(args, argparse.Namespace):
+            return args
+    return None

@@ -1,0 +1,224 @@
+"""Megatron-LM's legacy `torch` checkpoint format, read: one `torch.save` file per model-parallel rank.
+
+    <iter dir>/mp_rank_<TP:02d>[_<PP:03d>][_<EP:03d>]/model_optim_rng.pt
+        {"args": Namespace, "iteration": N, "model": {local name: tensor}, "optimizer": ..., "rng_state": ...}
+
+Names are local to the rank: `decoder.layers.<i>.<name>` counts the layers of its pipeline stage from 0,
+experts are numbered within their expert-parallel rank (`mlp.experts.local_experts.<j>.` for SequentialMLP,
+`mlp.experts.linear_fc1.weight<j>` for TEGroupedMLP), and tensor-parallel tensors hold their rank's slice
+(fc1 holds [gate_r; up_r]). Files are opened memory-mapped, so optimizer state is never read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from mconvert.converters import megatron
+from mconvert.converters.plan import Piece, Plan
+from mconvert.errors import ConversionError
+
+Shape = tuple[int, ...]
+CHECKPOINT_FILE = "model_optim_rng.pt"
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+
+# Globals a Megatron-LM checkpoint's pickle may name besides tensors and containers: the args, and numpy's
+# RNG state (a uint32 array). Each file is loaded allowing only those of them that it names.
+_PERMITTED_GLOBALS: dict[str, object] = {"argparse.Namespace": argparse.Namespace}
+try:
+    import numpy
+
+    _multiarray = numpy._core.multiarray if hasattr(numpy, "_core") else numpy.core.multiarray
+    _PERMITTED_GLOBALS.update(
+        {
+            "numpy.ndarray": numpy.ndarray,
+            "numpy.dtype": numpy.dtype,
+            f"{_multiarray.__name__}._reconstruct": _multiarray._reconstruct,
+        }
+    )
+    if hasattr(numpy, "dtypes"):
+        _PERMITTED_GLOBALS["numpy.dtypes.UInt32DType"] = numpy.dtypes.UInt32DType
+except ImportError:
+    pass
+
+# Region index: (name within its scope, global layer or None, global expert or None).
+Where = tuple[str, int | None, int | None]
+
+
+def is_legacy_checkpoint(directory: Path) -> bool:
+    return any(directory.glob(f"mp_rank_*/{CHECKPOINT_FILE}"))
+
+
+def load_rank_file(path: Path) -> dict:
+    """One rank's file, memory-mapped (tensors are read only when touched), unpickling only the permitted
+    globals that this file names."""
+    try:
+        needed = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+    except Exception as e:  # noqa: BLE001 (any failure to read the archive means the same to the user)
+        raise ConversionError(f"{path}: not a torch.save file ({e})") from None
+    refused = needed - set(_PERMITTED_GLOBALS)
+    if refused:
+        raise ConversionError(f"{path}: holds objects of {', '.join(sorted(refused))}, which are not loaded (not weights)")
+    allowed = [_PERMITTED_GLOBALS[name] for name in needed if _PERMITTED_GLOBALS[name] not in torch.serialization.get_safe_globals()]
+    with torch.serialization.safe_globals(allowed):
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+
+class LegacyCheckpoint:
+    """The model weights of one iteration in the legacy format, as global regions."""
+
+    def __init__(self, directory: Path):
+        self.location = str(directory)
+        ranks: dict[tuple[int, ...], Path] = {}
+        for path in sorted(directory.glob(f"mp_rank_*/{CHECKPOINT_FILE}")):
+            match = _RANK_DIR.match(path.parent.name)
+            if match is None:
+                raise ConversionError(f"{path.parent}: not a rank directory name Megatron-LM writes")
+            ranks[tuple(int(g) for g in match.groups() if g is not None)] = path
+        states = {suffix: load_rank_file(path) for suffix, path in ranks.items()}
+        first = states[min(states)]
+        self.args: argparse.Namespace | None = first.get("args")
+        pp_size = getattr(self.args, "pipeline_model_parallel_size", 1) or 1
+        ep_size = getattr(self.args, "expert_model_parallel_size", 1) or 1
+        # Megatron-LM names a rank `mp_rank_TT_PPP` with pipeline parallelism, then `_EEE` with expert
+        # parallelism: one suffix is the expert rank only when the args say EP without PP.
+        expert_only = ep_size > 1 and pp_size == 1
+        files: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
+        for suffix, state in states.items():
+            if "model" not in state:
+                extra = " (virtual pipeline stages are not supported)" if "model0" in state else ""
+                raise ConversionError(f"{ranks[suffix]}: holds no 'model' state{extra}")
+            tp, rest = suffix[0], list(suffix[1:])
+            pp = rest.pop(0) if rest and (len(rest) == 2 or not expert_only) else 0
+            ep = rest.pop(0) if rest else 0
+            files[(tp, pp, ep)] = state["model"]
+        self._index(files)
+
+    def _index(self, files: dict[tuple[int, int, int], dict[str, torch.Tensor]]) -> None:
+        """Local names to global regions: layers numbered across pipeline stages, experts across EP ranks."""
+        stage_layers: dict[int, int] = {}
+        for (tp, pp, ep), model in files.items():
+            local = [int(m[1]) for name in model if (m := _LAYER.match(name))]
+            stage_layers[pp] = max(stage_layers.get(pp, 0), max(local, default=-1) + 1)
+        first_layer = {pp: sum(n for p, n in stage_layers.items() if p < pp) for pp in stage_layers}
+        # (scope name, layer, expert) -> {TP rank: local tensor}
+        self.shards: dict[Where, dict[int, torch.Tensor]] = {}
+        for (tp, pp, ep), model in sorted(files.items()):
+            local_experts = self._local_expert_count(model)
+            for name, tensor in model.items():
+                if name.endswith("_extra_state") or not isinstance(tensor, torch.Tensor):
+                    continue
+                where = self._where(name, first_layer[pp], ep, local_experts)
+                shards = self.shards.setdefault(where, {})
+                if tp in shards and not torch.equal(shards[tp], tensor):
+                    raise ConversionError(f"{self.location}: ranks disagree on '{name}' (TP rank {tp})")
+                shards[tp] = tensor
+
+    @staticmethod
+    def _local_expert_count(model: dict[str, torch.Tensor]) -> int:
+        experts = set()
+        for name in model:
+            if (m := _LAYER.match(name)) is None:
+                continue
+            if (e := _SEQUENTIAL_EXPERT.match(m[2])) is not None:
+                experts.add(int(e[1]))
+            elif (e := _GROUPED_EXPERT.match(m[2])) is not None:
+                experts.add(int(e[3]))
+        return len(experts)
+
+    @staticmethod
+    def _where(name: str, first_layer: int, ep_rank: int, local_experts: int) -> Where:
+        layer_match = _LAYER.match(name)
+        if layer_match is None:
+            return name, None, None
+        layer, sub = first_layer + int(layer_match[1]), layer_match[2]
+        if (m := _SEQUENTIAL_EXPERT.match(sub)) is not None:
+            return megatron.EXPERTS_PREFIX + m[2], layer, ep_rank * local_experts + int(m[1])
+        if (m := _GROUPED_EXPERT.match(sub)) is not None:
+            return f"{megatron.EXPERTS_PREFIX}{m[1]}.{m[2]}", layer, ep_rank * local_experts + int(m[3])
+        for local_name, stored_name in megatron.LOCAL_SPEC_RENAMES.items():
+            if sub.startswith(local_name):
+                sub = stored_name + sub.removeprefix(local_name)
+        return sub, layer, None
+
+    @staticmethod
+    def _piece_where(piece: Piece, key: str) -> Where:
+        if (m := _LAYER.match(key)) is not None:  # one key per layer: offsets hold only the expert
+            return m[2], int(m[1]), piece.offsets[0] if piece.offsets else None
+        if key.startswith("decoder.layers."):  # stacked: offsets are (layer,) or (layer, expert)
+            return key.removeprefix("decoder.layers."), piece.offsets[0], piece.offsets[1] if len(piece.offsets) > 1 else None
+        return key, None, None
+
+    def _find(self, piece: Piece) -> tuple[Where, dict[int, torch.Tensor]] | None:
+        for key in piece.keys:
+            where = self._piece_where(piece, key)
+            if where in self.shards:
+                return where, self.shards[where]
+        return None
+
+    @staticmethod
+    def _is_split(piece: Piece, shards: dict[int, torch.Tensor]) -> bool:
+        """Whether the TP ranks hold slices of the piece (rather than each a whole copy, as experts do
+        without expert tensor parallelism, and norms always)."""
+        axis, local = piece.layout.split_axis, shards[min(shards)]
+        return axis is not None and local.dim() == len(piece.layout.shape) and local.shape[axis] != piece.layout.shape[axis]
+
+    def _assemble_shape(self, piece: Piece, shards: dict[int, torch.Tensor]) -> Shape:
+        """The global shape that the TP shards of a piece make together."""
+        local = tuple(shards[min(shards)].shape)
+        if not self._is_split(piece, shards):
+            return local
+        axis = piece.layout.split_axis
+        return (*local[:axis], sum(t.shape[axis] for t in shards.values()), *local[axis + 1 :])
+
+    @property
+    def weights_dtype(self) -> torch.dtype | None:
+        shards = self.shards.get(("embedding.word_embeddings.weight", None, None))
+        return shards[min(shards)].dtype if shards else None
+
+    def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
+        """Global shapes in the plan's key space (a stacked key's shape as its pieces show it), and the
+        local names that no piece of the plan reads, so that checking against the plan reports them."""
+        shapes: dict[str, Shape] = {}
+        found: set[Where] = set()
+        for piece in plan.pieces:
+            located = self._find(piece)
+            if located is None:
+                continue
+            where, shards = located
+            found.add(where)
+            key = piece.keys[[self._piece_where(piece, k) for k in piece.keys].index(where)]
+            leading = plan.shapes[piece.key][: len(piece.offsets)]
+            shape = (*leading, *self._assemble_shape(piece, shards))
+            if key not in shapes or shape != (*leading, *piece.layout.shape):
+                shapes[key] = shape
+        for where in self.shards.keys() - found:
+            name, layer, expert = where
+            label = name if layer is None else f"decoder.layers.{layer}.{name}" + ("" if expert is None else f" (expert {expert})")
+            shapes[label] = tuple(self.shards[where][min(self.shards[where])].shape)
+        return shapes
+
+    def read_pieces(self, pieces: list[Piece]) -> Iterator[torch.Tensor]:
+        for piece in pieces:
+            located = self._find(piece)
+            assert located is not None, f"{piece.key} was checked present"
+            shards = located[1]
+            if not self._is_split(piece, shards):
+                yield shards[min(shards)]
+                continue
+            # Rank r of n holds `per_rank` fragments along the split axis: fragments r, r + n, ... (for fc1,
+            # its gate and its up slice).
+            layout, n = piece.layout, len(shards)
+            per_rank = max(1, layout.fragments // n)
+            fragments: list[torch.Tensor] = [torch.empty(0)] * (n * per_rank)
+            for rank, tensor in shards.items():
+                for j, part in enumerate(tensor.chunk(per_rank, dim=layout.split_axis)):
+                    fragments[rank + j * n] = part
+            yield torch.cat(fragments, dim=layout.split_axis)

@@ -1,0 +1,297 @@
+"""Megatron-Core checkpoint -> HF safetensors, streaming: the plan of the HF -> Megatron direction, run
+backwards. Each piece (one layer's, or one expert's, region of a Megatron tensor) is read from wherever the
+checkpoint stores it, turned into its HF tensors by the mapping's `to_hf`, and written at its place in the
+safetensors files, whose layout was computed from the plan before any weight was read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+
+from mconvert.converters import megatron, torch_dist
+from mconvert.converters.megatron import Parallelism
+from mconvert.converters.output import atomic_directory, check_target
+from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
+from mconvert.converters.safetensors_io import SafetensorsWriter, parse_size
+from mconvert.errors import ConversionError
+from mconvert.mappings import FAMILIES, family_for_config
+from mconvert.mappings.family import Family
+from mconvert.mappings.spec import ModelSpec
+
+Shape = tuple[int, ...]
+
+# Files of an HF model directory besides its weights and config.json that describe how to use it.
+HF_SIDE_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "*.tiktoken",
+    "chat_template.json",
+    "chat_template.jinja",
+)
+# Checkpoint keys that hold model weights; others (optimizer state, RNG state, `_extra_state`) are not read.
+MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
+
+
+class MegatronTensors(Protocol):
+    """A Megatron checkpoint's model weights, whatever the format: global shapes, and regions on demand."""
+
+    args: argparse.Namespace | None
+    location: str  # for messages
+
+    @property
+    def weights_dtype(self) -> torch.dtype | None:
+        """The dtype the weights are stored in (the word embedding's), None when there is no embedding."""
+        ...
+
+    def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
+        """Every stored model tensor's global shape (vocabulary padded as saved), by checkpoint key."""
+        ...
+
+    def read_pieces(self, pieces: list[Piece]) -> Iterator[torch.Tensor]:
+        """Each piece's region (layout shape, but the vocabulary rows as stored), in order."""
+        ...
+
+
+def stored_key(piece: Piece, shapes: dict[str, Shape]) -> str:
+    """The key a piece is stored under: the first of its names that the checkpoint has."""
+    return next((key for key in piece.keys if key in shapes), piece.key)
+
+
+def piece_region(piece: Piece, stored_shape: Shape) -> tuple[Shape, Shape]:
+    """(offsets, shape) of a piece's region in the global tensor, with all its vocabulary rows as stored."""
+    layout_shape = piece.layout.shape
+    if piece.layout.real_rows is not None:
+        layout_shape = (stored_shape[len(piece.offsets)], *layout_shape[1:])
+    leading = len(piece.offsets)
+    return (*piece.offsets, *(0,) * len(layout_shape)), (*(1,) * leading, *layout_shape)
+
+
+@dataclass
+class TorchDistTensors:
+    """The model weights of a torch_dist checkpoint, read chunk by chunk through its DCP metadata."""
+
+    dcp: torch_dist.DCPCheckpoint
+    args: argparse.Namespace | None
+
+    @property
+    def location(self) -> str:
+        return str(self.dcp.directory)
+
+    @property
+    def weights_dtype(self) -> torch.dtype | None:
+        return self.dcp.dtypes.get("embedding.word_embeddings.weight")
+
+    def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
+        return {k: v for k, v in self.dcp.shapes.items() if k.startswith(MODEL_KEY_PREFIXES)}
+
+    def read_pieces(self, pieces: list[Piece]) -> Iterator[torch.Tensor]:
+        regions = []
+        for piece in pieces:
+            key = stored_key(piece, self.dcp.shapes)
+            regions.append((key, *piece_region(piece, self.dcp.shapes[key])))
+        for piece, region in zip(pieces, self.dcp.read_regions(regions)):
+            yield region.reshape(region.shape[len(piece.offsets) :])
+
+
+@dataclass
+class StateDictTensors:
+    """A Megatron global state dict in memory (checkpoint key -> whole tensor), e.g. gathered from ranks."""
+
+    state_dict: dict[str, torch.Tensor]
+    args: argparse.Namespace | None = None
+    location: str = "the Megatron state dict"
+
+    @property
+    def weights_dtype(self) -> torch.dtype | None:
+        embedding = self.state_dict.get("embedding.word_embeddings.weight")
+        return None if embedding is None else embedding.dtype
+
+    def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
+        return {k: tuple(v.shape) for k, v in self.state_dict.items() if k.startswith(MODEL_KEY_PREFIXES)}
+
+    def read_pieces(self, pieces: list[Piece]) -> Iterator[torch.Tensor]:
+        for piece in pieces:
+            yield self.state_dict[stored_key(piece, self.state_dict)][piece.offsets]
+
+
+def open_megatron_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None) -> MegatronTensors:
+    """The weights of a Megatron checkpoint directory, torch_dist or the legacy per-rank `torch` format, at
+    the iteration the tracker file names (or `iteration`)."""
+    from mconvert.converters import legacy_torch
+
+    load_dir = Path(load_dir)
+    directory = torch_dist.iteration_dir(load_dir, iteration)
+    if not directory.is_dir():
+        raise ConversionError(f"{load_dir}: the tracker file names {directory.name}, which does not exist")
+    if legacy_torch.is_legacy_checkpoint(directory):
+        return legacy_torch.LegacyCheckpoint(directory)
+    if not (directory / ".metadata").exists():
+        raise ConversionError(
+            f"{directory}: not a Megatron checkpoint (no .metadata of torch_dist, no mp_rank_* of the torch format)"
+        )
+    dcp = torch_dist.DCPCheckpoint(directory)
+    return TorchDistTensors(dcp, torch_dist.read_common_args(directory, dcp))
+
+
+def family_for_args(args: argparse.Namespace) -> Family:
+    """The family whose features Megatron args describe (the reference config names it when given)."""
+    if getattr(args, "num_experts", None):
+        raise ConversionError("the family of a MoE checkpoint cannot be told from its args: pass --hf-config")
+    if getattr(args, "qk_layernorm", False):
+        return FAMILIES["qwen3"]
+    if getattr(args, "add_qkv_bias", False) and not getattr(args, "add_bias_linear", True):
+        return FAMILIES["qwen2"]
+    return FAMILIES["llama"]
+
+
+# Fields of ModelSpec that say what the weights are; a reference config must agree with the args on them.
+_WEIGHT_FIELDS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
+    "untie_embeddings", "qkv_bias", "linear_bias", "qk_norm", "moe",
+)
+
+
+def resolve_model(args: argparse.Namespace | None, reference: dict[str, Any] | None, location: str) -> tuple[Family, ModelSpec]:
+    """The family and model a checkpoint holds: from its args, or from a reference HF config (which then
+    supplies what Megatron does not record, and must agree with the args on the weights)."""
+    if reference is None:
+        if args is None:
+            raise ConversionError(f"{location}: no Megatron args stored with the checkpoint: pass --hf-config")
+        family = family_for_args(args)
+        return family, megatron.spec_from_args(args, family.name)
+    family = family_for_config(reference, "--hf-config config.json")
+    spec = family.read_config(reference)
+    if args is not None:
+        from_args = megatron.spec_from_args(args, family.name, vocab_size=spec.vocab_size)
+        for name in _WEIGHT_FIELDS + ("vocab_size",):
+            if getattr(from_args, name) != getattr(spec, name):
+                raise ConversionError(
+                    f"--hf-config says {name}={getattr(spec, name)}, the checkpoint's args say {getattr(from_args, name)}"
+                )
+    return family, spec
+
+
+def check_stored(plan: Plan, shapes: dict[str, Shape], location: str) -> None:
+    """Every tensor the plan reads is stored with the shape the model implies (vocabulary rows: at least the
+    real vocabulary, padded however the saver padded), and no stored model weight is left unread."""
+    for piece in plan.pieces:
+        key = stored_key(piece, shapes)
+        if key not in shapes:
+            raise ConversionError(f"{location}: tensor '{key}' is missing from the checkpoint")
+        expected, stored = plan.shapes[piece.key], shapes[key]
+        rows = len(piece.offsets)
+        if piece.layout.real_rows is not None and len(stored) == len(expected) and stored[rows] >= piece.layout.real_rows:
+            expected = (*expected[:rows], stored[rows], *expected[rows + 1 :])
+        if tuple(stored) != tuple(expected):
+            raise ConversionError(
+                f"{location}: tensor '{key}' has shape {list(stored)}, the model's config implies {list(expected)}"
+            )
+    used = {key for piece in plan.pieces for key in piece.keys}
+    if not plan.spec.untie_embeddings:
+        # With tied embeddings and PP > 1, the last stage keeps a copy of the embedding as its output layer
+        # (legacy checkpoints store it): it is the embedding.
+        used.add("output_layer.weight")
+    unused = sorted(set(shapes) - used)
+    if unused:
+        raise ConversionError(
+            f"{location}: tensor '{unused[0]}' is not used by the {plan.family.name} mapping "
+            f"({len(unused)} such tensors; is the architecture right?)"
+        )
+
+
+def hf_tensors(plan: Plan, source: MegatronTensors) -> Iterator[tuple[HFRef, torch.Tensor]]:
+    """Each HF tensor (or slice `ref.index` of one) of the plan, from the Megatron checkpoint, one piece at a
+    time. Pieces are read key by key, so that a stored chunk spanning several layers is read once."""
+    pieces = sorted(plan.pieces, key=lambda piece: (piece.key, piece.offsets))
+    for piece, region in zip(pieces, source.read_pieces(pieces)):
+        if piece.layout.real_rows is not None:
+            region = region[: piece.layout.real_rows]  # vocabulary padding
+        for ref, tensor in zip(piece.sources, piece.entry.to_hf(region.to(plan.dtype), plan.spec)):
+            yield ref, tensor
+
+
+def plan_export(
+    source: MegatronTensors, reference: dict[str, Any] | None = None, dtype: torch.dtype | None = None
+) -> tuple[Plan, dict[str, Any]]:
+    """The plan of exporting `source` to HF, and the HF config.json it gets; checked against the stored
+    shapes before anything is read."""
+    family, spec = resolve_model(source.args, reference, source.location)
+    spec = dataclasses.replace(spec, dtype=dtype or source.weights_dtype or spec.dtype)
+    parallelism = megatron.parallelism_from_args(source.args) if source.args is not None else Parallelism()
+    plan = build_plan(family, spec, parallelism, spec.dtype)
+    check_stored(plan, source.stored_shapes(plan), source.location)
+    return plan, family.write_config(spec)
+
+
+@dataclass(frozen=True)
+class HFExport:
+    plan: Plan
+    config: dict[str, Any]
+    files: tuple[str, ...]
+
+
+def read_reference(hf_config_dir: Path) -> dict[str, Any]:
+    path = hf_config_dir / "config.json"
+    if not path.exists():
+        raise ConversionError(f"--hf-config {hf_config_dir}: no config.json there")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ConversionError(f"{path}: not valid JSON ({e})") from None
+
+
+def convert_mcore_to_hf(
+    load_dir: str | os.PathLike,
+    save_dir: str | os.PathLike,
+    *,
+    iteration: int | None = None,
+    hf_config_dir: str | os.PathLike | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_size: str = "5GB",
+    overwrite: bool = False,
+    progress: Callable[[str], None] = lambda message: None,
+) -> HFExport:
+    """Convert the Megatron checkpoint in `load_dir` (torch_dist or legacy torch, any TP/PP/EP) into an HF
+    model directory `save_dir`: sharded safetensors, their index and config.json, plus the generation config
+    and tokenizer files of `hf_config_dir` when given."""
+    save_dir = Path(save_dir)
+    shard_bytes = parse_size(max_shard_size)
+    check_target(save_dir, overwrite)
+    source = open_megatron_checkpoint(load_dir, iteration)
+    reference = read_reference(Path(hf_config_dir)) if hf_config_dir is not None else None
+    plan, config = plan_export(source, reference, dtype)
+
+    with atomic_directory(save_dir, overwrite) as work:
+        hf_shapes = plan.hf_shapes()
+        writer = SafetensorsWriter(work, {name: (plan.dtype, shape) for name, shape in hf_shapes.items()}, shard_bytes)
+        try:
+            for number, (ref, tensor) in enumerate(hf_tensors(plan, source), 1):
+                writer.write(ref.name, tensor, ref.index)
+                if number % 100 == 0:
+                    progress(f"{number}/{len(hf_shapes)} tensors written")
+            writer.finish()
+        finally:
+            writer.close()
+        (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if hf_config_dir is not None:
+            for pattern in HF_SIDE_FILES:
+                for path in sorted(Path(hf_config_dir).glob(pattern)):
+                    shutil.copy2(path, work / path.name)
+        files = tuple(sorted(p.name for p in work.iterdir()))
+    return HFExport(plan, config, files)

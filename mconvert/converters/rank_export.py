@@ -1,0 +1,130 @@
+"""HF weights from a live megatron-core model, rank by rank: the weight-sync step of RL training, where the
+trainer's TP/EP-sharded parameters are handed, HF-named and whole, to an inference engine.
+
+Which rank holds which part of which tensor is taken from megatron-core itself (the model's
+`sharded_state_dict()`: the same metadata its checkpoints are written from), so every spec and layout that
+megatron-core can save is covered. The parts are gathered piece by piece (one layer's, or one expert's,
+tensor) over the given process groups, so memory stays at one piece beyond the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from mconvert.converters import megatron
+from mconvert.converters.mcore_to_hf import piece_region, stored_key
+from mconvert.converters.plan import build_plan
+from mconvert.converters.megatron import Parallelism
+from mconvert.converters.torch_dist import region_overlap
+from mconvert.errors import ConversionError
+from mconvert.mappings import get_mapping
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """Where one local tensor of a rank lies in its global tensor (all axes, the prepended ones included)."""
+
+    key: str
+    offsets: Shape
+    sizes: Shape
+    dtype: torch.dtype
+    global_shape: Shape
+
+
+def local_shards(model: torch.nn.Module) -> dict[tuple[str, Shape], tuple[ShardInfo, torch.Tensor]]:
+    """This rank's parameter shards, by (checkpoint key, global offsets), as megatron-core shards them."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    sharded_state_dict = model.sharded_state_dict()
+    apply_factories(sharded_state_dict)  # e.g. a swiglu fc1 becomes its gate and up fragments
+    shards = {}
+    for sharded in nested_values(sharded_state_dict):
+        if not isinstance(sharded, ShardedTensor) or not sharded.key.startswith(("embedding.", "decoder.", "output_layer.")):
+            continue
+        sizes = (1,) * sharded.prepend_axis_num + tuple(sharded.local_shape)
+        info = ShardInfo(sharded.key, tuple(sharded.global_offset), sizes, sharded.data.dtype, tuple(sharded.global_shape))
+        shards[(info.key, info.offsets)] = (info, sharded.data.detach())
+    return shards
+
+
+def gather_hf_weights(
+    model: torch.nn.Module,
+    config: dict[str, Any],
+    *,
+    group: dist.ProcessGroup | None = None,
+    expert_group: dist.ProcessGroup | None = None,
+    dtype: torch.dtype | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, whole tensor) for every weight of this rank's pipeline stage.
+
+    `model` is this rank's megatron-core GPTModel (one pipeline stage, TP/EP-sharded); `config` the HF
+    config.json (a dict) of the model. Tensors are gathered over `group` (default: megatron-core's tensor
+    parallel group) and expert tensors over `expert_group` (default: its expert tensor-and-model parallel
+    group). Every rank of those groups must call this together and iterate it to the end; each gets the same
+    tensors. A piece is gathered only when the iteration reaches it, so memory stays bounded.
+    """
+    from megatron.core import parallel_state
+
+    group = group if group is not None else parallel_state.get_tensor_model_parallel_group()
+    if expert_group is None:
+        expert_group = parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False) or group
+    family, spec = get_mapping(config)
+    plan = build_plan(family, spec, Parallelism())
+    mine = local_shards(model)
+    device = next(iter(mine.values()))[1].device if mine else torch.device("cpu")
+    # Every rank of a group learns which member holds which shard (the lowest-ranked one, for replicas).
+    owners: dict[int, dict[str, list[tuple[ShardInfo, int]]]] = {}
+    for pg in {id(group): group, id(expert_group): expert_group}.values():
+        gathered: list[list[ShardInfo]] = [[] for _ in range(dist.get_world_size(pg))]
+        dist.all_gather_object(gathered, [info for info, _ in mine.values()], group=pg)
+        first_holder: dict[tuple[str, Shape], tuple[ShardInfo, int]] = {}
+        for member, infos in enumerate(gathered):
+            for info in infos:
+                first_holder.setdefault((info.key, info.offsets), (info, member))
+        by_key: dict[str, list[tuple[ShardInfo, int]]] = {}
+        for info, member in first_holder.values():
+            by_key.setdefault(info.key, []).append((info, member))
+        owners[id(pg)] = by_key
+    shapes = {key: held[0][0].global_shape for by_key in owners.values() for key, held in by_key.items()}
+
+    for piece in plan.pieces:
+        is_expert = megatron.EXPERTS_PREFIX in piece.key
+        pg = expert_group if is_expert else group
+        key = stored_key(piece, shapes)
+        if key not in shapes:
+            continue  # not on this pipeline stage
+        offsets, region_shape = piece_region(piece, shapes[key])
+        held = [
+            (info, member)
+            for info, member in owners[id(pg)].get(key, ())
+            if region_overlap(info.offsets, info.sizes, offsets, region_shape) is not None
+        ]
+        if not held:
+            continue  # another pipeline stage's layer
+        region = torch.empty(region_shape, dtype=held[0][0].dtype, device=device)
+        covered = 0
+        ranks = dist.get_process_group_ranks(pg)
+        for info, member in held:
+            if ranks[member] == dist.get_rank():
+                data = mine[(info.key, info.offsets)][1].reshape(info.sizes).contiguous()
+            else:
+                data = torch.empty(info.sizes, dtype=info.dtype, device=device)
+            dist.broadcast(data, src=ranks[member], group=pg)
+            in_shard, in_region = region_overlap(info.offsets, info.sizes, offsets, region_shape)
+            part = data[in_shard]
+            region[in_region] = part
+            covered += part.numel()
+        if covered != region.numel():
+            raise ConversionError(f"'{key}' at {list(piece.offsets)}: the group holds {covered} of its {region.numel()} elements (wrong process group?)")
+        region = region.reshape(region_shape[len(piece.offsets) :])
+        if piece.layout.real_rows is not None:
+            region = region[: piece.layout.real_rows]
+        for ref, tensor in zip(piece.sources, piece.entry.to_hf(region.to(dtype or region.dtype), spec)):
+            yield ref.name, tensor

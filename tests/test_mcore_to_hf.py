@@ -1,0 +1,212 @@
+"""The way back: torch_dist (ours) -> HF gives the original tensors bit for bit, an equivalent config, and a
+model transformers loads with the original logits; and the pieces it is made of."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from mconvert.cli import main
+from mconvert.converters import megatron, torch_dist
+from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+from mconvert.converters.megatron import Parallelism
+from mconvert.converters.safetensors_io import INDEX_FILE, HFCheckpoint, SafetensorsWriter, parse_size
+from mconvert.converters.state_dict import hf_to_mcore_state_dict, mcore_to_hf_state_dict
+from mconvert.errors import ConversionError
+from mconvert.mappings import get_mapping
+from mconvert.synthetic import real_config, shrink
+
+FAMILIES = {
+    "llama-2-7b": {},
+    "llama-3.1-8b": {},
+    "qwen2.5-7b-instruct": {},
+    "qwen3-8b": {},
+    # Llama 3.2 1B and Qwen2.5 0.5B tie the output layer to the embedding.
+    "qwen2.5-7b-instruct-tied": {"tie_word_embeddings": True},
+}
+
+
+def hf_dir(factory, name):
+    return factory(name.removesuffix("-tied"), **FAMILIES[name])
+
+
+def read_hf(directory):
+    return {name: HFCheckpoint(directory).read(name) for name in HFCheckpoint(directory).tensors}
+
+
+def export(capsys, load_dir, save_dir, *flags):
+    code = main(["mcore-to-hf", "--load-dir", str(load_dir), "--save-dir", str(save_dir), *flags])
+    assert code == 0, capsys.readouterr().err
+    return json.loads((save_dir / "config.json").read_text())
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_round_trip_is_bit_exact_with_an_equivalent_config(name, hf_model_factory, tmp_path, capsys):
+    hf = hf_dir(hf_model_factory, name)
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, pp=2))
+    config = export(capsys, tmp_path / "mcore", tmp_path / "back", "--max-shard-size", "60KB")
+
+    original, back = read_hf(hf), read_hf(tmp_path / "back")
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(original[k], back[k]) and original[k].dtype == back[k].dtype for k in original)
+    # From the checkpoint's args alone: the same model, in HF's terms.
+    assert get_mapping(config)[1] == get_mapping(json.loads((hf / "config.json").read_text()))[1]
+    assert ("lm_head.weight" in back) == (not config["tie_word_embeddings"])
+    index = json.loads((tmp_path / "back" / INDEX_FILE).read_text())
+    assert len(set(index["weight_map"].values())) > 1 and set(index["weight_map"]) == set(back)
+
+
+def test_reference_config_keeps_its_fields_and_side_files_are_copied(hf_model_factory, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_model_factory("qwen3-8b"), hf)
+    (hf / "tokenizer_config.json").write_text('{"model_max_length": 4096}')
+    convert_hf_to_mcore(hf, tmp_path / "mcore")
+    config = export(capsys, tmp_path / "mcore", tmp_path / "back", "--hf-config", str(hf), "--dtype", "bf16")
+
+    original = json.loads((hf / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["torch_dtype"]) == (1, 2, "bfloat16")
+    assert config["max_window_layers"] == original["max_window_layers"]
+    for side_file in ("generation_config.json", "tokenizer_config.json"):
+        assert (tmp_path / "back" / side_file).read_bytes() == (hf / side_file).read_bytes()
+    back = read_hf(tmp_path / "back")
+    assert all(t.dtype == torch.bfloat16 for t in back.values())
+    assert torch.equal(back["model.norm.weight"], read_hf(hf)["model.norm.weight"].bfloat16())
+
+
+@pytest.mark.parametrize("name", ["qwen3-8b", "qwen2.5-7b-instruct-tied"])
+def test_transformers_loads_the_export_and_gives_the_original_logits(name, hf_model_factory, tmp_path, capsys):
+    hf = hf_dir(hf_model_factory, name)
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2))
+    export(capsys, tmp_path / "mcore", tmp_path / "back")
+    tokens = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for directory in (hf, tmp_path / "back"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        with torch.no_grad():
+            logits.append(model(tokens).logits)
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_state_dicts_convert_both_ways_as_the_files_do(hf_model_factory, tmp_path):
+    hf = hf_model_factory("llama-3.1-8b")
+    config = json.loads((hf / "config.json").read_text())
+    hf_state = read_hf(hf)
+    parallelism = Parallelism(tp=2)
+    mcore_state = hf_to_mcore_state_dict(hf_state, config, parallelism=parallelism)
+
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
+    dcp = torch_dist.DCPCheckpoint(tmp_path / "mcore" / torch_dist.RELEASE)
+    keys = sorted(dcp.shapes)
+    written = dcp.read_regions([(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key]) for key in keys])
+    assert sorted(mcore_state) == keys
+    assert all(torch.equal(mcore_state[key], tensor) for key, tensor in zip(keys, written))
+
+    back = mcore_to_hf_state_dict(mcore_state, config)
+    assert sorted(back) == sorted(hf_state) and all(torch.equal(back[k], hf_state[k]) for k in back)
+    # The args the checkpoint stores describe the same model.
+    args = torch_dist.read_args(tmp_path / "mcore" / torch_dist.RELEASE)
+    from_args = mcore_to_hf_state_dict(mcore_state, args=args)
+    assert all(torch.equal(from_args[k], hf_state[k]) for k in hf_state)
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-7b-instruct", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b-v0.1"])
+def test_args_read_back_into_the_same_model(name):
+    config = shrink(real_config(name))
+    try:
+        family, spec = get_mapping(config)
+    except ConversionError as e:  # MoE families arrive with their mapping tables
+        pytest.skip(str(e))
+    args = megatron.megatron_args(spec, Parallelism(tp=2), torch.bfloat16, "transformer_engine")
+    assert megatron.spec_from_args(args, family.name) == dataclasses.replace(spec, dtype=torch.bfloat16)
+
+
+def test_iteration_is_picked_by_tracker_or_flag(hf_model_factory, tmp_path, capsys):
+    hf = hf_model_factory("qwen3-8b")
+    convert_hf_to_mcore(hf, tmp_path / "mcore")
+    shutil.copytree(tmp_path / "mcore" / "release", tmp_path / "mcore" / "iter_0000020")
+    (tmp_path / "mcore" / torch_dist.TRACKER_FILE).write_text("20")
+    export(capsys, tmp_path / "mcore", tmp_path / "by-tracker")
+    export(capsys, tmp_path / "mcore", tmp_path / "by-flag", "--iteration", "20")
+    assert read_hf(tmp_path / "by-flag").keys() == read_hf(hf).keys()
+
+
+def test_common_state_stored_among_the_dcp_objects_is_read(hf_model_factory, tmp_path, capsys):
+    """Newer megatron-core keeps the common state (args included) as a `common_state` object in the DCP
+    files and writes no common.pt."""
+    hf = hf_model_factory("qwen3-8b")
+    conversion = convert_hf_to_mcore(hf, tmp_path / "mcore")
+    release = tmp_path / "mcore" / "release"
+    (release / "common.pt").unlink()
+    dcp = torch_dist.DCPCheckpoint(release)
+    assert torch_dist.read_common_args(release, dcp) is None
+    rewritten = tmp_path / "rewritten"
+    rewritten.mkdir()
+    writer = torch_dist.DCPWriter(rewritten)
+    for key, shape in dcp.shapes.items():
+        writer.declare(key, shape, dcp.dtypes[key])
+    for key, tensor in zip(dcp.shapes, dcp.read_regions([(k, (0,) * len(s), s) for k, s in dcp.shapes.items()])):
+        writer.write_chunk(key, (0,) * tensor.dim(), tensor)
+    writer.write_object("common_state/shard_0_1", {"args": conversion.args, "iteration": 0})
+    writer.finish()
+    read = torch_dist.read_common_args(rewritten, torch_dist.DCPCheckpoint(rewritten))
+    assert isinstance(read, argparse.Namespace) and vars(read) == vars(conversion.args)
+
+
+def test_safetensors_writer_takes_tensors_in_any_order(tmp_path):
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(12, dtype=torch.int64).reshape(4, 3), "c": torch.randn(7).bfloat16()}
+    writer = SafetensorsWriter(tmp_path, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}, parse_size("110B"))  # a | b c
+    writer.write("c", tensors["c"])
+    for row in (3, 0, 2, 1):
+        writer.write("b", tensors["b"][row], index=row)
+    writer.write("a", tensors["a"])
+    writer.finish()
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert len(files) == 2
+    loaded = {k: v for f in files for k, v in load_file(f).items()}
+    assert all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2MiB") == 2 * 2**20
+
+
+def test_a_tied_model_does_not_leak_its_tie_into_the_next(hf_model_factory):
+    """No state is kept between conversions: tied, untied, tied again, each as its own config says."""
+    results = []
+    for name in ("qwen2.5-7b-instruct-tied", "qwen2.5-7b-instruct", "qwen2.5-7b-instruct-tied"):
+        hf = hf_dir(hf_model_factory, name)
+        config = json.loads((hf / "config.json").read_text())
+        hf_state = read_hf(hf)
+        mcore_state = hf_to_mcore_state_dict(hf_state, config)
+        back = mcore_to_hf_state_dict(mcore_state, config)
+        results.append(("output_layer.weight" in mcore_state, "lm_head.weight" in back))
+        assert all(torch.equal(back[k], hf_state[k]) for k in back)
+    assert results == [(False, False), (True, True), (False, False)]
+
+
+class CountingDCPCheckpoint(torch_dist.DCPCheckpoint):
+    def __init__(self, directory):
+        super().__init__(directory)
+        self.loads: list[tuple[str, int]] = []
+
+    def _load_chunk(self, key, number):
+        self.loads.append((key, number))
+        return super()._load_chunk(key, number)
+
+
+def test_each_stored_chunk_is_read_once(hf_model_factory, tmp_path):
+    """Chunks cut across the pieces read (per TP rank here, several per layer) are each read exactly once."""
+    from mconvert.converters.mcore_to_hf import TorchDistTensors, hf_tensors, plan_export
+
+    convert_hf_to_mcore(hf_model_factory("llama-3.1-8b"), tmp_path / "mcore", parallelism=Parallelism(tp=2))
+    release = tmp_path / "mcore" / torch_dist.RELEASE
+    dcp = CountingDCPCheckpoint(release)
+    source = TorchDistTensors(dcp, torch_dist.read_args(release))
+    plan, _ = plan_export(source)
+    assert len(list(hf_tensors(plan, source))) == len(plan.hf_shapes())
+    stored = [(key, n) for key in dcp.shapes for n in range(len(dcp.metadata.state_dict_metadata[key].chunks))]
+    assert sorted(dcp.loads) == sorted(stored) and len(stored) > len(plan.pieces)
