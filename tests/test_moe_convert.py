@@ -182,3 +182,38 @@ def test_moe_config_missing_a_field(broken, tmp_path, capsys, family, field):
     edit_config(hf, lambda c: c.pop(field))
     out = tmp_path / "out"
     assert_failed_cleanly(*convert(capsys, hf, out), out, field, "config.json")
+
+
+@pytest.mark.parametrize("impl", ["transformer_engine", "local"])
+def test_megatron_flags_describe_the_moe(impl):
+    import ast
+    import re
+
+    from mconvert.converters.megatron import Parallelism, megatron_args, megatron_flags
+    from mconvert.mappings import get_mapping
+
+    spec = get_mapping(shrink(real_config("qwen1.5-moe-a2.7b"), layers=4, decoder_sparse_step=2))[1]
+    flags = megatron_flags(megatron_args(spec, Parallelism(tp=2, ep=4, etp=1), torch.bfloat16, impl))
+    for flag in (
+        "--num-experts 8",
+        "--moe-router-topk 2",
+        "--moe-ffn-hidden-size 32",
+        "--moe-shared-expert-intermediate-size 96",
+        "--moe-shared-expert-gate",
+        "--moe-router-pre-softmax",
+        "--expert-model-parallel-size 4",
+        "--expert-tensor-parallel-size 1",
+        "--add-qkv-bias",
+    ):
+        assert flag in flags
+    assert ("--moe-grouped-gemm" in flags) == (impl == "transformer_engine")
+    (freq,) = [flag for flag in flags if flag.startswith("--moe-layer-freq")]
+    pattern = freq.split(" ", 1)[1].strip("'")
+    # Megatron-LM's moe_freq_type evaluates the pattern after rejecting anything but digits and ,[]()+*
+    assert not re.search(r"[^,\d\[\]\(\)\+\*]", pattern)
+    assert ast.literal_eval(pattern) == [0, 1, 0, 1]
+
+    mixtral = get_mapping(shrink(real_config("mixtral-8x7b-v0.1")))[1]
+    flags = megatron_flags(megatron_args(mixtral, Parallelism(ep=2), torch.bfloat16, impl))
+    assert "--moe-router-pre-softmax" not in flags and "--moe-ffn-hidden-size 128" in flags
+    assert not any(flag.startswith(("--moe-layer-freq", "--moe-shared-expert")) for flag in flags)
