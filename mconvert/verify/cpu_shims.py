@@ -1,0 +1,72 @@
+"""The few patches megatron-core 0.16.1 needs to run a GPTModel forward on CPU.
+
+megatron-core assumes CUDA in a handful of places even when every tensor lives on the CPU
+(`use_cpu_initialization=True`). These shims make those places work on CPU and change nothing else:
+they only patch CUDA-only entry points that would otherwise raise without a GPU. Install them only in
+processes that run megatron-core on CPU (never on CUDA ranks).
+"""
+
+import contextlib
+
+import torch
+
+_installed = False
+
+
+def _cpu_device() -> str:
+    return "cpu"
+
+
+def _tensor_stays_on_cpu(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return self
+
+
+def _no_op(*args: object, **kwargs: object) -> None:
+    return None
+
+
+def _null_rng_fork(self: object, name: str = "") -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
+def define_missing_te_general_gemm() -> None:
+    """The MoE router's gemm (moe_utils.router_gating_linear) tests `te_general_gemm`, a name moe_utils
+    defines only when Transformer Engine imports: without TE it raises NameError, on CPU and CUDA
+    alike. None selects its plain torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def install_cpu_shims() -> None:
+    """Patch the CUDA-only calls megatron-core makes on the CPU forward and save paths. Idempotent."""
+    global _installed
+    if _installed:
+        return
+
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import moe_utils
+
+    # Activation buffers, rotary frequencies, TP gathers and MoE router tensors are allocated with
+    # `device=torch.cuda.current_device()`; "cpu" is a valid device for all of those allocations.
+    torch.cuda.current_device = _cpu_device
+
+    # The tensor-parallel RNG tracker forks the CUDA RNG state (torch.cuda.get_rng_state) around
+    # attention dropout and expert weight init; with no CUDA RNG there is nothing to fork.
+    tp_random.CudaRNGStatesTracker.fork = _null_rng_fork
+
+    # The MoE router's gemm uses Transformer Engine's `te_general_gemm` when moe_utils has one (and
+    # raises NameError when TE is absent, see define_missing_te_general_gemm); TE's gemm needs CUDA,
+    # None selects the plain torch.mm path.
+    moe_utils.te_general_gemm = None
+
+    # With tied embeddings and PP>1, LanguageModule.setup_embeddings_and_output_layer moves the
+    # output-layer copy of the embedding with `.cuda()` before all-reducing it across the first and
+    # last stages; on CPU the tensor must stay where it is.
+    torch.Tensor.cuda = _tensor_stays_on_cpu
+
+    # megatron's own dist_checkpointing.save synchronizes the CUDA stream before writing.
+    torch.cuda.synchronize = _no_op
+
+    _installed = True

@@ -1,0 +1,177 @@
+"""Build megatron-core's own GPTModel from a checkpoint's Megatron-LM `args`.
+
+`args` is the `argparse.Namespace` Megatron-LM stores in `common.pt` (Megatron-LM's argument names, as
+`--use-checkpoint-args` reads them). The parallel layout is not taken from `args` (that is the layout the
+checkpoint was saved with) but from megatron-core's `parallel_state`, i.e. the layout of the ranks
+that load it: torch_dist checkpoints are layout-independent.
+"""
+
+import argparse
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnBackend
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+try:
+    import transformer_engine  # noqa: F401  (only probing whether it is installed)
+
+    HAVE_TRANSFORMER_ENGINE = True
+except ImportError:
+    HAVE_TRANSFORMER_ENGINE = False
+
+TransformerImpl = Literal["transformer_engine", "local"]
+
+
+def uses_transformer_engine(transformer_impl: TransformerImpl) -> bool:
+    """The Transformer Engine spec is used when asked for and installed; the local spec otherwise."""
+    return transformer_impl == "transformer_engine" and HAVE_TRANSFORMER_ENGINE
+
+
+def padded_vocab_size_for_tp(args: argparse.Namespace, tp: int) -> int:
+    """The embedding rows Megatron-LM uses at tensor-parallel size `tp`.
+
+    Megatron-LM pads the vocabulary to a multiple of `make_vocab_size_divisible_by * TP`, so the stored
+    `padded_vocab_size` (padded for the saving TP) may not divide the loading TP. Rounding it up to that
+    multiple gives what Megatron-LM computes from the unpadded vocabulary; the embedding and output
+    layer load with `allow_shape_mismatch`, the extra rows being zero.
+    """
+    multiple = getattr(args, "make_vocab_size_divisible_by", 128) * tp
+    return -(-args.padded_vocab_size // multiple) * multiple
+
+
+def transformer_config_from_args(
+    args: argparse.Namespace,
+    params_dtype: torch.dtype,
+    transformer_impl: TransformerImpl = "transformer_engine",
+    perform_initialization: bool = True,
+) -> TransformerConfig:
+    """The TransformerConfig Megatron-LM derives from `args`, for the current parallel layout.
+
+    Fusions and dropout are off: the model is only run forward, to compare numbers.
+    `perform_initialization=False` skips the random init of weights a checkpoint will overwrite.
+    """
+    num_experts = getattr(args, "num_experts", None)
+    moe_settings = {}
+    if num_experts:
+        moe_settings = dict(
+            num_moe_experts=num_experts,
+            moe_router_topk=args.moe_router_topk,
+            moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
+            moe_shared_expert_intermediate_size=getattr(
+                args, "moe_shared_expert_intermediate_size", None
+            ),
+            moe_shared_expert_gate=getattr(args, "moe_shared_expert_gate", False),
+            moe_router_pre_softmax=getattr(args, "moe_router_pre_softmax", False),
+            moe_router_score_function=getattr(args, "moe_router_score_function", "softmax"),
+            moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
+            moe_router_enable_expert_bias=getattr(args, "moe_router_enable_expert_bias", False),
+            moe_layer_freq=getattr(args, "moe_layer_freq", 1),
+            # The local spec's grouped gemm is the legacy GroupedMLP (CUDA-only grouped_gemm kernels,
+            # other checkpoint keys); its SequentialMLP stores the keys TEGroupedMLP stores
+            # (MCORE_FORMAT.md), so the local spec always uses SequentialMLP.
+            moe_grouped_gemm=(
+                getattr(args, "moe_grouped_gemm", False) and uses_transformer_engine(transformer_impl)
+            ),
+            moe_router_load_balancing_type=getattr(args, "moe_router_load_balancing_type", "aux_loss"),
+            # The dispatcher only moves tokens to their experts and back, it does not change the
+            # result; allgather is the one that runs on gloo (CPU) as well as NCCL.
+            moe_token_dispatcher_type="allgather",
+        )
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        # Megatron-LM ignores --num-query-groups unless --group-query-attention is given.
+        num_query_groups=(
+            args.num_query_groups if getattr(args, "group_query_attention", False) else None
+        ),
+        kv_channels=getattr(args, "kv_channels", None),
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=getattr(args, "add_qkv_bias", False),
+        qk_layernorm=getattr(args, "qk_layernorm", False),
+        rotary_interleaved=getattr(args, "rotary_interleaved", False),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        # Megatron-LM pairs the local spec with the local backend (megatron's own
+        # DotProductAttention, the attention that runs on CPU).
+        attention_backend=(
+            AttnBackend.auto if uses_transformer_engine(transformer_impl) else AttnBackend.local
+        ),
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=True,
+        perform_initialization=perform_initialization,
+        **moe_settings,
+    )
+
+
+def _layer_spec(
+    config: TransformerConfig, args: argparse.Namespace, use_te: bool
+) -> ModuleSpec | TransformerBlockSubmodules:
+    """The layer spec Megatron-LM's GPT model provider picks for these args."""
+    if config.num_moe_experts:
+        # Handles moe_layer_freq (dense and MoE layers mixed) and slices this pipeline stage's layers.
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization=args.normalization
+        )
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    return get_gpt_layer_local_spec(
+        qk_layernorm=config.qk_layernorm, normalization=args.normalization
+    )
+
+
+def build_gpt_model(
+    args: argparse.Namespace,
+    params_dtype: torch.dtype,
+    pre_process: bool,
+    post_process: bool,
+    transformer_impl: TransformerImpl = "transformer_engine",
+    perform_initialization: bool = True,
+) -> GPTModel:
+    """This rank's GPTModel (its pipeline stage's layers, its TP/EP shards), built on CPU."""
+    config = transformer_config_from_args(
+        args, params_dtype, transformer_impl, perform_initialization
+    )
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_spec(config, args, uses_transformer_engine(transformer_impl)),
+        vocab_size=padded_vocab_size_for_tp(args, config.tensor_model_parallel_size),
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
+        rotary_percent=getattr(args, "rotary_percent", 1.0),
+        rotary_base=getattr(args, "rotary_base", 10000),
+        rope_scaling=getattr(args, "use_rope_scaling", False),
+        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
+        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
+    )

@@ -1,0 +1,231 @@
+"""megatron-core as the judge of a torch_dist checkpoint: load it, run it, read it back.
+
+Every function here runs inside a rank set up by `mconvert.verify.distributed.run_ranks` (or any
+megatron-core process with `parallel_state` initialized) and must be called by all ranks together.
+"""
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
+from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.models.gpt import GPTModel
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+from mconvert.verify.megatron_model import TransformerImpl, build_gpt_model
+
+ModelChunks = list[GPTModel]
+
+
+def torch_dist_dir(ckpt_dir: str | Path) -> Path:
+    """The directory holding the torch_dist files: `release/` or `iter_NNNNNNN/` as named by
+    `latest_checkpointed_iteration.txt`, or `ckpt_dir` itself when it has no such file."""
+    ckpt_dir = Path(ckpt_dir)
+    tracker = ckpt_dir / "latest_checkpointed_iteration.txt"
+    if not tracker.exists():
+        return ckpt_dir
+    iteration = tracker.read_text().strip()
+    return ckpt_dir / ("release" if iteration == "release" else f"iter_{int(iteration):07d}")
+
+
+def load_model(
+    ckpt_dir: str | Path,
+    args: argparse.Namespace,
+    params_dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    transformer_impl: TransformerImpl = "transformer_engine",
+) -> ModelChunks:
+    """Build this rank's GPTModel from `args` and load the checkpoint into it, in eval mode.
+
+    Every tensor the model asks for must be in the checkpoint (a missing one raises); tensors the
+    model does not ask for are ignored, as Megatron-LM does.
+    """
+    model = build_gpt_model(
+        args,
+        params_dtype,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        transformer_impl=transformer_impl,
+        # Every weight is overwritten by the checkpoint.
+        perform_initialization=False,
+    ).to(device)
+    state_dict = dist_checkpointing.load(
+        # Nested as Megatron-LM nests it: the checkpoint's common state (args, iteration, ...) comes
+        # back beside "model". The tensors' checkpoint keys do not depend on the nesting.
+        {"model": model.sharded_state_dict()},
+        str(torch_dist_dir(ckpt_dir)),
+        # megatron's "unexpected" keys are those the model asks for and the checkpoint lacks.
+        strict=StrictHandling.RAISE_UNEXPECTED,
+    )
+    model.load_state_dict(state_dict["model"], strict=True)
+    model.eval()
+    return [model]
+
+
+def forward_logits(model: ModelChunks, tokens: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [batch, seq, padded_vocab] of a causal forward over `tokens` [batch, seq].
+
+    All ranks pass the same tokens; the result is valid on rank 0.
+    """
+    logits, _ = _forward(model, tokens, record_hidden_states=False)
+    return logits
+
+
+def forward_logits_and_hidden_states(
+    model: ModelChunks, tokens: torch.Tensor
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """As forward_logits, and each decoder layer's output [batch, seq, hidden] (fp32, global layer
+    order), to locate the first layer where two models diverge. Valid on rank 0."""
+    return _forward(model, tokens, record_hidden_states=True)
+
+
+def _forward(
+    model: ModelChunks, tokens: torch.Tensor, record_hidden_states: bool
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    (chunk,) = model  # one chunk per rank: no virtual pipeline stages
+    device = next(chunk.parameters()).device
+    tokens = tokens.to(device)
+    batch, seq = tokens.shape
+    position_ids = torch.arange(seq, device=device).expand(batch, seq)
+    # True = masked out. megatron's own default causal mask is allocated on "cuda", so pass one.
+    causal_mask = torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)[None, None]
+    is_first_stage = parallel_state.is_pipeline_first_stage()
+    is_last_stage = parallel_state.is_pipeline_last_stage()
+
+    layer_outputs: dict[int, torch.Tensor] = {}
+    hooks = [
+        layer.register_forward_hook(_recorder(layer_outputs, layer.layer_number - 1))
+        for layer in (chunk.decoder.layers if record_hidden_states else [])
+    ]
+    # One microbatch through the stages, as megatron's forward-only schedule runs it; the schedule
+    # itself cannot run on CPU (0.16.1 allocates its token counter with device="cuda").
+    pipeline = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), chunk.config)
+    try:
+        with torch.no_grad():
+            chunk.set_input_tensor(
+                pipeline.recv_forward(
+                    (seq, batch, chunk.config.hidden_size), is_first_stage=is_first_stage
+                )
+            )
+            # TP logits are gathered by the output layer itself.
+            output = chunk(tokens, position_ids, causal_mask, runtime_gather_output=True)
+            pipeline.send_forward(output, is_last_stage=is_last_stage)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+    logits = _from_last_pipeline_stage(
+        output.float() if is_last_stage else None,
+        shape=(batch, seq, chunk.vocab_size),
+        device=device,
+    )
+    hidden_states = _hidden_states_of_all_stages(layer_outputs) if record_hidden_states else []
+    return logits.cpu(), hidden_states
+
+
+def _recorder(outputs: dict[int, torch.Tensor], layer_index: int):
+    def record(module: torch.nn.Module, inputs: object, output: object) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output  # [seq, batch, hidden]
+        outputs[layer_index] = hidden.detach().transpose(0, 1).float().cpu()
+
+    return record
+
+
+def _from_last_pipeline_stage(
+    logits: torch.Tensor | None, shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return logits
+    if logits is None:
+        logits = torch.empty(shape, dtype=torch.float32, device=device)
+    dist.broadcast(
+        logits,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return logits
+
+
+def _hidden_states_of_all_stages(layer_outputs: dict[int, torch.Tensor]) -> list[torch.Tensor]:
+    stages: list[dict[int, torch.Tensor]] = [
+        {} for _ in range(parallel_state.get_pipeline_model_parallel_world_size())
+    ]
+    dist.all_gather_object(
+        stages, layer_outputs, group=parallel_state.get_pipeline_model_parallel_group()
+    )
+    merged = {index: hidden for stage in stages for index, hidden in stage.items()}
+    return [merged[index] for index in sorted(merged)]
+
+
+@dataclasses.dataclass
+class _Shard:
+    key: str
+    global_shape: tuple[int, ...]
+    global_slice: tuple[int | slice, ...]
+    main_replica: bool
+    data: torch.Tensor
+
+
+def gather_global_state(model: ModelChunks) -> dict[str, torch.Tensor]:
+    """megatron's view of the loaded model as whole tensors keyed by checkpoint key, on rank 0.
+
+    Assembled from every rank's `sharded_state_dict()` (factories applied, so e.g. a swiglu fc1 under
+    TP arrives as its gate and up fragments) using only megatron-core's sharding metadata: each main
+    replica is written at its global offset, every element must be written exactly once, and every
+    other replica must equal what the main one wrote. Gathers the whole model on rank 0: meant for
+    small models. Other ranks get {}.
+    """
+    shards = []
+    for chunk in model:
+        sharded_state_dict = chunk.sharded_state_dict()
+        apply_factories(sharded_state_dict)
+        shards += [
+            _Shard(
+                key=sharded.key,
+                global_shape=tuple(sharded.global_shape),
+                global_slice=sharded.global_slice(),
+                main_replica=is_main_replica(sharded.replica_id),
+                data=sharded.data.detach().cpu(),
+            )
+            for sharded in nested_values(sharded_state_dict)
+            if isinstance(sharded, ShardedTensor)
+        ]
+    is_rank0 = dist.get_rank() == 0
+    all_shards = [[] for _ in range(dist.get_world_size())] if is_rank0 else None
+    dist.gather_object(shards, all_shards, dst=0)
+    if not is_rank0:
+        return {}
+    return _assemble([shard for rank_shards in all_shards for shard in rank_shards])
+
+
+def _assemble(shards: list[_Shard]) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    writes: dict[str, torch.Tensor] = {}
+    for shard in filter(lambda shard: shard.main_replica, shards):
+        if shard.key not in tensors:
+            tensors[shard.key] = torch.zeros(shard.global_shape, dtype=shard.data.dtype)
+            writes[shard.key] = torch.zeros(shard.global_shape, dtype=torch.int32)
+        if tensors[shard.key].shape != shard.global_shape:
+            raise ValueError(
+                f"{shard.key}: shards disagree on the global shape "
+                f"({tuple(tensors[shard.key].shape)} and {shard.global_shape})"
+            )
+        tensors[shard.key][shard.global_slice] = shard.data
+        writes[shard.key][shard.global_slice] += 1
+    for key, count in writes.items():
+        if not bool((count == 1).all()):
+            raise ValueError(
+                f"{key}: the main replicas write some elements {int(count.min())} and some "
+                f"{int(count.max())} times instead of each exactly once"
+            )
+    for shard in filter(lambda shard: not shard.main_replica, shards):
+        if shard.key not in tensors:
+            raise ValueError(f"{shard.key}: only non-main replicas")
+        if not torch.equal(tensors[shard.key][shard.global_slice], shard.data):
+            raise ValueError(f"{shard.key}: a replica differs from the main replica")
+    return tensors
