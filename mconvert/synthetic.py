@@ -53,10 +53,16 @@ def shrink(config: dict[str, Any], layers: int = 2, **overrides: Any) -> dict[st
 
 
 def make_hf_checkpoint(
-    config: dict[str, Any], out_dir: str | os.PathLike, seed: int = 0, max_shard_size: str | None = None, dtype: str = "float32"
+    config: dict[str, Any],
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    dtype: str = "float32",
+    fused_experts: bool = False,
 ) -> Path:
     """A random-init model of `config` saved by transformers' `save_pretrained` (several shards when
-    `max_shard_size` is small)."""
+    `max_shard_size` is small). MoE experts are saved one tensor per expert as on the hub, or with
+    `fused_experts` in the layout transformers v5 holds in memory (3-D tensors of all experts)."""
     import torch
     import transformers
 
@@ -69,5 +75,5 @@ def make_hf_checkpoint(
             parameter.normal_(0.0, 0.05 if parameter.dim() > 1 else 0.5).add_(1.0 if parameter.dim() == 1 else 0.0)
     out_dir = Path(out_dir)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(out_dir, **kwargs)
+    model.save_pretrained(out_dir, save_original_format=not fused_experts, **kwargs)
     return out_dir

@@ -53,13 +53,14 @@ class Parallelism:
         checks = [
             ("--tp", self.tp, "num_attention_heads", spec.num_attention_heads),
             ("--tp", self.tp, "num_key_value_heads (query groups)", spec.num_query_groups),
-            ("--tp", self.tp, "intermediate_size", spec.ffn_hidden_size),
             ("--pp", self.pp, "num_hidden_layers", spec.num_layers),
         ]
+        if spec.moe is None or not all(spec.moe.moe_layers):
+            checks.append(("--tp", self.tp, "intermediate_size", spec.ffn_hidden_size))
         if spec.moe is not None:
             checks += [
                 ("--ep", self.ep, "the number of experts", spec.moe.num_experts),
-                ("--etp", self.expert_tp, "moe_intermediate_size", spec.moe.ffn_hidden_size),
+                ("--etp", self.expert_tp, "the experts' intermediate size", spec.moe.ffn_hidden_size),
             ]
             if spec.moe.shared_expert_ffn_hidden_size:
                 checks.append(("--tp", self.tp, "shared_expert_intermediate_size", spec.moe.shared_expert_ffn_hidden_size))
@@ -199,7 +200,9 @@ def megatron_args(spec: ModelSpec, par: Parallelism, dtype: torch.dtype, transfo
             moe_layer_freq=1 if all(moe.moe_layers) else [int(is_moe) for is_moe in moe.moe_layers],
             moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
             moe_shared_expert_gate=moe.shared_expert_gate,
-            moe_grouped_gemm=True,
+            # Grouped GEMM experts are TEGroupedMLP under Transformer Engine; the local spec's would be the
+            # legacy GroupedMLP (CUDA-only grouped_gemm package), so it gets SequentialMLP. Same checkpoint keys.
+            moe_grouped_gemm=transformer_impl == "transformer_engine",
             moe_router_load_balancing_type="aux_loss",
             moe_token_dispatcher_type="alltoall",
         )

@@ -125,7 +125,9 @@ def build_plan(
     for layer in range(spec.num_layers):
         prefix = table.layer_prefix.format(layer=layer)
         is_moe = spec.layer_is_moe(layer)
-        for entry in _active(table.attention + (table.moe_mlp if is_moe else table.dense_mlp), spec):
+        fused = layer in fused_expert_layers
+        moe_mlp = table.fused_moe_mlp if fused and table.fused_moe_mlp is not None else table.moe_mlp
+        for entry in _active(table.attention + (moe_mlp if is_moe else table.dense_mlp), spec):
             names = [entry.mcore]
             if is_moe and entry.mcore == megatron.MOE_NORM:
                 names.append(megatron.MOE_NORM_LOCAL)
@@ -138,7 +140,7 @@ def build_plan(
         if not is_moe:
             continue
         num_experts = spec.moe.num_experts
-        experts = table.fused_experts if layer in fused_expert_layers else table.experts
+        experts = table.fused_experts if fused else table.experts
         for expert in range(num_experts):
             for entry in _active(experts, spec):
                 key, offsets = megatron.layer_key(megatron.EXPERTS_PREFIX + entry.mcore, layer, spec)
@@ -163,8 +165,12 @@ def check_sources(plan: Plan, available: dict[str, tuple[int, ...]], where) -> N
                 raise ConversionError(f"tensor '{ref.name}' is missing from the HF checkpoint (needed for {piece.key})")
             shape = available[ref.name]
             if ref.index is not None:
-                if not shape or ref.index >= shape[0]:
-                    raise ConversionError(f"{where(ref.name)} has shape {list(shape)}: no slice {ref.index} along its first axis")
+                # Indexed names are slices of fused expert tensors: one slice per expert, no more, no fewer.
+                if not shape or shape[0] != plan.spec.moe.num_experts:
+                    raise ConversionError(
+                        f"{where(ref.name)} has shape {list(shape)}: config.json implies {plan.spec.moe.num_experts} "
+                        f"experts along its first axis"
+                    )
                 shape = shape[1:]
             if tuple(shape) != tuple(expected):
                 raise ConversionError(f"{where(ref.name)} has shape {list(shape)}, config.json implies {list(expected)}")

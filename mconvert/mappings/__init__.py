@@ -9,11 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from mconvert.errors import ConversionError
-from mconvert.mappings import llama, qwen2, qwen3
+from mconvert.mappings import llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from mconvert.mappings.family import Family, Table
 from mconvert.mappings.spec import ModelSpec, MoESpec, RopeScaling
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY)}
+FAMILIES: dict[str, Family] = {
+    family.name: family
+    for family in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY)
+}
 
 
 def family_for_config(config: dict[str, Any], source: str = "config.json") -> Family:

@@ -15,8 +15,12 @@ class Table:
 
     Megatron names are relative to their scope (`self_attention.linear_qkv.weight` within a layer); where
     they are stacked, padded and sharded is the converters' business. HF names of layer scopes are relative
-    to `layer_prefix`; expert entries hold `{expert}`. `fused_experts` is the alternative HF layout with all
-    experts in one 3-D tensor, named `name[{expert}]` for expert's slice of it.
+    to `layer_prefix`; expert entries hold `{expert}`.
+
+    `fused_experts` is the alternative HF layout that transformers v5 holds in memory (and writes with
+    `save_original_format=False`): all experts of a layer in one 3-D tensor, `name[{expert}]` naming expert's
+    slice of it. `fused_moe_mlp` replaces `moe_mlp` in that layout where the rest of the MoE layer is named
+    differently there too (Mixtral's `block_sparse_moe.` is `mlp.` in memory); None where it is not.
     """
 
     model: tuple[Entry, ...]
@@ -25,6 +29,7 @@ class Table:
     moe_mlp: tuple[Entry, ...] = ()
     experts: tuple[Entry, ...] = ()
     fused_experts: tuple[Entry, ...] = ()
+    fused_moe_mlp: tuple[Entry, ...] | None = None
     layer_prefix: str = "model.layers.{layer}."
 
 

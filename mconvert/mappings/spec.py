@@ -86,9 +86,10 @@ def require(config: dict[str, Any], name: str, source: str) -> Any:
     return config[name]
 
 
-def read_rope(config: dict[str, Any], source: str) -> tuple[float, RopeScaling | None]:
+def read_rope(config: dict[str, Any], source: str, default_theta: float = 10000.0) -> tuple[float, RopeScaling | None]:
     """Rope theta and scaling from either config style: hub configs' `rope_theta` + `rope_scaling`, or
-    transformers v5's `rope_parameters` (which holds rope_theta and rope_type together)."""
+    transformers v5's `rope_parameters` (which holds rope_theta and rope_type together). `default_theta` is
+    what transformers uses for the family when the config names none."""
     params = config.get("rope_parameters")
     if params is not None:
         theta = params.get("rope_theta", config.get("rope_theta"))
@@ -97,7 +98,7 @@ def read_rope(config: dict[str, Any], source: str) -> tuple[float, RopeScaling |
         theta = config.get("rope_theta")
         scaling = config.get("rope_scaling")
     if theta is None:
-        theta = 10000.0  # transformers' default for these families when the config names none
+        theta = default_theta
     if not scaling:
         return float(theta), None
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -131,7 +132,9 @@ def read_dtype(config: dict[str, Any]) -> torch.dtype:
     return DTYPES[name]
 
 
-def read_dense_spec(config: dict[str, Any], family: str, source: str = "config.json", **overrides: Any) -> ModelSpec:
+def read_dense_spec(
+    config: dict[str, Any], family: str, source: str = "config.json", default_theta: float = 10000.0, **overrides: Any
+) -> ModelSpec:
     """The fields every supported family shares, read the way transformers reads them."""
     act = config.get("hidden_act", "silu")
     if act != "silu":
@@ -145,7 +148,7 @@ def read_dense_spec(config: dict[str, Any], family: str, source: str = "config.j
     heads = require(config, "num_attention_heads", source)
     hidden = require(config, "hidden_size", source)
     head_dim = config.get("head_dim") or hidden // heads
-    theta, scaling = read_rope(config, source)
+    theta, scaling = read_rope(config, source, default_theta)
     attention_bias = bool(config.get("attention_bias", False))
     mlp_bias = bool(config.get("mlp_bias", False))
     if attention_bias != mlp_bias:
