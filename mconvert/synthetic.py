@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-CONFIGS = ("llama-2-7b", "llama-3.1-8b", "qwen2.5-7b-instruct", "qwen3-8b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b-v0.1")
+CONFIGS = ("llama-2-7b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b-instruct", "qwen3-8b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b-v0.1")
 
 
 def real_config(name: str) -> dict[str, Any]:
@@ -76,4 +76,89 @@ def make_hf_checkpoint(
     out_dir = Path(out_dir)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, save_original_format=not fused_experts, **kwargs)
+    return out_dir
+
+
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+# Elements generated at a time while writing a random tensor: bounds memory for the largest embeddings.
+RANDOM_BLOCK = 1 << 24
+
+
+def _shards(parameters: list[tuple[str, Any]], max_shard_bytes: int) -> list[list[tuple[str, Any]]]:
+    """Split parameters, in model order, into consecutive groups of at most `max_shard_bytes`, as
+    transformers' save_pretrained shards them (a tensor larger than that gets a shard of its own)."""
+    shards: list[list[tuple[str, Any]]] = [[]]
+    size = 0
+    for name, parameter in parameters:
+        nbytes = parameter.numel() * parameter.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, parameter))
+        size += nbytes
+    return shards
+
+
+def _write_random_safetensors(path: Path, parameters: list[tuple[str, Any]], generator) -> None:
+    """One safetensors file of random tensors, generated and written a block at a time."""
+    import torch
+
+    parameters = sorted(parameters, key=lambda item: item[0])  # safetensors stores tensors by name
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, parameter in parameters:
+        nbytes = parameter.numel() * parameter.element_size()
+        dtype = SAFETENSORS_DTYPES[str(parameter.dtype).removeprefix("torch.")]
+        header[name] = {"dtype": dtype, "shape": list(parameter.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # safetensors aligns the data to 8 bytes
+    block = torch.empty(RANDOM_BLOCK)
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for name, parameter in parameters:
+            matrix = parameter.dim() > 1
+            remaining = parameter.numel()
+            while remaining:
+                values = block[: min(remaining, RANDOM_BLOCK)]
+                # Norm weights of ones and zero biases would hide mistakes in their mapping.
+                values.normal_(0.0, 0.05 if matrix else 0.5, generator=generator)
+                if not matrix:
+                    values.add_(1.0)
+                f.write(values.to(parameter.dtype).view(torch.uint8).numpy().data)
+                remaining -= len(values)
+
+
+def write_random_hf_checkpoint(
+    config: dict[str, Any], out_dir: str | os.PathLike, seed: int = 0, max_shard_bytes: int = 5 * 10**9
+) -> Path:
+    """A random-init checkpoint of `config` at full size, written tensor by tensor without ever building the
+    model: names, shapes and dtypes come from transformers' model built on the meta device, the files are
+    sharded as the hub's are (`max_shard_bytes` each, with an index when there are several)."""
+    import torch
+    import transformers
+
+    hf_config = transformers.AutoConfig.for_model(**config)
+    dtype = getattr(torch, config.get("torch_dtype", "float32"))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    # named_parameters() lists a tied output layer once, under the embedding's name, as save_pretrained stores it.
+    shards = _shards(list(model.named_parameters()), max_shard_bytes)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    hf_config.save_pretrained(out_dir)
+    generator = torch.Generator().manual_seed(seed)
+    if len(shards) == 1:
+        _write_random_safetensors(out_dir / "model.safetensors", shards[0], generator)
+        return out_dir
+    weight_map, total = {}, 0
+    for number, shard in enumerate(shards, 1):
+        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        _write_random_safetensors(out_dir / file, shard, generator)
+        for name, parameter in shard:
+            weight_map[name] = file
+            total += parameter.numel() * parameter.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out_dir
