@@ -1,0 +1,101 @@
+"""Evidence on GPUs: random-init models of real shapes, converted on the CPU and verified on GPUs.
+
+    python scripts/gpu_verify.py --work /tmp/gv --out results/ qwen3-8b:tp1 qwen3-8b:tp2 qwen3-30b-a3b@8:ep2
+
+A job is CONFIG[@LAYERS]:LAYOUT[:DTYPE]: CONFIG one of mconvert/configs (or qwen2.5-0.5b), LAYERS to cut the
+model to its first few layers (all if absent), LAYOUT like tp1, tp2, pp2, ep2, tp2pp2, tp2ep2etp1, DTYPE fp32 (default)
+or bf16. For each job it writes the HF model once (bf16, tensor by tensor), converts it with `mconvert hf-to-mcore`
+and runs `mconvert verify --device cuda`, timing both; each result is appended to OUT/results.jsonl as it comes,
+so a run stopped at its time limit keeps what it finished. Jobs not started before --deadline-s are skipped.
+Jobs of one model should be adjacent: the HF model is deleted after its last adjacent job, each checkpoint
+after its verify.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from mconvert.synthetic import real_config, write_random_hf_checkpoint  # noqa: E402
+
+MCONVERT = [sys.executable, "-m", "mconvert.cli"]
+LAYOUT = re.compile(r"(?:tp(?P<tp>\d+))?(?:pp(?P<pp>\d+))?(?:ep(?P<ep>\d+))?(?:etp(?P<etp>\d+))?$")
+
+
+def parse_job(job: str) -> tuple[str, int | None, dict[str, str], str]:
+    model, layout, *rest = job.split(":")
+    name, _, layers = model.partition("@")
+    sizes = {k: v for k, v in LAYOUT.match(layout).groupdict().items() if v}
+    return name, int(layers) if layers else None, sizes, rest[0] if rest else "fp32"
+
+
+def run(command: list[str]) -> tuple[int, float, str]:
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    return done.returncode, time.perf_counter() - started, done.stdout + done.stderr
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("jobs", nargs="+")
+    parser.add_argument("--work", type=Path, required=True, help="scratch space for the models and checkpoints")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--deadline-s", type=float, default=540)
+    parser.add_argument("--device", default="cuda", help="cpu to try the script on a small model")
+    options = parser.parse_args()
+    options.out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    jobs = options.jobs
+    for number, job in enumerate(jobs):
+        if time.perf_counter() - started > options.deadline_s:
+            print(f"skipped {job}: deadline", flush=True)
+            continue
+        name, layers, sizes, dtype = parse_job(job)
+        hf = options.work / f"{name}@{layers or 'all'}"
+        made = 0.0
+        if not (hf / "config.json").exists():
+            config = real_config(name)
+            if layers:
+                config["num_hidden_layers"] = layers
+            config["torch_dtype"] = "bfloat16"
+            t0 = time.perf_counter()
+            write_random_hf_checkpoint(config, hf, device=options.device)
+            made = time.perf_counter() - t0
+        flags = [f"--{k}={v}" for k, v in sizes.items()]
+        mcore = options.work / f"{name}@{layers or 'all'}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}"
+        code, convert_s, convert_out = run(
+            [*MCONVERT, "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(mcore), "--overwrite", *flags]
+        )
+        result = {"job": job, "make_hf_s": round(made, 1), "convert_s": round(convert_s, 1), "convert_exit": code}
+        if code == 0:
+            report = options.work / "report.json"
+            code, verify_s, verify_out = run(
+                [*MCONVERT, "verify", "--hf", str(hf), "--mcore", str(mcore), "--device", options.device, "--dtype", dtype,
+                 "--json", str(report), *flags]
+            )
+            result.update(verify_s=round(verify_s, 1), verify_exit=code, verify_output=verify_out[-3000:])
+            if report.exists():
+                result["report"] = json.loads(report.read_text())
+        else:
+            result["convert_output"] = convert_out[-3000:]
+        print(json.dumps({k: v for k, v in result.items() if k != "report"}, indent=1), flush=True)
+        with open(options.out / "results.jsonl", "a") as f:
+            f.write(json.dumps(result) + "\n")
+        # Real shapes fill a disk fast: keep one HF model and no checkpoint between jobs.
+        shutil.rmtree(mcore, ignore_errors=True)
+        if number + 1 == len(jobs) or parse_job(jobs[number + 1])[:2] != (name, layers):
+            shutil.rmtree(hf, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
