@@ -16,6 +16,13 @@ FAMILIES = {
     "llama": ("llama-3.1-8b", Parallelism(tp=2)),
     "qwen2": ("qwen2.5-7b-instruct", Parallelism(pp=2)),
     "qwen3": ("qwen3-8b", Parallelism(tp=2)),
+    "qwen3_moe": ("qwen3-30b-a3b", Parallelism(ep=2)),
+    "qwen2_moe": ("qwen1.5-moe-a2.7b", Parallelism(tp=2, ep=2, etp=1)),
+    "mixtral": ("mixtral-8x7b-v0.1", Parallelism(pp=2, ep=2)),
+    # The layouts of 4 and 8 GPUs, on 4 CPU ranks.
+    "llama-mha-tp4": ("llama-2-7b", Parallelism(tp=4)),
+    "qwen3-tp2-pp2": ("qwen3-8b", Parallelism(tp=2, pp=2)),
+    "qwen3_moe-tp2-ep4": ("qwen3-30b-a3b", Parallelism(tp=2, ep=4, etp=1)),
 }
 
 
@@ -28,10 +35,13 @@ def verify(capsys, hf, mcore, *flags):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_verify_passes_for_a_faithful_conversion(family, hf_model_factory, tmp_path, capsys):
     config, parallelism = FAMILIES[family]
-    hf = hf_model_factory(config)
+    hf = hf_model_factory(config, layers=4 if parallelism.pp > 1 else 2)
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
     report = tmp_path / "report.json"
-    code, out, _ = verify(capsys, hf, tmp_path / "mcore", "--tp", str(parallelism.tp), "--pp", str(parallelism.pp), "--json", str(report))
+    sizes = ["--tp", str(parallelism.tp), "--pp", str(parallelism.pp), "--ep", str(parallelism.ep)]
+    if parallelism.etp:
+        sizes += ["--etp", str(parallelism.etp)]
+    code, out, _ = verify(capsys, hf, tmp_path / "mcore", *sizes, "--json", str(report))
     assert code == 0, out
     assert out.strip().endswith("PASS")
     result = json.loads(report.read_text())
