@@ -167,3 +167,29 @@ def write_random_hf_checkpoint(
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m mconvert.synthetic --config qwen2.5-7b-instruct --out DIR: a shrunk random-init HF checkpoint
+    (or, with --full-size, one of the real shape, written tensor by tensor)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m mconvert.synthetic", description=main.__doc__)
+    parser.add_argument("--config", required=True, choices=CONFIGS)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--layers", type=int, default=None, help="number of layers (shrunk: 2; full size: all)")
+    parser.add_argument("--full-size", action="store_true", help="the real width, in bf16")
+    parser.add_argument("--seed", type=int, default=0)
+    options = parser.parse_args(argv)
+    config = real_config(options.config)
+    if options.full_size:
+        if options.layers:
+            config["num_hidden_layers"] = options.layers
+        write_random_hf_checkpoint(config, options.out, seed=options.seed)
+    else:
+        make_hf_checkpoint(shrink(config, layers=options.layers or 2), options.out, seed=options.seed)
+    print(options.out)
+
+
+if __name__ == "__main__":
+    main()

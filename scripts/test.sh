@@ -1,11 +1,7 @@
 #!/usr/bin/env bash
-# The whole test suite on a fresh machine: a virtualenv with the CPU build of torch, megatron-core (the judge
-# of converted checkpoints) and transformers (the judge of HF ones), then pytest.
+# The whole test suite on a fresh machine: installs what it needs (scripts/install.sh), then pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${VENV:-.venv}
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-. "$VENV/bin/activate"
-pip install -q --disable-pip-version-check torch==2.13.0  # the CPU wheel; a plain `torch` pulls a CUDA build
-pip install -q --disable-pip-version-check -e '.[test]' 'megatron-core==0.16.1'
-python -m pytest -q "$@"
+bash scripts/install.sh
+. "${VENV:-.venv}/bin/activate"
+python -m pytest -q -p no:cacheprovider "$@"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,16 +15,16 @@ from safetensors.torch import load_file
 
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.megatron import Parallelism
-from mconvert.converters.torch_dist import read_args
+from mconvert.converters.torch_dist import iteration_dir, read_args
 from mconvert.verify.distributed import run_ranks
-from mconvert.verify.megatron_side import forward_logits, gather_global_state, load_model, torch_dist_dir
+from mconvert.verify.megatron_side import forward_logits, gather_global_state, load_model
 
 TOKENS = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
 def megatron_view(ckpt_dir: str, tokens: torch.Tensor):
     """In each rank: load the checkpoint into megatron-core's model; rank 0 returns its logits and tensors."""
-    args = read_args(torch_dist_dir(ckpt_dir))
+    args = read_args(iteration_dir(Path(ckpt_dir)))
     model = load_model(ckpt_dir, args, torch.float32, transformer_impl="local")
     return forward_logits(model, tokens), gather_global_state(model)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +18,10 @@ from safetensors.torch import load_file
 
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.megatron import Parallelism
-from mconvert.converters.torch_dist import read_args
+from mconvert.converters.torch_dist import iteration_dir, read_args
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 from mconvert.verify.distributed import run_ranks
-from mconvert.verify.megatron_side import forward_logits, gather_global_state, load_model, torch_dist_dir
+from mconvert.verify.megatron_side import forward_logits, gather_global_state, load_model
 
 TOKENS = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -46,7 +47,7 @@ def megatron_view(ckpt_dirs: dict[str, str], tokens: torch.Tensor):
 
     views = {}
     for name, ckpt_dir in ckpt_dirs.items():
-        args = read_args(torch_dist_dir(ckpt_dir))
+        args = read_args(iteration_dir(Path(ckpt_dir)))
         model = load_model(ckpt_dir, args, torch.float32, transformer_impl="local")
         sharded_state_dict = model[0].sharded_state_dict()
         apply_factories(sharded_state_dict)
@@ -64,7 +65,7 @@ def megatron_view(ckpt_dirs: dict[str, str], tokens: torch.Tensor):
 def stored_keys(ckpt_dir) -> set[str]:
     import torch.distributed.checkpoint as dcp
 
-    return set(dcp.FileSystemReader(str(torch_dist_dir(ckpt_dir))).read_metadata().state_dict_metadata)
+    return set(dcp.FileSystemReader(str(iteration_dir(Path(ckpt_dir)))).read_metadata().state_dict_metadata)
 
 
 def expected_megatron_state(hf_dir, tp: int) -> dict[str, torch.Tensor]:

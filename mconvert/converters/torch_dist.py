@@ -141,14 +141,11 @@ def _load_common(path: Path) -> dict:
 
 
 def read_args(release_dir: Path) -> argparse.Namespace:
-    """The Megatron-LM args stored in a checkpoint's common.pt (unpickling only what args hold)."""
-    path = release_dir / "common.pt"
-    if not path.exists():
-        raise ConversionError(f"{path}: missing (no Megatron args stored with the checkpoint)")
-    common = _load_common(path)
-    if "args" not in common:
-        raise ConversionError(f"{path}: holds no 'args'")
-    return common["args"]
+    """The Megatron-LM args a checkpoint was saved with; an error when it stores none."""
+    args = read_common_args(release_dir)
+    if args is None:
+        raise ConversionError(f"{release_dir}: no Megatron args stored with the checkpoint (no 'args' in its common state)")
+    return args
 
 
 # --- Reading ---------------------------------------------------------------------------------------------
@@ -182,7 +179,7 @@ def iteration_dir(load_dir: Path, iteration: int | None = None) -> Path:
     """The directory of one saved iteration: `--iteration N`'s `iter_000000N`, else the one the tracker file
     names (`release` or a number), else `load_dir` itself when it holds the checkpoint files directly."""
     if not load_dir.is_dir():
-        raise ConversionError(f"--load-dir {load_dir}: not a directory")
+        raise ConversionError(f"{load_dir}: not a directory")
     if iteration is not None:
         directory = load_dir / f"iter_{iteration:07d}"
         if not directory.is_dir():
@@ -352,12 +349,16 @@ def region_overlap(chunk_offsets, chunk_sizes, offsets, shape) -> tuple[tuple[sl
     return tuple(in_chunk), tuple(in_region)
 
 
-def read_common_args(release_dir: Path, dcp: DCPCheckpoint) -> argparse.Namespace | None:
+def read_common_args(release_dir: Path, dcp: DCPCheckpoint | None = None) -> argparse.Namespace | None:
     """The Megatron-LM args a checkpoint was saved with, or None when it has none (megatron-core's
     `dist_checkpointing.save` of a bare model's state). megatron-core up to 0.16 keeps the common state in
     `common.pt`; later ones store it as a `common_state` object among the DCP shards instead."""
     if (release_dir / "common.pt").exists():
         return _load_common(release_dir / "common.pt").get("args")
+    if dcp is None:
+        if not (release_dir / ".metadata").exists():
+            raise ConversionError(f"{release_dir}: not a torch_dist checkpoint (no common.pt, no .metadata)")
+        dcp = DCPCheckpoint(release_dir)
     for key in dcp.object_keys:
         if key.split("/")[0] != "common_state":
             continue

@@ -17,20 +17,10 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from mconvert.converters.torch_dist import iteration_dir
 from mconvert.verify.megatron_model import TransformerImpl, build_gpt_model
 
 ModelChunks = list[GPTModel]
-
-
-def torch_dist_dir(ckpt_dir: str | Path) -> Path:
-    """The directory holding the torch_dist files: `release/` or `iter_NNNNNNN/` as named by
-    `latest_checkpointed_iteration.txt`, or `ckpt_dir` itself when it has no such file."""
-    ckpt_dir = Path(ckpt_dir)
-    tracker = ckpt_dir / "latest_checkpointed_iteration.txt"
-    if not tracker.exists():
-        return ckpt_dir
-    iteration = tracker.read_text().strip()
-    return ckpt_dir / ("release" if iteration == "release" else f"iter_{int(iteration):07d}")
 
 
 def load_model(
@@ -58,7 +48,7 @@ def load_model(
         # Nested as Megatron-LM nests it: the checkpoint's common state (args, iteration, ...) comes
         # back beside "model". The tensors' checkpoint keys do not depend on the nesting.
         {"model": model.sharded_state_dict()},
-        str(torch_dist_dir(ckpt_dir)),
+        str(iteration_dir(Path(ckpt_dir))),
         # megatron's "unexpected" keys are those the model asks for and the checkpoint lacks.
         strict=StrictHandling.RAISE_UNEXPECTED,
     )

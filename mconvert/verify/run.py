@@ -18,7 +18,7 @@ import torch
 from mconvert.converters import megatron
 from mconvert.converters.hf_to_mcore import read_hf_config
 from mconvert.converters.megatron import Parallelism
-from mconvert.converters.torch_dist import read_args
+from mconvert.converters.torch_dist import iteration_dir, read_args
 from mconvert.errors import ConversionError
 from mconvert.mappings import get_mapping
 from mconvert.verify.compare import THRESHOLDS, Report, compare_logits, first_diverging_layer
@@ -76,9 +76,9 @@ def megatron_outputs(
 ) -> Outputs:
     """Runs in every rank: load the checkpoint into megatron-core's GPTModel and run the prompts."""
     from mconvert.verify.megatron_model import uses_transformer_engine
-    from mconvert.verify.megatron_side import forward_logits_and_hidden_states, load_model, torch_dist_dir
+    from mconvert.verify.megatron_side import forward_logits_and_hidden_states, load_model
 
-    args = read_args(torch_dist_dir(ckpt_dir))
+    args = read_args(iteration_dir(Path(ckpt_dir)))
     impl = "transformer_engine" if uses_transformer_engine("transformer_engine") else "local"
     model = load_model(ckpt_dir, args, dtype, device, transformer_impl=impl)
     outputs = Outputs([], [])
@@ -104,7 +104,6 @@ def verify(request: VerifyRequest) -> Report:
     """Compare the two models; raises ConversionError for unusable input, ArchitectureMismatch for
     different models."""
     from mconvert.verify.distributed import ParallelLayout, run_ranks
-    from mconvert.verify.megatron_side import torch_dist_dir
 
     par = request.parallelism
     if request.device == "cuda":
@@ -115,7 +114,7 @@ def verify(request: VerifyRequest) -> Report:
             raise ConversionError(f"--tp/--pp/--ep need {world} GPUs, {torch.cuda.device_count()} visible")
     if not (request.hf_dir / "config.json").exists():
         raise ConversionError(f"--hf {request.hf_dir}: no config.json")
-    stored = read_args(torch_dist_dir(request.mcore_dir))
+    stored = read_args(iteration_dir(request.mcore_dir))
     check_architecture(request.hf_dir, stored)
     vocab_size = read_hf_config(request.hf_dir)["vocab_size"]
     prompts = (
