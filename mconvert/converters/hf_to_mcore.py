@@ -8,6 +8,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -64,6 +65,28 @@ def build_piece(piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: torch.dt
     return tensor
 
 
+def write_piece(writer: torch_dist.DCPWriter, piece: Piece, tensor: torch.Tensor) -> None:
+    axis = piece.layout.split_axis or 0
+    for offsets, part in piece.chunks():
+        chunk = tensor[(slice(None),) * axis + (part,)]
+        for key in piece.keys:
+            writer.write_chunk(key, (*piece.offsets, *offsets), chunk)
+
+
+def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, progress: Callable[[str], None]) -> None:
+    """Build and write every piece of the plan, the next piece being read and built in a thread while one is
+    written, so that reading overlaps writing. At most two pieces are in memory at once."""
+    with ThreadPoolExecutor(max_workers=1) as builder:
+        pending = builder.submit(build_piece, plan.pieces[0], hf, plan.spec, plan.dtype)
+        for number, (piece, following) in enumerate(zip(plan.pieces, (*plan.pieces[1:], None)), 1):
+            tensor = pending.result()  # drops the previous piece's tensor
+            if following is not None:
+                pending = builder.submit(build_piece, following, hf, plan.spec, plan.dtype)
+            write_piece(writer, piece, tensor)
+            if number % 100 == 0:
+                progress(f"{number}/{len(plan.pieces)} tensors written")
+
+
 def convert_hf_to_mcore(
     load_dir: str | os.PathLike,
     save_dir: str | os.PathLike,
@@ -93,15 +116,7 @@ def convert_hf_to_mcore(
         try:
             for key, shape in plan.shapes.items():
                 writer.declare(key, shape, plan.dtype)
-            for number, piece in enumerate(plan.pieces, 1):
-                tensor = build_piece(piece, hf, spec, plan.dtype)
-                axis = piece.layout.split_axis or 0
-                for offsets, part in piece.chunks():
-                    chunk = tensor[(slice(None),) * axis + (part,)]
-                    for key in piece.keys:
-                        writer.write_chunk(key, (*piece.offsets, *offsets), chunk)
-                if number % 100 == 0:
-                    progress(f"{number}/{len(plan.pieces)} tensors written")
+            write_pieces(plan, hf, writer, progress)
             for key in plan.extra_state_keys:
                 writer.write_object(key, torch_dist.EMPTY_EXTRA_STATE)
             writer.finish()

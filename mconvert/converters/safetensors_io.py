@@ -114,11 +114,15 @@ class HFCheckpoint:
             row_bytes = math.prod(shape[1:]) * stored.dtype.itemsize
             begin, shape = begin + index * row_bytes, shape[1:]
         length = math.prod(shape) * stored.dtype.itemsize
-        buffer = bytearray(length)
-        with open(stored.file, "rb") as f:
+        # torch.empty, unlike bytearray, does not spend a pass zero-filling what the read overwrites.
+        buffer = torch.empty(length, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())
+        with open(stored.file, "rb", buffering=0) as f:
             f.seek(begin)
-            if f.readinto(buffer) != length:
-                raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
-        if length == 0:
-            return torch.empty(shape, dtype=stored.dtype)
-        return torch.frombuffer(buffer, dtype=stored.dtype).reshape(shape)
+            done = 0
+            while done < length:  # one read() returns at most 2 GiB
+                count = f.readinto(view[done:])
+                if not count:
+                    raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
+                done += count
+        return buffer.view(stored.dtype).reshape(shape)

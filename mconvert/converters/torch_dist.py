@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.utils.serialization import config as serialization_config
 
 from mconvert.errors import ConversionError
 
@@ -75,7 +76,10 @@ class DCPWriter:
         if isinstance(payload, bytes):
             self._file.write(payload)
         else:
-            torch.save(payload, self._file)
+            # The zip records' CRC32 costs torch.save five times the write itself; torch.load does not check
+            # it (DCP's readers, megatron-core's included, go through torch.load).
+            with serialization_config.patch({"save.compute_crc32": False}):
+                torch.save(payload, self._file)
         return offset, self._file.tell() - offset
 
     def write_chunk(self, key: str, offsets: tuple[int, ...], chunk: torch.Tensor) -> None:
@@ -85,9 +89,12 @@ class DCPWriter:
             raise AssertionError(f"chunk of '{key}' at {offsets} does not fit {meta}")
         # A layer's (or expert's) region of a stacked tensor is stored with its leading axes of size 1.
         chunk = chunk.reshape((1,) * (len(meta.size) - chunk.dim()) + tuple(chunk.shape))
-        # torch.save writes a tensor's whole storage: give it one that holds just this chunk.
-        if not chunk.is_contiguous() or chunk.untyped_storage().nbytes() != chunk.numel() * chunk.element_size():
-            chunk = chunk.clone(memory_format=torch.contiguous_format)
+        # torch.save writes a tensor's whole storage: give it one that holds just this chunk. A contiguous
+        # slice (a column-parallel chunk, half of fc1) needs no copy: a tensor over just its bytes does.
+        if not chunk.is_contiguous():
+            chunk = chunk.contiguous()
+        elif chunk.untyped_storage().nbytes() != chunk.nbytes:
+            chunk = torch.from_numpy(chunk.view(torch.uint8).numpy()).view(chunk.dtype)
         offset, length = self._append(chunk)
         meta.chunks.append(ChunkStorageMetadata(torch.Size(offsets), chunk.shape))
         self._storage[MetadataIndex(key, torch.Size(offsets), len(meta.chunks) - 1)] = _StorageInfo(
