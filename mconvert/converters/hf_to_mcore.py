@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -24,6 +26,9 @@ from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
 
 ARGS_SCRIPT = "megatron_args.sh"
+# How much of the pieces that follow the one being written may be read and built in advance: about a layer
+# of a 7B model, small next to what its largest tensors take anyway.
+READ_AHEAD_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -74,17 +79,24 @@ def write_piece(writer: torch_dist.DCPWriter, piece: Piece, tensor: torch.Tensor
 
 
 def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, progress: Callable[[str], None]) -> None:
-    """Build and write every piece of the plan, the next piece being read and built in a thread while one is
-    written, so that reading overlaps writing. At most two pieces are in memory at once."""
+    """Build and write every piece of the plan. A thread reads and builds the pieces ahead of the one being
+    written, so that reading overlaps writing, as far as READ_AHEAD_BYTES of pieces allow (the next piece
+    always): one piece slower to build than to write (fc1) then does not stall the writes."""
+    sizes = [math.prod(piece.layout.shape) * plan.dtype.itemsize for piece in plan.pieces]
     with ThreadPoolExecutor(max_workers=1) as builder:
-        pending = builder.submit(build_piece, plan.pieces[0], hf, plan.spec, plan.dtype)
-        for number, (piece, following) in enumerate(zip(plan.pieces, (*plan.pieces[1:], None)), 1):
-            tensor = pending.result()  # drops the previous piece's tensor
-            if following is not None:
-                pending = builder.submit(build_piece, following, hf, plan.spec, plan.dtype)
-            write_piece(writer, piece, tensor)
-            if number % 100 == 0:
-                progress(f"{number}/{len(plan.pieces)} tensors written")
+        ahead: deque[Future[torch.Tensor]] = deque()
+        queued = 0  # pieces handed to the builder
+        queued_bytes = 0  # their sizes, less those of the pieces written
+        for index, piece in enumerate(plan.pieces):
+            while queued < len(plan.pieces) and (queued <= index + 1 or queued_bytes + sizes[queued] <= READ_AHEAD_BYTES):
+                ahead.append(builder.submit(build_piece, plan.pieces[queued], hf, plan.spec, plan.dtype))
+                queued_bytes += sizes[queued]
+                queued += 1
+            # Passed on without a name, the tensor is freed as soon as it is written.
+            write_piece(writer, piece, ahead.popleft().result())
+            queued_bytes -= sizes[index]
+            if (index + 1) % 100 == 0:
+                progress(f"{index + 1}/{len(plan.pieces)} tensors written")
 
 
 def convert_hf_to_mcore(
