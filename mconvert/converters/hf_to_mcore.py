@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import os
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,13 +62,42 @@ def fused_expert_layers(family: Family, spec: ModelSpec, hf: HFCheckpoint) -> fr
     )
 
 
-def build_piece(piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: torch.dtype) -> torch.Tensor:
-    """The Megatron tensor region of `piece`, from its HF tensors, padded and in the target dtype."""
-    tensor = piece.entry.to_mcore([hf.read(ref.name, ref.index) for ref in piece.sources], spec).to(dtype)
+class ReadBuffers:
+    """Memory to read HF tensors into, handed back once their piece is written and reused by later reads:
+    the fresh pages of a new buffer cost the kernel a fault and a zeroing each, more than the read itself.
+    A buffer serves reads of half its size or more; free ones beyond READ_AHEAD_BYTES are let go, largest
+    first, so that one-off sizes (the embedding) are not kept."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fitting = [i for i, buffer in enumerate(self._free) if nbytes <= buffer.numel() <= 2 * nbytes]
+            if fitting:
+                return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        with self._lock:
+            self._free = sorted(self._free + buffers, key=torch.Tensor.numel)
+            while sum(buffer.numel() for buffer in self._free) > READ_AHEAD_BYTES:
+                self._free.pop()
+
+
+def build_piece(
+    piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: torch.dtype, buffers: ReadBuffers
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The Megatron tensor region of `piece`, from its HF tensors, padded and in the target dtype; and the
+    buffers its HF tensors were read into, to hand back once the region is written."""
+    taken = [buffers.take(hf.nbytes(ref.name, ref.index)) for ref in piece.sources]
+    sources = [hf.read(ref.name, ref.index, into) for ref, into in zip(piece.sources, taken)]
+    tensor = piece.entry.to_mcore(sources, spec).to(dtype)
     rows = piece.layout.shape[0]
     if piece.layout.real_rows is not None and rows > tensor.shape[0]:
         tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
-    return tensor
+    return tensor, taken
 
 
 def write_piece(writer: torch_dist.DCPWriter, piece: Piece, tensor: torch.Tensor) -> None:
@@ -83,17 +113,20 @@ def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, pro
     written, so that reading overlaps writing, as far as READ_AHEAD_BYTES of pieces allow (the next piece
     always): one piece slower to build than to write (fc1) then does not stall the writes."""
     sizes = [math.prod(piece.layout.shape) * plan.dtype.itemsize for piece in plan.pieces]
+    buffers = ReadBuffers()
     with ThreadPoolExecutor(max_workers=1) as builder:
         ahead: deque[Future[torch.Tensor]] = deque()
         queued = 0  # pieces handed to the builder
         queued_bytes = 0  # their sizes, less those of the pieces written
         for index, piece in enumerate(plan.pieces):
             while queued < len(plan.pieces) and (queued <= index + 1 or queued_bytes + sizes[queued] <= READ_AHEAD_BYTES):
-                ahead.append(builder.submit(build_piece, plan.pieces[queued], hf, plan.spec, plan.dtype))
+                ahead.append(builder.submit(build_piece, plan.pieces[queued], hf, plan.spec, plan.dtype, buffers))
                 queued_bytes += sizes[queued]
                 queued += 1
-            # Passed on without a name, the tensor is freed as soon as it is written.
-            write_piece(writer, piece, ahead.popleft().result())
+            tensor, taken = ahead.popleft().result()
+            write_piece(writer, piece, tensor)
+            del tensor  # may be a view of the buffers, which later reads overwrite
+            buffers.give_back(taken)
             queued_bytes -= sizes[index]
             if (index + 1) % 100 == 0:
                 progress(f"{index + 1}/{len(plan.pieces)} tensors written")

@@ -106,16 +106,24 @@ class HFCheckpoint:
     def where(self, name: str) -> str:
         return f"tensor '{name}' in {self.tensors[name].file}"
 
-    def read(self, name: str, index: int | None = None) -> torch.Tensor:
-        """The tensor `name`, or its slice `index` along the first axis (one expert of a fused expert tensor)."""
+    def _region(self, name: str, index: int | None) -> tuple[StoredTensor, int, tuple[int, ...], int]:
+        """Where the tensor `name` (or its slice `index`) is: its file's entry, first byte, shape and length."""
         stored = self.tensors[name]
         begin, shape = stored.begin, stored.shape
         if index is not None:
             row_bytes = math.prod(shape[1:]) * stored.dtype.itemsize
             begin, shape = begin + index * row_bytes, shape[1:]
-        length = math.prod(shape) * stored.dtype.itemsize
+        return stored, begin, shape, math.prod(shape) * stored.dtype.itemsize
+
+    def nbytes(self, name: str, index: int | None = None) -> int:
+        return self._region(name, index)[3]
+
+    def read(self, name: str, index: int | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor `name`, or its slice `index` along the first axis (one expert of a fused expert tensor),
+        read into the start of `into` (a uint8 tensor of at least its bytes, to reuse memory) or fresh memory."""
+        stored, begin, shape, length = self._region(name, index)
         # torch.empty, unlike bytearray, does not spend a pass zero-filling what the read overwrites.
-        buffer = torch.empty(length, dtype=torch.uint8)
+        buffer = (torch.empty(length, dtype=torch.uint8) if into is None else into)[:length]
         view = memoryview(buffer.numpy())
         with open(stored.file, "rb", buffering=0) as f:
             f.seek(begin)
