@@ -1,5 +1,6 @@
 """HF safetensors -> Megatron-Core torch_dist, streaming: one layer's tensor at a time is read, transformed,
-cut into its tensor-parallel chunks and written; nothing holds the whole model."""
+cut into its tensor-parallel chunks and written, while a thread reads the next ones; nothing holds the whole
+model."""
 
 from __future__ import annotations
 
@@ -114,8 +115,9 @@ def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, pro
     always): one piece slower to build than to write (fc1) then does not stall the writes."""
     sizes = [math.prod(piece.layout.shape) * plan.dtype.itemsize for piece in plan.pieces]
     buffers = ReadBuffers()
-    with ThreadPoolExecutor(max_workers=1) as builder:
-        ahead: deque[Future[torch.Tensor]] = deque()
+    builder = ThreadPoolExecutor(max_workers=1)
+    try:
+        ahead: deque[Future[tuple[torch.Tensor, list[torch.Tensor]]]] = deque()
         queued = 0  # pieces handed to the builder
         queued_bytes = 0  # their sizes, less those of the pieces written
         for index, piece in enumerate(plan.pieces):
@@ -130,6 +132,8 @@ def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, pro
             queued_bytes -= sizes[index]
             if (index + 1) % 100 == 0:
                 progress(f"{index + 1}/{len(plan.pieces)} tensors written")
+    finally:
+        builder.shutdown(cancel_futures=True)  # after a failure, read no further
 
 
 def convert_hf_to_mcore(
