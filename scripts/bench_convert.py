@@ -10,6 +10,9 @@ Page-cache conditions, applied before each timed command:
   cold  `sync; echo 3 > /proc/sys/vm/drop_caches`: source, Python and torch all come from disk (needs root)
   warm  the source directory is read once, so it is in the page cache (as right after a download)
 
+It also times, the same way, the start of a Python process that imports the converter (torch among it):
+a fixed cost of each conversion, which weighs on small models.
+
 Targets: conversion / cp <= 1.3, and peak RSS < 1 GiB + 2 x the largest tensor.
 
     python scripts/bench_convert.py --models qwen2.5-0.5b qwen2.5-7b-instruct --work-dir /work/bench-data
@@ -37,6 +40,7 @@ DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 GiB = 1 << 30
 # Written last into a source directory: one without it is an interrupted generation, made again.
 COMPLETE_MARK = ".complete"
+IMPORT_CONVERTER = [sys.executable, "-c", "import mconvert.cli, mconvert.converters.hf_to_mcore"]
 
 
 @dataclass
@@ -117,7 +121,7 @@ def main() -> int:
             "--load-dir", str(source), "--save-dir", str(convert_target), "--tp", str(options.tp),
         ]
         for condition in options.conditions:
-            copies, conversions = [], []
+            copies, conversions, starts = [], [], []
             for _ in range(options.repeats):
                 prepare_cache(condition, source)
                 copies.append(run_timed(["cp", "-r", str(source), str(copy_target)]))
@@ -125,6 +129,9 @@ def main() -> int:
                 prepare_cache(condition, source)
                 conversions.append(run_timed(convert))
                 remove(convert_target)
+                prepare_cache(condition, source)
+                starts.append(run_timed(IMPORT_CONVERTER))
+            start = statistics.median(run.seconds for run in starts)
             copy = statistics.median(run.seconds for run in copies)
             copy_synced = statistics.median(run.synced_seconds for run in copies)
             seconds = statistics.median(run.seconds for run in conversions)
@@ -132,7 +139,7 @@ def main() -> int:
             rss = max(run.max_rss_bytes for run in conversions)
             rows.append(
                 (
-                    model, condition, f"{copy:.2f}", f"{seconds:.2f}", f"{seconds / copy:.2f}",
+                    model, condition, f"{copy:.2f}", f"{seconds:.2f}", f"{seconds / copy:.2f}", f"{start:.2f}",
                     f"{copy_synced:.2f}", f"{synced:.2f}", f"{synced / copy_synced:.2f}",
                     f"{len(tensors) / seconds:.0f}", f"{total / seconds / GiB:.2f}",
                     human_bytes(rss), human_bytes(largest), human_bytes(rss_limit),
@@ -140,10 +147,11 @@ def main() -> int:
                 )
             )
             print(f"{model} {condition}: cp {[round(r.seconds, 2) for r in copies]} s, "
-                  f"convert {[round(r.seconds, 2) for r in conversions]} s", flush=True)
+                  f"convert {[round(r.seconds, 2) for r in conversions]} s, "
+                  f"start {[round(r.seconds, 2) for r in starts]} s", flush=True)
 
     header = (
-        "model", "cache", "cp s", "convert s", "ratio", "cp+sync s", "convert+sync s", "ratio+sync",
+        "model", "cache", "cp s", "convert s", "ratio", "of which start s", "cp+sync s", "convert+sync s", "ratio+sync",
         "HF tensors/s", "GiB/s", "peak RSS", "largest tensor", "RSS target", "targets met",
     )
     print()

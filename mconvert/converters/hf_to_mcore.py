@@ -1,11 +1,16 @@
 """HF safetensors -> Megatron-Core torch_dist, streaming: one layer's tensor at a time is read, transformed,
-cut into its tensor-parallel chunks and written; nothing holds the whole model."""
+cut into its tensor-parallel chunks and written, while a thread reads the next ones; nothing holds the whole
+model."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -23,6 +28,9 @@ from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
 
 ARGS_SCRIPT = "megatron_args.sh"
+# How much of the pieces that follow the one being written may be read and built in advance: about a layer
+# of a 7B model, small next to what its largest tensors take anyway.
+READ_AHEAD_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -55,13 +63,82 @@ def fused_expert_layers(family: Family, spec: ModelSpec, hf: HFCheckpoint) -> fr
     )
 
 
-def build_piece(piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: torch.dtype) -> torch.Tensor:
-    """The Megatron tensor region of `piece`, from its HF tensors, padded and in the target dtype."""
-    tensor = piece.entry.to_mcore([hf.read(ref.name, ref.index) for ref in piece.sources], spec).to(dtype)
+class ReadBuffers:
+    """Memory to read HF tensors into, handed back once their piece is written and reused by later reads:
+    the fresh pages of a new buffer cost the kernel a fault and a zeroing each, more than the read itself.
+    A buffer serves reads of half its size or more; free ones beyond READ_AHEAD_BYTES are let go, largest
+    first, so that one-off sizes (the embedding) are not kept."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fitting = [i for i, buffer in enumerate(self._free) if nbytes <= buffer.numel() <= 2 * nbytes]
+            if fitting:
+                return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        with self._lock:
+            self._free = sorted(self._free + buffers, key=torch.Tensor.numel)
+            while sum(buffer.numel() for buffer in self._free) > READ_AHEAD_BYTES:
+                self._free.pop()
+
+
+def piece_tensor(piece: Piece, sources: list[torch.Tensor], spec: ModelSpec, dtype: torch.dtype) -> torch.Tensor:
+    """The Megatron tensor region of `piece` from its HF tensors: transformed, padded, in the target dtype."""
+    tensor = piece.entry.to_mcore(sources, spec).to(dtype)
     rows = piece.layout.shape[0]
     if piece.layout.real_rows is not None and rows > tensor.shape[0]:
         tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
     return tensor
+
+
+def build_piece(
+    piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: torch.dtype, buffers: ReadBuffers
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`piece_tensor` of HF tensors read from files into reused buffers; and those buffers, to hand back once
+    the region is written."""
+    taken = [buffers.take(hf.nbytes(ref.name, ref.index)) for ref in piece.sources]
+    sources = [hf.read(ref.name, ref.index, into) for ref, into in zip(piece.sources, taken)]
+    return piece_tensor(piece, sources, spec, dtype), taken
+
+
+def write_piece(writer: torch_dist.DCPWriter, piece: Piece, tensor: torch.Tensor) -> None:
+    axis = piece.layout.split_axis or 0
+    for offsets, part in piece.chunks():
+        chunk = tensor[(slice(None),) * axis + (part,)]
+        for key in piece.keys:
+            writer.write_chunk(key, (*piece.offsets, *offsets), chunk)
+
+
+def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, progress: Callable[[str], None]) -> None:
+    """Build and write every piece of the plan. A thread reads and builds the pieces ahead of the one being
+    written, so that reading overlaps writing, as far as READ_AHEAD_BYTES of pieces allow (the next piece
+    always): one piece slower to build than to write (fc1) then does not stall the writes."""
+    sizes = [math.prod(piece.layout.shape) * plan.dtype.itemsize for piece in plan.pieces]
+    buffers = ReadBuffers()
+    builder = ThreadPoolExecutor(max_workers=1)
+    try:
+        ahead: deque[Future[tuple[torch.Tensor, list[torch.Tensor]]]] = deque()
+        queued = 0  # pieces handed to the builder
+        queued_bytes = 0  # their sizes, less those of the pieces written
+        for index, piece in enumerate(plan.pieces):
+            while queued < len(plan.pieces) and (queued <= index + 1 or queued_bytes + sizes[queued] <= READ_AHEAD_BYTES):
+                ahead.append(builder.submit(build_piece, plan.pieces[queued], hf, plan.spec, plan.dtype, buffers))
+                queued_bytes += sizes[queued]
+                queued += 1
+            tensor, taken = ahead.popleft().result()
+            write_piece(writer, piece, tensor)
+            del tensor  # may be a view of the buffers, which later reads overwrite
+            buffers.give_back(taken)
+            queued_bytes -= sizes[index]
+            if (index + 1) % 100 == 0:
+                progress(f"{index + 1}/{len(plan.pieces)} tensors written")
+    finally:
+        builder.shutdown(cancel_futures=True)  # after a failure, read no further
 
 
 def convert_hf_to_mcore(
@@ -93,15 +170,7 @@ def convert_hf_to_mcore(
         try:
             for key, shape in plan.shapes.items():
                 writer.declare(key, shape, plan.dtype)
-            for number, piece in enumerate(plan.pieces, 1):
-                tensor = build_piece(piece, hf, spec, plan.dtype)
-                axis = piece.layout.split_axis or 0
-                for offsets, part in piece.chunks():
-                    chunk = tensor[(slice(None),) * axis + (part,)]
-                    for key in piece.keys:
-                        writer.write_chunk(key, (*piece.offsets, *offsets), chunk)
-                if number % 100 == 0:
-                    progress(f"{number}/{len(plan.pieces)} tensors written")
+            write_pieces(plan, hf, writer, progress)
             for key in plan.extra_state_keys:
                 writer.write_object(key, torch_dist.EMPTY_EXTRA_STATE)
             writer.finish()

@@ -106,22 +106,34 @@ class HFCheckpoint:
     def where(self, name: str) -> str:
         return f"tensor '{name}' in {self.tensors[name].file}"
 
-    def read(self, name: str, index: int | None = None) -> torch.Tensor:
-        """The tensor `name`, or its slice `index` along the first axis (one expert of a fused expert tensor)."""
+    def _region(self, name: str, index: int | None) -> tuple[StoredTensor, int, tuple[int, ...], int]:
+        """Where the tensor `name` (or its slice `index`) is: its file's entry, first byte, shape and length."""
         stored = self.tensors[name]
         begin, shape = stored.begin, stored.shape
         if index is not None:
             row_bytes = math.prod(shape[1:]) * stored.dtype.itemsize
             begin, shape = begin + index * row_bytes, shape[1:]
-        length = math.prod(shape) * stored.dtype.itemsize
-        buffer = bytearray(length)
-        with open(stored.file, "rb") as f:
+        return stored, begin, shape, math.prod(shape) * stored.dtype.itemsize
+
+    def nbytes(self, name: str, index: int | None = None) -> int:
+        return self._region(name, index)[3]
+
+    def read(self, name: str, index: int | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor `name`, or its slice `index` along the first axis (one expert of a fused expert tensor),
+        read into the start of `into` (a uint8 tensor of at least its bytes, to reuse memory) or fresh memory."""
+        stored, begin, shape, length = self._region(name, index)
+        # torch.empty, unlike bytearray, does not spend a pass zero-filling what the read overwrites.
+        buffer = (torch.empty(length, dtype=torch.uint8) if into is None else into)[:length]
+        view = memoryview(buffer.numpy())
+        with open(stored.file, "rb", buffering=0) as f:
             f.seek(begin)
-            if f.readinto(buffer) != length:
-                raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
-        if length == 0:
-            return torch.empty(shape, dtype=stored.dtype)
-        return torch.frombuffer(buffer, dtype=stored.dtype).reshape(shape)
+            done = 0
+            while done < length:  # one read() returns at most 2 GiB
+                count = f.readinto(view[done:])
+                if not count:
+                    raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
+                done += count
+        return buffer.view(stored.dtype).reshape(shape)
 
 
 _ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}

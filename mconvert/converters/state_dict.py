@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 import torch
 
-from mconvert.converters.hf_to_mcore import build_piece, fused_expert_layers
+from mconvert.converters.hf_to_mcore import fused_expert_layers, piece_tensor
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.mcore_to_hf import StateDictTensors, hf_tensors, plan_export
 from mconvert.converters.plan import build_plan, check_sources
@@ -47,7 +47,7 @@ def hf_to_mcore_state_dict(
     check_sources(plan, {name: tuple(t.shape) for name, t in hf_state_dict.items()}, hf.where)
     state_dict = {key: torch.zeros(shape, dtype=plan.dtype) for key, shape in plan.shapes.items()}
     for piece in plan.pieces:
-        tensor = build_piece(piece, hf, spec, plan.dtype)
+        tensor = piece_tensor(piece, [hf.read(ref.name, ref.index) for ref in piece.sources], spec, plan.dtype)
         for key in piece.keys:
             state_dict[key][piece.offsets] = tensor
     return state_dict

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.utils.serialization import config as serialization_config
 
 from mconvert.errors import ConversionError
 
@@ -65,6 +66,7 @@ class DCPWriter:
         self._state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         self._storage: dict[MetadataIndex, _StorageInfo] = {}
         self._filled: dict[str, int] = {}
+        self._staging = torch.empty(0, dtype=torch.uint8)
 
     def declare(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self._state[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), [])
@@ -75,7 +77,10 @@ class DCPWriter:
         if isinstance(payload, bytes):
             self._file.write(payload)
         else:
-            torch.save(payload, self._file)
+            # The zip records' CRC32 costs torch.save five times the write itself; torch.load does not check
+            # it (DCP's readers, megatron-core's included, go through torch.load).
+            with serialization_config.patch({"save.compute_crc32": False}):
+                torch.save(payload, self._file)
         return offset, self._file.tell() - offset
 
     def write_chunk(self, key: str, offsets: tuple[int, ...], chunk: torch.Tensor) -> None:
@@ -85,15 +90,27 @@ class DCPWriter:
             raise AssertionError(f"chunk of '{key}' at {offsets} does not fit {meta}")
         # A layer's (or expert's) region of a stacked tensor is stored with its leading axes of size 1.
         chunk = chunk.reshape((1,) * (len(meta.size) - chunk.dim()) + tuple(chunk.shape))
-        # torch.save writes a tensor's whole storage: give it one that holds just this chunk.
-        if not chunk.is_contiguous() or chunk.untyped_storage().nbytes() != chunk.numel() * chunk.element_size():
-            chunk = chunk.clone(memory_format=torch.contiguous_format)
+        if not chunk.is_contiguous():  # a row-parallel chunk (TP > 1)
+            chunk = self._staged(chunk)
+        # torch.save writes a tensor's whole storage: give it one that holds just this chunk. A contiguous
+        # slice (a column-parallel chunk, half of fc1) needs no copy: a tensor over just its bytes does.
+        if chunk.untyped_storage().nbytes() != chunk.nbytes:
+            chunk = torch.from_numpy(chunk.view(torch.uint8).numpy()).view(chunk.dtype)
         offset, length = self._append(chunk)
         meta.chunks.append(ChunkStorageMetadata(torch.Size(offsets), chunk.shape))
         self._storage[MetadataIndex(key, torch.Size(offsets), len(meta.chunks) - 1)] = _StorageInfo(
             self.DATA_FILE, offset, length
         )
         self._filled[key] += chunk.numel()
+
+    def _staged(self, chunk: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of `chunk` in memory reused from chunk to chunk: fresh memory would cost the
+        kernel a page fault and a zeroing per 4 KiB, more than the copy itself."""
+        if self._staging.numel() < chunk.nbytes:
+            self._staging = torch.empty(chunk.nbytes, dtype=torch.uint8)
+        staged = self._staging[: chunk.nbytes].view(chunk.dtype).view(chunk.shape)
+        staged.copy_(chunk)
+        return staged
 
     def write_object(self, key: str, obj: Any) -> None:
         offset, length = self._append(_bytes_of(obj))
