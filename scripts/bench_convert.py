@@ -79,12 +79,18 @@ def remove(path: Path) -> None:
 
 
 def make_source(model: str, work_dir: Path) -> Path:
+    """MODEL or MODEL@LAYERS: the real config, cut to its first LAYERS layers when given (a MoE model's
+    thousands of small expert tensors are measured well by a few layers)."""
     source = work_dir / model
     if not (source / COMPLETE_MARK).exists():
         if source.exists():
             shutil.rmtree(source)
         print(f"writing random {model} to {source} ...", flush=True)
-        write_random_hf_checkpoint(real_config(model), source)
+        name, _, layers = model.partition("@")
+        config = real_config(name)
+        if layers:
+            config["num_hidden_layers"] = int(layers)
+        write_random_hf_checkpoint(config, source)
         (source / COMPLETE_MARK).touch()
     return source
 
@@ -95,7 +101,7 @@ def human_bytes(n: float) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b"], help="configs from mconvert/configs")
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b"], help="configs from mconvert/configs, NAME@LAYERS for the first LAYERS layers")
     parser.add_argument("--work-dir", type=Path, required=True, help="where sources and outputs go (one disk)")
     parser.add_argument("--conditions", nargs="+", choices=("cold", "warm"), default=["cold", "warm"])
     parser.add_argument("--repeats", type=int, default=3)
