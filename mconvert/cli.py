@@ -70,6 +70,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
         options.save_dir,
         iteration=options.iteration,
         hf_config_dir=options.hf_config,
+        model_size=options.model_size,
         dtype=_dtype(options.dtype),
         max_shard_size=options.max_shard_size,
         overwrite=options.overwrite,
@@ -146,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--hf-config", default=None, metavar="REF_DIR",
         help="an HF model directory of this architecture: its config.json is the base of the written one, its "
         "generation config and tokenizer files are copied (needed when the checkpoint stores no args)",
+    )
+    to_hf.add_argument(
+        "--model-size", default=None,
+        help="the family, as hf-to-mcore's --model-size names it; must agree with the checkpoint (default: told from its args)",
     )
     to_hf.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="written dtype (default: the checkpoint's)")
     to_hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")

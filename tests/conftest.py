@@ -13,7 +13,7 @@ def hf_model_factory(tmp_path_factory):
     made = {}
 
     def make(config_name: str, layers: int = 2, max_shard_size: str | None = None, seed: int = 0, **overrides):
-        key = (config_name, layers, max_shard_size, seed, tuple(sorted(overrides.items())))
+        key = (config_name, layers, max_shard_size, seed, repr(sorted(overrides.items())))  # values may be lists
         if key not in made:
             out = tmp_path_factory.mktemp(config_name.replace(".", "_"))
             made[key] = make_hf_checkpoint(shrink(real_config(config_name), layers=layers, **overrides), out / "hf", seed=seed, max_shard_size=max_shard_size)

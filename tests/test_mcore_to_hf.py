@@ -20,21 +20,28 @@ from mconvert.converters.megatron import Parallelism
 from mconvert.converters.safetensors_io import INDEX_FILE, HFCheckpoint, SafetensorsWriter, parse_size
 from mconvert.converters.state_dict import hf_to_mcore_state_dict, mcore_to_hf_state_dict
 from mconvert.errors import ConversionError
-from mconvert.mappings import get_mapping
+from mconvert.mappings import family_for_spec, get_mapping
 from mconvert.synthetic import real_config, shrink
 
-FAMILIES = {
-    "llama-2-7b": {},
-    "llama-3.1-8b": {},
-    "qwen2.5-7b-instruct": {},
-    "qwen3-8b": {},
+# id: (real config, overrides)
+MODELS = {
+    "llama-2-7b": ("llama-2-7b", {}),
+    "llama-3.1-8b": ("llama-3.1-8b", {}),
+    "qwen2.5-7b-instruct": ("qwen2.5-7b-instruct", {}),
+    "qwen3-8b": ("qwen3-8b", {}),
     # Llama 3.2 1B and Qwen2.5 0.5B tie the output layer to the embedding.
-    "qwen2.5-7b-instruct-tied": {"tie_word_embeddings": True},
+    "qwen2.5-7b-instruct-tied": ("qwen2.5-7b-instruct", {"tie_word_embeddings": True}),
+    # MoE: dense layers mixed in (per-layer keys); a gated shared expert; experts in every layer.
+    "qwen3_moe-mixed": ("qwen3-30b-a3b", {"layers": 4, "mlp_only_layers": [0, 3]}),
+    "qwen2_moe": ("qwen1.5-moe-a2.7b", {}),
+    "mixtral": ("mixtral-8x7b-v0.1", {}),
 }
+MOE = ("qwen3_moe-mixed", "qwen2_moe", "mixtral")
 
 
 def hf_dir(factory, name):
-    return factory(name.removesuffix("-tied"), **FAMILIES[name])
+    config, overrides = MODELS[name]
+    return factory(config, **overrides)
 
 
 def read_hf(directory):
@@ -47,16 +54,16 @@ def export(capsys, load_dir, save_dir, *flags):
     return json.loads((save_dir / "config.json").read_text())
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", list(MODELS))
 def test_round_trip_is_bit_exact_with_an_equivalent_config(name, hf_model_factory, tmp_path, capsys):
     hf = hf_dir(hf_model_factory, name)
-    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, pp=2))
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, pp=2, ep=2 if name in MOE else 1))
     config = export(capsys, tmp_path / "mcore", tmp_path / "back", "--max-shard-size", "60KB")
 
     original, back = read_hf(hf), read_hf(tmp_path / "back")
     assert sorted(back) == sorted(original)
     assert all(torch.equal(original[k], back[k]) and original[k].dtype == back[k].dtype for k in original)
-    # From the checkpoint's args alone: the same model, in HF's terms.
+    # From the checkpoint's args alone (the family told from them): the same model, in HF's terms.
     assert get_mapping(config)[1] == get_mapping(json.loads((hf / "config.json").read_text()))[1]
     assert ("lm_head.weight" in back) == (not config["tie_word_embeddings"])
     index = json.loads((tmp_path / "back" / INDEX_FILE).read_text())
@@ -80,10 +87,10 @@ def test_reference_config_keeps_its_fields_and_side_files_are_copied(hf_model_fa
     assert torch.equal(back["model.norm.weight"], read_hf(hf)["model.norm.weight"].bfloat16())
 
 
-@pytest.mark.parametrize("name", ["qwen3-8b", "qwen2.5-7b-instruct-tied"])
+@pytest.mark.parametrize("name", ["qwen3-8b", "qwen2.5-7b-instruct-tied", *MOE])
 def test_transformers_loads_the_export_and_gives_the_original_logits(name, hf_model_factory, tmp_path, capsys):
     hf = hf_dir(hf_model_factory, name)
-    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2))
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, ep=2 if name in MOE else 1))
     export(capsys, tmp_path / "mcore", tmp_path / "back")
     tokens = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
     logits = []
@@ -116,15 +123,48 @@ def test_state_dicts_convert_both_ways_as_the_files_do(hf_model_factory, tmp_pat
     assert all(torch.equal(from_args[k], hf_state[k]) for k in hf_state)
 
 
-@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-7b-instruct", "qwen3-8b", "qwen3-30b-a3b", "mixtral-8x7b-v0.1"])
-def test_args_read_back_into_the_same_model(name):
-    config = shrink(real_config(name))
-    try:
-        family, spec = get_mapping(config)
-    except ConversionError as e:  # MoE families arrive with their mapping tables
-        pytest.skip(str(e))
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-7b-instruct", "qwen3-8b", "qwen3_moe-mixed", "qwen2_moe", "mixtral"])
+def test_args_read_back_into_the_same_model_of_the_same_family(name):
+    config_name, overrides = MODELS[name]
+    family, spec = get_mapping(shrink(real_config(config_name), **overrides))
     args = megatron.megatron_args(spec, Parallelism(tp=2), torch.bfloat16, "transformer_engine")
-    assert megatron.spec_from_args(args, family.name) == dataclasses.replace(spec, dtype=torch.bfloat16)
+    from_args = megatron.spec_from_args(args)
+    assert family_for_spec(from_args) is family
+    assert dataclasses.replace(from_args, family=family.name) == dataclasses.replace(spec, dtype=torch.bfloat16)
+
+
+def moe_args(**changes) -> argparse.Namespace:
+    """Megatron-LM args of a small Qwen2-MoE (a gated shared expert, biases on q, k, v), changed."""
+    _, spec = get_mapping(shrink(real_config("qwen1.5-moe-a2.7b")))
+    args = megatron.megatron_args(spec, Parallelism(), torch.float32, "transformer_engine")
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
+def test_moe_layer_freq_reads_as_megatron_lm_stores_it():
+    """Megatron-LM parses --moe-layer-freq ("([0]+[1]*1)") when reading its command line: args hold an int
+    (every k-th layer from layer 0) or a list."""
+    assert megatron.spec_from_args(moe_args(num_layers=4, moe_layer_freq=2)).moe.moe_layers == (True, False, True, False)
+    assert megatron.spec_from_args(moe_args(moe_layer_freq=[0, 1])).moe.moe_layers == (False, True)
+    with pytest.raises(ConversionError, match="string"):
+        megatron.spec_from_args(moe_args(moe_layer_freq="([0]+[1]*1)"))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(moe_router_score_function="sigmoid"), "score function 'sigmoid'"),
+        (dict(moe_router_enable_expert_bias=True), "expert bias"),
+        # No shared expert: a Mixtral, whose config has no biases on q, k, v to say.
+        (
+            dict(moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False, moe_router_pre_softmax=False, moe_ffn_hidden_size=128),
+            "mixtral family cannot express this model: qkv_bias would read back as False, not True",
+        ),
+    ],
+    ids=["sigmoid-routing", "expert-bias", "mixtral-with-qkv-bias"],
+)
+def test_args_of_models_no_family_has_are_refused(changes, message):
+    with pytest.raises(ConversionError, match=message):
+        mcore_to_hf_state_dict({}, args=moe_args(**changes))
 
 
 def test_iteration_is_picked_by_tracker_or_flag(hf_model_factory, tmp_path, capsys):

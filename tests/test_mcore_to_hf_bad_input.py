@@ -87,3 +87,9 @@ def test_no_args_and_no_reference(private_checkpoint, tmp_path, capsys):
 
 def test_a_bad_shard_size(checkpoint, tmp_path, capsys):
     assert "5 parsecs" in export_fails(capsys, checkpoint, tmp_path / "out", "--max-shard-size", "5 parsecs")
+
+
+def test_a_model_size_naming_another_family(checkpoint, tmp_path, capsys):
+    err = export_fails(capsys, checkpoint, tmp_path / "out", "--model-size", "qwen3-moe")
+    assert "--model-size 'qwen3-moe' names family 'qwen3_moe'" in err and "a qwen2 model" in err
+    assert main(["mcore-to-hf", "--load-dir", str(checkpoint), "--save-dir", str(tmp_path / "ok"), "--model-size", "qwen2.5-7B"]) == 0

@@ -1,7 +1,8 @@
-"""The real client: checkpoints that megatron-core itself saved (its GPTModel at TP=2 x PP=2 on gloo CPU
-ranks), in torch_dist through `dist_checkpointing.save` and in the legacy per-rank `torch` format as
-Megatron-LM writes it, export to the original HF tensors bit for bit; and the same ranks hand out HF weights
-directly (the RL weight-sync path), gathered over their TP groups."""
+"""The real client: checkpoints that megatron-core itself saved (its GPTModel on gloo CPU ranks: dense at
+TP=2 x PP=2, MoE at EP=2, at TP=2 x EP=2 with ETP=1 and at PP=2 x EP=2), in torch_dist through
+`dist_checkpointing.save` and in the legacy per-rank `torch` format as Megatron-LM writes it, export to the
+original HF tensors bit for bit; and the same ranks hand out HF weights directly (the RL weight-sync path),
+gathered over their TP and expert groups."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import json
 import random
 from pathlib import Path
 
+import weakref
+
 import numpy
 import pytest
 import torch
@@ -17,15 +20,16 @@ import torch.distributed as dist
 
 from mconvert.cli import main
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+from mconvert.converters.megatron import Parallelism
 from mconvert.converters.rank_export import gather_hf_weights
 from mconvert.converters.safetensors_io import HFCheckpoint
+from mconvert.converters.state_dict import mcore_to_hf_state_dict
 from mconvert.converters.torch_dist import TRACKER_FILE, read_args, RELEASE
 
 # The megatron-core harness (CPU shims, gloo ranks, model loading) lives in mconvert.verify.
 run_ranks = pytest.importorskip("mconvert.verify.distributed").run_ranks
-load_model = pytest.importorskip("mconvert.verify.megatron_side").load_model
-
-TP, PP = 2, 2
+megatron_side = pytest.importorskip("mconvert.verify.megatron_side")
+load_model, gather_global_state = megatron_side.load_model, megatron_side.gather_global_state
 
 
 def read_hf(directory: Path) -> dict[str, torch.Tensor]:
@@ -33,55 +37,131 @@ def read_hf(directory: Path) -> dict[str, torch.Tensor]:
     return {name: checkpoint.read(name) for name in checkpoint.tensors}
 
 
-def save_as_megatron_does(ours: str, hf_dir: str, dist_dir: str, legacy_dir: str) -> list[str]:
-    """In each rank: load our checkpoint into megatron-core's GPTModel; save it with megatron-core's own
-    dist_checkpointing and, per rank, in Megatron-LM's legacy format; then gather HF weights from the live
-    model and check them against the HF originals. Returns the HF names all ranks produced (on rank 0)."""
-    from megatron.core import dist_checkpointing, parallel_state
+def legacy_rank_dir(iteration_dir: Path) -> Path:
+    """This rank's directory in Megatron-LM's legacy format (its get_checkpoint_name): the pipeline rank only
+    with PP > 1, the expert-parallel rank only with EP > 1."""
+    from megatron.core import parallel_state as ps
 
-    args = read_args(Path(ours) / RELEASE)
-    (model,) = load_model(ours, args, torch.float32, transformer_impl="local")
-
-    dist_checkpointing.save(model.sharded_state_dict(), dist_dir)
-
-    tp, pp = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
-    rank_dir = Path(legacy_dir) / "iter_0000010" / f"mp_rank_{tp:02d}_{pp:03d}"
-    rank_dir.mkdir(parents=True, exist_ok=True)
-    # What Megatron-LM's save_checkpoint stores besides the model (RNG state with numpy's, optimizer state).
-    rng_state = {"random_rng_state": random.getstate(), "np_rng_state": numpy.random.get_state(), "torch_rng_state": torch.get_rng_state()}
-    optimizer = {"state": {i: {"exp_avg": torch.zeros_like(p)} for i, p in enumerate(model.parameters())}}
-    saved_args = argparse.Namespace(**{**vars(args), "tensor_model_parallel_size": TP, "pipeline_model_parallel_size": PP})
-    state = {"args": saved_args, "checkpoint_version": 3.0, "iteration": 10, "model": model.state_dict(), "optimizer": optimizer, "rng_state": [rng_state]}
-    torch.save(state, rank_dir / "model_optim_rng.pt")
-    if dist.get_rank() == 0:
-        (Path(legacy_dir) / TRACKER_FILE).write_text("10")
-
-    config = json.loads((Path(hf_dir) / "config.json").read_text())
-    original = read_hf(Path(hf_dir))
-    produced = []
-    for name, tensor in gather_hf_weights(model, config):
-        assert torch.equal(tensor, original[name]), name
-        produced.append(name)
-    everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-    dist.all_gather_object(everyone, produced)
-    return sorted({name for names in everyone for name in names})
+    name = f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        name += f"_{ps.get_pipeline_model_parallel_rank():03d}"
+    if ps.get_expert_model_parallel_world_size() > 1:
+        name += f"_{ps.get_expert_model_parallel_rank():03d}"
+    return iteration_dir / name
 
 
-@pytest.mark.parametrize("name, overrides", [("llama-3.1-8b", {}), ("qwen2.5-7b-instruct", {"tie_word_embeddings": True})], ids=["llama", "qwen2-tied"])
-def test_checkpoints_megatron_core_saved_export_bit_exact(name, overrides, hf_model_factory, tmp_path, capsys):
-    hf = hf_model_factory(name, layers=4, **overrides)
-    convert_hf_to_mcore(hf, tmp_path / "ours")
-    (tmp_path / "megatron-dist").mkdir()
-    produced = run_ranks(
-        save_as_megatron_does, str(tmp_path / "ours"), str(hf), str(tmp_path / "megatron-dist"), str(tmp_path / "megatron-legacy"), tp=TP, pp=PP
-    )
-    original = read_hf(hf)
-    assert produced == sorted(original)
+def save_as_megatron_does(checkpoints: list[tuple[str, str, str, str]]) -> list[tuple[list[str], dict[str, torch.Tensor]]]:
+    """In each rank, for each (ours, HF original, dist dir, legacy dir): load our checkpoint into megatron-core's
+    GPTModel; save it with megatron-core's own dist_checkpointing and, per rank, in Megatron-LM's legacy format;
+    then gather HF weights from the live model and check them against the HF originals, one at a time.
+    Returns on rank 0, per checkpoint, the HF names all ranks produced and megatron-core's own view of the
+    model's tensors (gather_global_state)."""
+    from megatron.core import dist_checkpointing, parallel_state as ps
 
-    # megatron-core's bare dist_checkpointing.save stores no args: the reference config describes the model.
-    for load_dir, flags in ((tmp_path / "megatron-dist", ["--hf-config", str(hf)]), (tmp_path / "megatron-legacy", [])):
-        out = tmp_path / f"{load_dir.name}-hf"
-        assert main(["mcore-to-hf", "--load-dir", str(load_dir), "--save-dir", str(out), *flags]) == 0, capsys.readouterr().err
-        back = read_hf(out)
-        assert sorted(back) == sorted(original)
-        assert all(torch.equal(back[k], original[k]) for k in original), load_dir.name
+    results = []
+    for ours, hf_dir, dist_dir, legacy_dir in checkpoints:
+        args = read_args(Path(ours) / RELEASE)
+        (model,) = load_model(ours, args, torch.float32, transformer_impl="local")
+
+        dist_checkpointing.save(model.sharded_state_dict(), dist_dir)
+
+        rank_dir = legacy_rank_dir(Path(legacy_dir) / "iter_0000010")
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        # What Megatron-LM's save_checkpoint stores besides the model (RNG state with numpy's, optimizer state).
+        rng_state = {"random_rng_state": random.getstate(), "np_rng_state": numpy.random.get_state(), "torch_rng_state": torch.get_rng_state()}
+        optimizer = {"state": {i: {"exp_avg": torch.zeros_like(p)} for i, p in enumerate(model.parameters())}}
+        layout = dict(
+            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+            expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        )
+        saved_args = argparse.Namespace(**{**vars(args), **layout})
+        state = {"args": saved_args, "checkpoint_version": 3.0, "iteration": 10, "model": model.state_dict(), "optimizer": optimizer, "rng_state": [rng_state]}
+        torch.save(state, rank_dir / "model_optim_rng.pt")
+        if dist.get_rank() == 0:
+            (Path(legacy_dir) / TRACKER_FILE).write_text("10")
+
+        config = json.loads((Path(hf_dir) / "config.json").read_text())
+        original = read_hf(Path(hf_dir))
+        produced, alive = [], []
+        for name, tensor in gather_hf_weights(model, config):
+            assert torch.equal(tensor, original[name]), name
+            produced.append(name)
+            # Bounded memory: tensors the caller let go of are gone but for the current piece's (at most 3:
+            # q, k and v).
+            alive = [ref for ref in alive if ref() is not None] + [weakref.ref(tensor)]
+            del tensor
+            assert len(alive) <= 3, (name, len(alive))
+        everyone: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, produced)
+        results.append((sorted({name for names in everyone for name in names}), gather_global_state([model])))
+    return results
+
+
+def run_megatron_saves(tmp_path: Path, models: dict[str, Path], parallelism: Parallelism) -> dict[str, tuple[list[str], dict]]:
+    """Convert each HF model and have megatron-core save it, all in one spawn of ranks; per model, what
+    save_as_megatron_does returns."""
+    checkpoints = []
+    for name, hf in models.items():
+        convert_hf_to_mcore(hf, tmp_path / f"{name}-ours", parallelism=parallelism)
+        (tmp_path / f"{name}-dist").mkdir()
+        checkpoints.append((str(tmp_path / f"{name}-ours"), str(hf), str(tmp_path / f"{name}-dist"), str(tmp_path / f"{name}-legacy")))
+    p = parallelism
+    return dict(zip(models, run_ranks(save_as_megatron_does, checkpoints, tp=p.tp, pp=p.pp, ep=p.ep, etp=p.etp)))
+
+
+def export_both_formats(tmp_path: Path, name: str, hf: Path, capsys) -> dict[str, dict[str, torch.Tensor]]:
+    """mcore-to-hf of what megatron-core saved. Its bare dist_checkpointing.save stores no args: the reference
+    config describes the model. The legacy files carry Megatron-LM's args, which alone do."""
+    exports = {}
+    for fmt, flags in (("dist", ["--hf-config", str(hf)]), ("legacy", [])):
+        out = tmp_path / f"{name}-{fmt}-hf"
+        code = main(["mcore-to-hf", "--load-dir", str(tmp_path / f"{name}-{fmt}"), "--save-dir", str(out), *flags])
+        assert code == 0, capsys.readouterr().err
+        exports[fmt] = read_hf(out)
+    return exports
+
+
+def test_dense_checkpoints_megatron_core_saved_export_bit_exact(hf_model_factory, tmp_path, capsys):
+    models = {
+        "llama": hf_model_factory("llama-3.1-8b", layers=4),
+        "qwen2-tied": hf_model_factory("qwen2.5-7b-instruct", layers=4, tie_word_embeddings=True),
+    }
+    results = run_megatron_saves(tmp_path, models, Parallelism(tp=2, pp=2))
+    for name, hf in models.items():
+        original = read_hf(hf)
+        produced, _ = results[name]
+        assert produced == sorted(original), name
+        for fmt, back in export_both_formats(tmp_path, name, hf, capsys).items():
+            assert sorted(back) == sorted(original), (name, fmt)
+            assert all(torch.equal(back[k], original[k]) for k in original), (name, fmt)
+
+
+MOE_LAYOUTS = {
+    "ep2": Parallelism(ep=2),
+    "tp2-ep2-etp1": Parallelism(tp=2, ep=2, etp=1),
+    "pp2-ep2": Parallelism(pp=2, ep=2),
+}
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_moe_checkpoints_megatron_core_saved_export_bit_exact(layout, hf_model_factory, tmp_path, capsys):
+    """MoE as megatron-core saves it: expert-parallel shards, per-layer keys of mixed dense and MoE layers, a
+    gated shared expert. Both formats export to what megatron-core itself says the model holds
+    (gather_global_state, in HF names), which is the original; the live ranks hand out the same."""
+    models = {"qwen2_moe-mixed-shared-expert": hf_model_factory("qwen1.5-moe-a2.7b", layers=4, mlp_only_layers=[0, 3])}
+    if layout != "pp2-ep2":  # 4 ranks on CI's 2 cores: the one model that has it all
+        models.update(qwen3_moe=hf_model_factory("qwen3-30b-a3b"), mixtral=hf_model_factory("mixtral-8x7b-v0.1"))
+    results = run_megatron_saves(tmp_path, models, MOE_LAYOUTS[layout])
+    for name, hf in models.items():
+        config = json.loads((hf / "config.json").read_text())
+        original = read_hf(hf)
+        produced, megatron_state = results[name]
+        assert produced == sorted(original), name
+        megatron_view = mcore_to_hf_state_dict(megatron_state, config)
+        assert sorted(megatron_view) == sorted(original), name
+        for fmt, back in export_both_formats(tmp_path, name, hf, capsys).items():
+            assert sorted(back) == sorted(original), (name, fmt)
+            for k in original:
+                assert torch.equal(back[k], megatron_view[k]) and torch.equal(back[k], original[k]), (name, fmt, k)

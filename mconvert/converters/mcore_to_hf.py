@@ -23,7 +23,7 @@ from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
 from mconvert.converters.safetensors_io import SafetensorsWriter, parse_size
 from mconvert.errors import ConversionError
-from mconvert.mappings import FAMILIES, family_for_config
+from mconvert.mappings import family_for_model_size, family_for_spec, get_mapping, write_hf_config
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
 
@@ -149,17 +149,6 @@ def open_megatron_checkpoint(load_dir: str | os.PathLike, iteration: int | None 
     return TorchDistTensors(dcp, torch_dist.read_common_args(directory, dcp))
 
 
-def family_for_args(args: argparse.Namespace) -> Family:
-    """The family whose features Megatron args describe (the reference config names it when given)."""
-    if getattr(args, "num_experts", None):
-        raise ConversionError("the family of a MoE checkpoint cannot be told from its args: pass --hf-config")
-    if getattr(args, "qk_layernorm", False):
-        return FAMILIES["qwen3"]
-    if getattr(args, "add_qkv_bias", False) and not getattr(args, "add_bias_linear", True):
-        return FAMILIES["qwen2"]
-    return FAMILIES["llama"]
-
-
 # Fields of ModelSpec that say what the weights are; a reference config must agree with the args on them.
 _WEIGHT_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
@@ -167,24 +156,33 @@ _WEIGHT_FIELDS = (
 )
 
 
-def resolve_model(args: argparse.Namespace | None, reference: dict[str, Any] | None, location: str) -> tuple[Family, ModelSpec]:
-    """The family and model a checkpoint holds: from its args, or from a reference HF config (which then
-    supplies what Megatron does not record, and must agree with the args on the weights)."""
-    if reference is None:
-        if args is None:
-            raise ConversionError(f"{location}: no Megatron args stored with the checkpoint: pass --hf-config")
-        family = family_for_args(args)
-        return family, megatron.spec_from_args(args, family.name)
-    family = family_for_config(reference, "--hf-config config.json")
-    spec = family.read_config(reference)
-    if args is not None:
-        from_args = megatron.spec_from_args(args, family.name, vocab_size=spec.vocab_size)
-        for name in _WEIGHT_FIELDS + ("vocab_size",):
-            if getattr(from_args, name) != getattr(spec, name):
-                raise ConversionError(
-                    f"--hf-config says {name}={getattr(spec, name)}, the checkpoint's args say {getattr(from_args, name)}"
-                )
-    return family, spec
+def resolve_model(
+    args: argparse.Namespace | None, reference: dict[str, Any] | None, location: str, model_size: str | None = None
+) -> tuple[Family, ModelSpec]:
+    """The family and model a checkpoint holds: from its args (the family inferred from the features they
+    describe), or from a reference HF config (which then supplies what Megatron does not record, and must
+    agree with the args on the weights). `model_size` (a `--model-size` value) names the family; it must
+    agree with the args or the reference."""
+    if reference is not None:
+        family, spec = get_mapping(reference, model_size, source="--hf-config config.json")
+        if args is not None:
+            from_args = megatron.spec_from_args(args, family.name, vocab_size=spec.vocab_size)
+            for name in _WEIGHT_FIELDS + ("vocab_size",):
+                if getattr(from_args, name) != getattr(spec, name):
+                    raise ConversionError(
+                        f"--hf-config says {name}={getattr(spec, name)}, the checkpoint's args say {getattr(from_args, name)}"
+                    )
+        return family, spec
+    if args is None:
+        raise ConversionError(f"{location}: no Megatron args stored with the checkpoint: pass --hf-config")
+    spec = megatron.spec_from_args(args)
+    family = family_for_spec(spec)
+    named = family_for_model_size(model_size) if model_size is not None else family
+    if named is not family:
+        raise ConversionError(
+            f"--model-size '{model_size}' names family '{named.name}' but the checkpoint's args describe a {family.name} model"
+        )
+    return family, dataclasses.replace(spec, family=family.name)
 
 
 def check_stored(plan: Plan, shapes: dict[str, Shape], location: str) -> None:
@@ -227,16 +225,20 @@ def hf_tensors(plan: Plan, source: MegatronTensors) -> Iterator[tuple[HFRef, tor
 
 
 def plan_export(
-    source: MegatronTensors, reference: dict[str, Any] | None = None, dtype: torch.dtype | None = None
+    source: MegatronTensors,
+    reference: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+    model_size: str | None = None,
 ) -> tuple[Plan, dict[str, Any]]:
     """The plan of exporting `source` to HF, and the HF config.json it gets; checked against the stored
     shapes before anything is read."""
-    family, spec = resolve_model(source.args, reference, source.location)
+    family, spec = resolve_model(source.args, reference, source.location, model_size)
     spec = dataclasses.replace(spec, dtype=dtype or source.weights_dtype or spec.dtype)
     parallelism = megatron.parallelism_from_args(source.args) if source.args is not None else Parallelism()
     plan = build_plan(family, spec, parallelism, spec.dtype)
+    config = write_hf_config(family, spec)
     check_stored(plan, source.stored_shapes(plan), source.location)
-    return plan, family.write_config(spec)
+    return plan, config
 
 
 @dataclass(frozen=True)
@@ -262,6 +264,7 @@ def convert_mcore_to_hf(
     *,
     iteration: int | None = None,
     hf_config_dir: str | os.PathLike | None = None,
+    model_size: str | None = None,
     dtype: torch.dtype | None = None,
     max_shard_size: str = "5GB",
     overwrite: bool = False,
@@ -269,13 +272,14 @@ def convert_mcore_to_hf(
 ) -> HFExport:
     """Convert the Megatron checkpoint in `load_dir` (torch_dist or legacy torch, any TP/PP/EP) into an HF
     model directory `save_dir`: sharded safetensors, their index and config.json, plus the generation config
-    and tokenizer files of `hf_config_dir` when given."""
+    and tokenizer files of `hf_config_dir` when given. `model_size` (Megatron-LM's `--model-size` values, or a
+    family name) names the family; it must agree with the checkpoint's args (or `hf_config_dir`)."""
     save_dir = Path(save_dir)
     shard_bytes = parse_size(max_shard_size)
     check_target(save_dir, overwrite)
     source = open_megatron_checkpoint(load_dir, iteration)
     reference = read_reference(Path(hf_config_dir)) if hf_config_dir is not None else None
-    plan, config = plan_export(source, reference, dtype)
+    plan, config = plan_export(source, reference, dtype, model_size)
 
     with atomic_directory(save_dir, overwrite) as work:
         hf_shapes = plan.hf_shapes()

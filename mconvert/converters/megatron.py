@@ -284,8 +284,11 @@ def parallelism_from_args(args: argparse.Namespace) -> Parallelism:
 
 
 def _moe_layers(freq: int | list[int], num_layers: int) -> tuple[bool, ...]:
-    """Megatron's --moe-layer-freq (parsed to an int or a list when args are stored): every k-th layer from
-    layer 0 for an int, else one 0/1 per layer."""
+    """Megatron's --moe-layer-freq: every k-th layer from layer 0 for an int k, else one 0/1 per layer.
+    Megatron-LM parses the flag's string form ("([0]*1+[1]*3)") when it reads its command line (argparse
+    `type=moe_freq_type`), so stored args hold the int or the list."""
+    if isinstance(freq, str):
+        raise ConversionError(f"args: moe_layer_freq is the string {freq!r}; Megatron-LM stores it parsed, as an int or a list")
     if isinstance(freq, int):
         return tuple(layer % freq == 0 for layer in range(num_layers))
     if len(freq) != num_layers:
@@ -294,11 +297,12 @@ def _moe_layers(freq: int | list[int], num_layers: int) -> tuple[bool, ...]:
 
 
 def spec_from_args(
-    args: argparse.Namespace, family: str, vocab_size: int | None = None, hf_config: dict[str, Any] | None = None
+    args: argparse.Namespace, family: str = "", vocab_size: int | None = None, hf_config: dict[str, Any] | None = None
 ) -> ModelSpec:
     """The model that Megatron-LM `args` describe (the inverse of `megatron_args`), read as Megatron-LM reads
-    them, defaults included. `vocab_size` is the real vocabulary when args lack it (Megatron-LM takes it from
-    the tokenizer and may store only the padded size). Architectures no family has are errors."""
+    them, defaults included. Args name no family: `family` is the caller's (see
+    mconvert.mappings.family_for_spec). `vocab_size` is the real vocabulary when args lack it (Megatron-LM
+    takes it from the tokenizer and may store only the padded size). Features no family has are errors."""
 
     def arg(name: str, default: Any = None) -> Any:
         value = getattr(args, name, None)
@@ -312,6 +316,11 @@ def spec_from_args(
         (arg("rotary_percent", 1.0) != 1.0, f"rotary_percent {arg('rotary_percent')}"),
         (arg("rotary_interleaved", False), "interleaved rotary embeddings"),
         (arg("multi_latent_attention", False), "multi-latent attention"),
+        # Routing other than softmax over the expert logits (DeepSeek-V3's) computes other expert weights.
+        (arg("moe_router_score_function", "softmax") != "softmax", f"router score function '{arg('moe_router_score_function')}' (softmax is supported)"),
+        (arg("moe_router_topk_scaling_factor", 1.0) != 1.0, f"routing weights scaled by {arg('moe_router_topk_scaling_factor')}"),
+        (arg("moe_router_enable_expert_bias", False), "expert bias in the router"),
+        (arg("moe_router_num_groups") is not None, "group-limited routing"),
     ]
     for bad, what in unsupported:
         if bad:

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from mconvert.errors import ConversionError
@@ -52,4 +53,38 @@ def get_mapping(config: dict[str, Any], model_size: str | None = None, source: s
     return family, family.read_config(config)
 
 
-__all__ = ["FAMILIES", "Family", "ModelSpec", "MoESpec", "RopeScaling", "Table", "family_for_config", "family_for_model_size", "get_mapping"]
+def family_for_spec(spec: ModelSpec) -> Family:
+    """The family whose architecture has the features of `spec`, for a model known only by its features (as
+    Megatron args describe it, naming no family). Experts with a shared expert: Qwen2-MoE; experts with q/k
+    norms: Qwen3-MoE; other experts: Mixtral. Dense with q/k norms: Qwen3; with biases on q, k and v only:
+    Qwen2; else Llama. Whether the family can express every feature is `write_hf_config`'s check."""
+    if spec.moe is not None:
+        name = "qwen2_moe" if spec.moe.shared_expert_ffn_hidden_size else "qwen3_moe" if spec.qk_norm else "mixtral"
+    else:
+        name = "qwen3" if spec.qk_norm else "qwen2" if spec.qkv_bias and not spec.linear_bias else "llama"
+    return FAMILIES[name]
+
+
+def _differences(written: Any, meant: Any, prefix: str = "") -> list[str]:
+    if dataclasses.is_dataclass(meant) and type(written) is type(meant):
+        return [
+            difference
+            for field in dataclasses.fields(meant)
+            if field.compare and field.name != "family"
+            for difference in _differences(getattr(written, field.name), getattr(meant, field.name), f"{prefix}{field.name}.")
+        ]
+    return [] if written == meant else [f"{prefix.rstrip('.')} would read back as {written}, not {meant}"]
+
+
+def write_hf_config(family: Family, spec: ModelSpec) -> dict[str, Any]:
+    """The HF config.json of `spec` in `family`'s terms, checked to read back as the same model: a model
+    described by other means than this family's config (Megatron args) may have features its config cannot
+    say (Llama's has no q/k norms), and those must fail here rather than vanish."""
+    config = family.write_config(spec)
+    differences = _differences(family.read_config(config), spec)
+    if differences:
+        raise ConversionError(f"the {family.name} family cannot express this model: {'; '.join(differences)}")
+    return config
+
+
+__all__ = ["FAMILIES", "Family", "ModelSpec", "MoESpec", "RopeScaling", "Table", "family_for_config", "family_for_model_size", "family_for_spec", "get_mapping", "write_hf_config"]
