@@ -130,16 +130,51 @@ def _write_random_safetensors(path: Path, parameters: list[tuple[str, Any]], gen
                 remaining -= len(values)
 
 
+def _per_expert(parameters: list[tuple[str, Any]], config: dict[str, Any]) -> list[tuple[str, Any]]:
+    """The hub's layout of MoE experts, one tensor per expert, in place of the fused 3-D tensors transformers
+    holds in memory; the family's table says how the two layouts correspond."""
+    import torch
+
+    from mconvert.mappings import get_mapping
+
+    family, spec = get_mapping(config)
+    table, fused = family.table, dict(parameters)
+    replaced: dict[str, list[tuple[str, Any]]] = {}
+    for layer in range(spec.num_layers):
+        prefix = table.layer_prefix.format(layer=layer)
+        for entry in table.fused_experts:
+            (source,) = entry.hf_names
+            name = prefix + source.split("[")[0]
+            if name not in fused:
+                continue  # a dense layer
+            per_expert = next(e for e in table.experts if e.mcore == entry.mcore)
+            experts, *shape = fused[name].shape
+            replaced[name] = [
+                (prefix + hf_name.format(expert=expert), torch.empty(hf_shape, dtype=fused[name].dtype, device="meta"))
+                for expert in range(experts)
+                for hf_name, hf_shape in zip(per_expert.hf_names, per_expert.hf_shapes(tuple(shape), spec))
+            ]
+        # Modules of the MoE block that the fused layout names differently (Mixtral's router).
+        for entry in table.fused_moe_mlp or ():
+            hub = next(e for e in table.moe_mlp if e.mcore == entry.mcore)
+            for fused_name, hub_name in zip(entry.hf_names, hub.hf_names):
+                if prefix + fused_name in fused:
+                    replaced[prefix + fused_name] = [(prefix + hub_name, fused[prefix + fused_name])]
+    return [item for name, p in parameters for item in replaced.get(name, [(name, p)])]
+
+
 def write_random_hf_checkpoint(
     config: dict[str, Any],
     out_dir: str | os.PathLike,
     seed: int = 0,
     max_shard_bytes: int = 5 * 10**9,
     device: str = "cpu",
+    fused_experts: bool = False,
 ) -> Path:
     """A random-init checkpoint of `config` at full size, written tensor by tensor without ever building the
     model: names, shapes and dtypes come from transformers' model built on the meta device, the files are
-    sharded as the hub's are (`max_shard_bytes` each, with an index when there are several)."""
+    sharded as the hub's are (`max_shard_bytes` each, with an index when there are several). MoE experts are
+    stored one tensor per expert as on the hub, or fused in 3-D tensors with `fused_experts`."""
     import torch
     import transformers
 
@@ -148,7 +183,8 @@ def write_random_hf_checkpoint(
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     # named_parameters() lists a tied output layer once, under the embedding's name, as save_pretrained stores it.
-    shards = _shards(list(model.named_parameters()), max_shard_bytes)
+    parameters = list(model.named_parameters())
+    shards = _shards(parameters if fused_experts else _per_expert(parameters, config), max_shard_bytes)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(out_dir)

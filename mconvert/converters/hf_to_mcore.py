@@ -5,7 +5,6 @@ model."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import threading
@@ -21,7 +20,7 @@ from mconvert.converters import megatron, torch_dist
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
-from mconvert.converters.safetensors_io import HFCheckpoint
+from mconvert.converters.safetensors_io import HFCheckpoint, read_hf_config
 from mconvert.errors import ConversionError
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family
@@ -38,16 +37,6 @@ class Conversion:
     plan: Plan
     args: argparse.Namespace
     flags: list[str]
-
-
-def read_hf_config(load_dir: Path) -> dict:
-    path = load_dir / "config.json"
-    if not path.exists():
-        raise ConversionError(f"{path}: missing (not an HF checkpoint directory)")
-    try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise ConversionError(f"{path}: not valid JSON ({e})") from None
 
 
 def fused_expert_layers(family: Family, spec: ModelSpec, hf: HFCheckpoint) -> frozenset[int]:
@@ -154,7 +143,7 @@ def convert_hf_to_mcore(
 ) -> Conversion:
     """Convert the HF checkpoint in `load_dir` into a torch_dist checkpoint in `save_dir` for `parallelism`."""
     load_dir, save_dir = Path(load_dir), Path(save_dir)
-    config = read_hf_config(load_dir)
+    config = read_hf_config(load_dir, "--load-dir")
     family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
     check_target(save_dir, overwrite)
     hf = HFCheckpoint(load_dir)

@@ -21,7 +21,7 @@ from mconvert.converters import megatron, torch_dist
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
-from mconvert.converters.safetensors_io import SafetensorsWriter, parse_size
+from mconvert.converters.safetensors_io import SafetensorsWriter, parse_size, read_hf_config
 from mconvert.errors import ConversionError
 from mconvert.mappings import family_for_model_size, family_for_spec, get_mapping, write_hf_config
 from mconvert.mappings.family import Family
@@ -248,16 +248,6 @@ class HFExport:
     files: tuple[str, ...]
 
 
-def read_reference(hf_config_dir: Path) -> dict[str, Any]:
-    path = hf_config_dir / "config.json"
-    if not path.exists():
-        raise ConversionError(f"--hf-config {hf_config_dir}: no config.json there")
-    try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise ConversionError(f"{path}: not valid JSON ({e})") from None
-
-
 def convert_mcore_to_hf(
     load_dir: str | os.PathLike,
     save_dir: str | os.PathLike,
@@ -278,7 +268,7 @@ def convert_mcore_to_hf(
     shard_bytes = parse_size(max_shard_size)
     check_target(save_dir, overwrite)
     source = open_megatron_checkpoint(load_dir, iteration)
-    reference = read_reference(Path(hf_config_dir)) if hf_config_dir is not None else None
+    reference = read_hf_config(Path(hf_config_dir), "--hf-config") if hf_config_dir is not None else None
     plan, config = plan_export(source, reference, dtype, model_size)
 
     with atomic_directory(save_dir, overwrite) as work:

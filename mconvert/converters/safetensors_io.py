@@ -75,6 +75,17 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
     return tensors
 
 
+def read_hf_config(directory: Path, flag: str) -> dict:
+    """config.json of an HF model directory given by `flag`."""
+    path = Path(directory) / "config.json"
+    if not path.exists():
+        raise ConversionError(f"{flag} {directory}: no config.json (not an HF model directory)")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ConversionError(f"{path}: not valid JSON ({e})") from None
+
+
 class HFCheckpoint:
     """The tensors of an HF checkpoint directory: `model.safetensors`, or shards listed by the index."""
 

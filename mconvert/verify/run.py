@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from mconvert.converters import megatron
-from mconvert.converters.hf_to_mcore import read_hf_config
+from mconvert.converters.safetensors_io import read_hf_config
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.torch_dist import iteration_dir, read_args
 from mconvert.errors import ConversionError
@@ -59,7 +59,7 @@ def text_prompts(path: Path, hf_dir: Path) -> list[torch.Tensor]:
 
 
 def check_architecture(hf_dir: Path, stored: argparse.Namespace) -> None:
-    _, spec = get_mapping(read_hf_config(hf_dir), source=str(hf_dir / "config.json"))
+    _, spec = get_mapping(read_hf_config(hf_dir, "--hf"), source=str(hf_dir / "config.json"))
     expected = vars(megatron.megatron_args(spec, Parallelism(), spec.dtype, "local"))
     differences = [
         f"{name}: checkpoint {getattr(stored, name, None)!r}, HF {expected.get(name)!r}"
@@ -116,7 +116,7 @@ def verify(request: VerifyRequest) -> Report:
         raise ConversionError(f"--hf {request.hf_dir}: no config.json")
     stored = read_args(iteration_dir(request.mcore_dir))
     check_architecture(request.hf_dir, stored)
-    vocab_size = read_hf_config(request.hf_dir)["vocab_size"]
+    vocab_size = read_hf_config(request.hf_dir, "--hf")["vocab_size"]
     prompts = (
         text_prompts(request.prompts_file, request.hf_dir)
         if request.prompts_file
