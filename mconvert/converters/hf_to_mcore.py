@@ -147,7 +147,7 @@ def convert_hf_to_mcore(
     family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
     check_target(save_dir, overwrite)
     hf = HFCheckpoint(load_dir)
-    plan = build_plan(family, spec, parallelism, dtype, transformer_impl, fused_expert_layers(family, spec, hf))
+    plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers(family, spec, hf))
     check_sources(plan, {name: stored.shape for name, stored in hf.tensors.items()}, hf.where)
     args = megatron.megatron_args(spec, parallelism, plan.dtype, transformer_impl)
     flags = megatron.megatron_flags(args)

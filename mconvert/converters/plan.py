@@ -68,7 +68,6 @@ class Plan:
     spec: ModelSpec
     parallelism: Parallelism
     dtype: torch.dtype
-    transformer_impl: str
     shapes: dict[str, tuple[int, ...]]  # every checkpoint key's global shape
     pieces: tuple[Piece, ...]
     extra_state_keys: tuple[str, ...]
@@ -101,7 +100,6 @@ def build_plan(
     spec: ModelSpec,
     parallelism: Parallelism,
     dtype: torch.dtype | None = None,
-    transformer_impl: str = "transformer_engine",
     fused_expert_layers: frozenset[int] = frozenset(),
 ) -> Plan:
     """`fused_expert_layers`: layers whose HF experts are stored fused (3-D tensors) rather than per expert."""
@@ -109,13 +107,13 @@ def build_plan(
     table = family.table
     shapes: dict[str, tuple[int, ...]] = {}
     pieces: list[Piece] = []
-    modules: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # module key -> (offsets, leading shape)
+    # Modules that own a `_extra_state`: (module key, offsets) -> leading shape of its stacked tensors.
+    modules: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
 
     def add(keys: tuple[str, ...], offsets, leading, layout: TensorLayout, entry: Entry, sources: list[str]):
         for key in keys:
             shapes.setdefault(key, (*leading, *layout.shape))
-            module = key.rsplit(".", 1)[0]
-            modules[f"{module}@{offsets}"] = (module, offsets, leading)
+            modules[key.rsplit(".", 1)[0], offsets] = leading
         pieces.append(Piece(keys, offsets, layout, entry, tuple(HFRef.parse(s) for s in sources)))
 
     for entry in _active(table.model, spec):
@@ -136,7 +134,7 @@ def build_plan(
             add(tuple(k for k, _ in located), located[0][1], layers, layout, entry, [prefix + n for n in entry.hf_names])
         for module in megatron.EXTRA_STATE_ONLY_MODULES:
             key, offsets = megatron.layer_key(module, layer, spec)
-            modules[f"{key}@{offsets}"] = (key, offsets, layers)
+            modules[key, offsets] = layers
         if not is_moe:
             continue
         num_experts = spec.moe.num_experts
@@ -148,8 +146,8 @@ def build_plan(
                 sources = [prefix + n.format(expert=expert) for n in entry.hf_names]
                 add((key,), (*offsets, expert), (*layers, num_experts), layout, entry, sources)
 
-    extra_state_keys = tuple(megatron.extra_state_key(module, offsets, leading) for module, offsets, leading in modules.values())
-    return Plan(family, spec, parallelism, dtype or spec.dtype, transformer_impl, shapes, tuple(pieces), extra_state_keys)
+    extra_state_keys = tuple(megatron.extra_state_key(module, offsets, leading) for (module, offsets), leading in modules.items())
+    return Plan(family, spec, parallelism, dtype or spec.dtype, shapes, tuple(pieces), extra_state_keys)
 
 
 def check_sources(plan: Plan, available: dict[str, tuple[int, ...]], where) -> None:
