@@ -26,7 +26,7 @@ def megatron_view(ckpt_dir: str, tokens: torch.Tensor):
     """In each rank: load the checkpoint into megatron-core's model; rank 0 returns its logits and tensors."""
     args = read_args(iteration_dir(Path(ckpt_dir)))
     model = load_model(ckpt_dir, args, torch.float32, transformer_impl="local")
-    return forward_logits(model, tokens), gather_global_state(model)
+    return forward_logits(model, tokens), gather_global_state(model), model[0].rotary_pos_emb.inv_freq
 
 
 def hf_state(hf_dir) -> dict[str, torch.Tensor]:
@@ -85,10 +85,10 @@ def expected_megatron_state(hf_dir, tp: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def hf_logits(hf_dir, tokens):
+def hf_logits_and_inv_freq(hf_dir, tokens):
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        return model(tokens).logits
+        return model(tokens).logits, model.model.rotary_emb.inv_freq
 
 
 CASES = {
@@ -110,12 +110,14 @@ def test_megatron_loads_what_hf_holds(case, hf_model_factory, tmp_path):
     ckpt = tmp_path / "mcore"
     convert_hf_to_mcore(hf_dir, ckpt, parallelism=parallelism)
 
-    logits, state = run_ranks(megatron_view, str(ckpt), TOKENS, tp=parallelism.tp, pp=parallelism.pp)
+    logits, state, inv_freq = run_ranks(megatron_view, str(ckpt), TOKENS, tp=parallelism.tp, pp=parallelism.pp)
 
     expected = expected_megatron_state(hf_dir, parallelism.tp)
     assert set(state) == set(expected)
     for key, tensor in expected.items():
         assert torch.equal(state[key], tensor), key
     vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
-    reference = hf_logits(hf_dir, TOKENS)
+    reference, reference_inv_freq = hf_logits_and_inv_freq(hf_dir, TOKENS)
     torch.testing.assert_close(logits[..., :vocab], reference, rtol=1e-4, atol=1e-4)
+    # Rope theta and scaling barely move the logits of a short sequence: compare the frequencies themselves.
+    torch.testing.assert_close(inv_freq, reference_inv_freq, rtol=1e-6, atol=0)
