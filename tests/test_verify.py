@@ -72,3 +72,34 @@ def test_verify_usage_errors(hf_model_factory, tmp_path, capsys):
     if not torch.cuda.is_available():
         code, _, err = verify(capsys, hf, tmp_path, "--device", "cuda")
         assert code == 2 and "--device cuda" in err
+
+
+def test_verify_text_prompts_with_the_models_tokenizer(hf_model_factory, tmp_path, capsys):
+    """--prompts: text, tokenized by the tokenizer in the HF directory (one is built here: no network)."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_model_factory("qwen3-8b"), hf)
+    words = {f"w{i}": i for i in range(999)} | {"[UNK]": 999}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(hf)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w1 w2 w3 w500 w998\n\nw7 unknown w42\n")
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism())
+    report = tmp_path / "report.json"
+    code, out, _ = verify(capsys, hf, tmp_path / "mcore", "--prompts", str(prompts), "--json", str(report))
+    assert code == 0, out
+    assert [p["tokens"] for p in json.loads(report.read_text())["prompts"]] == [5, 3]
+
+
+def test_verify_text_prompts_need_a_tokenizer(hf_model_factory, tmp_path, capsys):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello\n")
+    hf = hf_model_factory("qwen3-8b")
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism())
+    code, _, err = verify(capsys, hf, tmp_path / "mcore", "--prompts", str(prompts))
+    assert code == 2 and "--prompts needs a tokenizer" in err

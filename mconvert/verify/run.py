@@ -45,17 +45,25 @@ def builtin_prompts(vocab_size: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab_size, (length,), generator=generator) for length in (7, 16, 32, 64)]
 
 
+# What a tokenizer saved by transformers leaves in a model directory (any one of them).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer_config.json")
+
+
 def text_prompts(path: Path, hf_dir: Path) -> list[torch.Tensor]:
     import transformers
 
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ConversionError(f"--prompts needs a tokenizer in {hf_dir} ({e})") from None
+    # transformers 5 makes an empty tokenizer for a directory that has none: look for its files first.
+    if not any((hf_dir / name).exists() for name in TOKENIZER_FILES):
+        raise ConversionError(f"--prompts needs a tokenizer in {hf_dir} (none of {', '.join(TOKENIZER_FILES)})")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     if not lines:
         raise ConversionError(f"--prompts {path}: no prompts in the file")
-    return [torch.tensor(tokenizer(line)["input_ids"]) for line in lines]
+    prompts = [torch.tensor(tokenizer(line)["input_ids"], dtype=torch.long) for line in lines]
+    empty = [number for number, prompt in enumerate(prompts, 1) if not len(prompt)]
+    if empty:
+        raise ConversionError(f"--prompts {path}: prompt {empty[0]} gives no tokens")
+    return prompts
 
 
 def check_architecture(hf_dir: Path, stored: argparse.Namespace) -> None:
