@@ -103,3 +103,18 @@ def test_verify_text_prompts_need_a_tokenizer(hf_model_factory, tmp_path, capsys
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism())
     code, _, err = verify(capsys, hf, tmp_path / "mcore", "--prompts", str(prompts))
     assert code == 2 and "--prompts needs a tokenizer" in err
+
+
+def test_verify_bf16_is_calibrated_on_the_hf_models_own_bf16_error(hf_model_factory, tmp_path, capsys):
+    """In bf16 both a faithful conversion passes and another model fails, on a random-init model whose
+    near-flat distributions make fixed bf16 limits meaningless."""
+    hf = hf_model_factory("qwen3-8b", layers=4)
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2))
+    report = tmp_path / "report.json"
+    code, out, _ = verify(capsys, hf, tmp_path / "mcore", "--tp", "2", "--dtype", "bf16", "--json", str(report))
+    assert code == 0, out
+    result = json.loads(report.read_text())
+    assert len(result["hf_bf16_error"]) == 4 and all(p["kl"] > 0 for p in result["hf_bf16_error"])
+    convert_hf_to_mcore(hf_model_factory("qwen3-8b", layers=4, seed=1), tmp_path / "other", parallelism=Parallelism())
+    code, out, _ = verify(capsys, hf, tmp_path / "other", "--dtype", "bf16")
+    assert code == 1 and "first diverge at decoder layer 0" in out

@@ -21,7 +21,15 @@ from mconvert.converters.megatron import Parallelism
 from mconvert.converters.torch_dist import iteration_dir, read_args
 from mconvert.errors import ConversionError
 from mconvert.mappings import get_mapping
-from mconvert.verify.compare import THRESHOLDS, Report, compare_logits, first_diverging_layer
+from mconvert.verify.compare import (
+    FP32,
+    FP32_HIDDEN_REL,
+    Report,
+    bf16_limit,
+    bf16_thresholds,
+    compare_logits,
+    hidden_rel_errors,
+)
 from mconvert.verify.hf_side import Outputs, hf_outputs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -133,7 +141,9 @@ def verify(request: VerifyRequest) -> Report:
     dtype = DTYPES[request.dtype]
     seconds = {}
     started = time.perf_counter()
-    reference = hf_outputs(request.hf_dir, prompts, dtype, request.device)
+    # The reference is the HF model in fp32; in bf16 its own bf16 run measures what bf16 alone costs.
+    reference = hf_outputs(request.hf_dir, prompts, torch.float32, request.device)
+    hf_bf16 = hf_outputs(request.hf_dir, prompts, dtype, request.device) if dtype != torch.float32 else None
     seconds["hf"] = time.perf_counter() - started
     started = time.perf_counter()
     candidate = run_ranks(
@@ -141,12 +151,22 @@ def verify(request: VerifyRequest) -> Report:
         tp=par.tp, pp=par.pp, ep=par.ep, etp=par.etp, device=request.device, timeout_s=request.timeout_s,
     )
     seconds["megatron"] = time.perf_counter() - started
-    limits = THRESHOLDS[request.dtype]
+
     metrics = [compare_logits(ref, cand) for ref, cand in zip(reference.logits, candidate.logits)]
+    layer_errors = [hidden_rel_errors(ref, cand) for ref, cand in zip(reference.hidden_states, candidate.hidden_states)]
+    if hf_bf16 is None:
+        floors = None
+        limits = [FP32] * len(prompts)
+        layer_limits = [[FP32_HIDDEN_REL] * len(errors) for errors in layer_errors]
+    else:
+        floors = [compare_logits(ref, own) for ref, own in zip(reference.logits, hf_bf16.logits)]
+        floor_layers = [hidden_rel_errors(ref, own) for ref, own in zip(reference.hidden_states, hf_bf16.hidden_states)]
+        limits = [bf16_thresholds(floor) for floor in floors]
+        layer_limits = [[bf16_limit(error) for error in errors] for errors in floor_layers]
     diverged = [
-        first_diverging_layer(ref, cand, limits.max_hidden_rel)
-        for ref, cand in zip(reference.hidden_states, candidate.hidden_states)
+        next((layer for layer, (error, limit) in enumerate(zip(errors, bounds)) if error > limit), None)
+        for errors, bounds in zip(layer_errors, layer_limits)
     ]
     first = min((layer for layer in diverged if layer is not None), default=None)
-    passed = all(m.passes(limits) for m in metrics)
-    return Report(passed, request.dtype, limits, metrics, first, seconds)
+    passed = all(m.passes(limit) for m, limit in zip(metrics, limits))
+    return Report(passed, request.dtype, metrics, limits, floors, first, seconds)
