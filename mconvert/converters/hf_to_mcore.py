@@ -76,29 +76,50 @@ class ReadBuffers:
                 self._free.pop()
 
 
+def piece_parts(piece: Piece, sources: list[torch.Tensor], spec: ModelSpec, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The Megatron tensor region of `piece` from its HF tensors, transformed, padded and in the target dtype,
+    as consecutive parts along dim 0 (the region is their concatenation)."""
+    parts = [part.to(dtype) for part in piece.entry.to_mcore_parts(sources, spec)]
+    rows = sum(part.shape[0] for part in parts)
+    if piece.layout.real_rows is not None and piece.layout.shape[0] > rows:
+        parts.append(parts[0].new_zeros(piece.layout.shape[0] - rows, *parts[0].shape[1:]))
+    return parts
+
+
 def piece_tensor(piece: Piece, sources: list[torch.Tensor], spec: ModelSpec, dtype: torch.dtype) -> torch.Tensor:
-    """The Megatron tensor region of `piece` from its HF tensors: transformed, padded, in the target dtype."""
-    tensor = piece.entry.to_mcore(sources, spec).to(dtype)
-    rows = piece.layout.shape[0]
-    if piece.layout.real_rows is not None and rows > tensor.shape[0]:
-        tensor = torch.cat([tensor, tensor.new_zeros(rows - tensor.shape[0], *tensor.shape[1:])])
-    return tensor
+    """The Megatron tensor region of `piece` from its HF tensors, as one tensor."""
+    return rows_of(piece_parts(piece, sources, spec, dtype), slice(None))
+
+
+def rows_of(parts: list[torch.Tensor], rows: slice) -> torch.Tensor:
+    """Rows `rows` of the concatenation of `parts`: a view when one part holds them all (fc1's gate or up
+    half, one TP chunk of either), a copy otherwise."""
+    start, stop, _ = rows.indices(sum(part.shape[0] for part in parts))
+    selected, offset = [], 0
+    for part in parts:
+        end = offset + part.shape[0]
+        if start < end and stop > offset:
+            selected.append(part[max(start - offset, 0) : min(stop, end) - offset])
+        offset = end
+    return selected[0] if len(selected) == 1 else torch.cat(selected)
 
 
 def build_piece(
     piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: torch.dtype, buffers: ReadBuffers
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """`piece_tensor` of HF tensors read from files into reused buffers; and those buffers, to hand back once
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`piece_parts` of HF tensors read from files into reused buffers; and those buffers, to hand back once
     the region is written."""
     taken = [buffers.take(hf.nbytes(ref.name, ref.index)) for ref in piece.sources]
     sources = [hf.read(ref.name, ref.index, into) for ref, into in zip(piece.sources, taken)]
-    return piece_tensor(piece, sources, spec, dtype), taken
+    return piece_parts(piece, sources, spec, dtype), taken
 
 
-def write_piece(writer: torch_dist.DCPWriter, piece: Piece, tensor: torch.Tensor) -> None:
+def write_piece(writer: torch_dist.DCPWriter, piece: Piece, parts: list[torch.Tensor]) -> None:
     axis = piece.layout.split_axis or 0
+    # Chunks along dim 0 are cut from the parts directly; along another axis from the whole region.
+    whole = parts if axis == 0 else [rows_of(parts, slice(None))]
     for offsets, part in piece.chunks():
-        chunk = tensor[(slice(None),) * axis + (part,)]
+        chunk = rows_of(whole, part) if axis == 0 else whole[0][(slice(None),) * axis + (part,)]
         for key in piece.keys:
             writer.write_chunk(key, (*piece.offsets, *offsets), chunk)
 
@@ -111,7 +132,7 @@ def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, pro
     buffers = ReadBuffers()
     builder = ThreadPoolExecutor(max_workers=1)
     try:
-        ahead: deque[Future[tuple[torch.Tensor, list[torch.Tensor]]]] = deque()
+        ahead: deque[Future[tuple[list[torch.Tensor], list[torch.Tensor]]]] = deque()
         queued = 0  # pieces handed to the builder
         queued_bytes = 0  # their sizes, less those of the pieces written
         for index, piece in enumerate(plan.pieces):
@@ -119,9 +140,9 @@ def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, pro
                 ahead.append(builder.submit(build_piece, plan.pieces[queued], hf, plan.spec, plan.dtype, buffers))
                 queued_bytes += sizes[queued]
                 queued += 1
-            tensor, taken = ahead.popleft().result()
-            write_piece(writer, piece, tensor)
-            del tensor  # may be a view of the buffers, which later reads overwrite
+            parts, taken = ahead.popleft().result()
+            write_piece(writer, piece, parts)
+            del parts  # may be views of the buffers, which later reads overwrite
             buffers.give_back(taken)
             queued_bytes -= sizes[index]
             if (index + 1) % 100 == 0:

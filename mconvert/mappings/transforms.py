@@ -3,7 +3,9 @@
 Each entry of a table names one Megatron tensor (relative to its scope: the model, a layer or an expert),
 the HF tensors it is made of, and how: `to_mcore` builds the Megatron tensor from the HF ones, `to_hf` is its
 exact inverse, and `hf_shapes` says which HF shapes a given Megatron shape implies (so bad input is caught
-before anything is computed). Both directions of conversion come from the same entry.
+before anything is computed). Both directions of conversion come from the same entry. `to_mcore_parts` gives
+the Megatron tensor as consecutive parts along dim 0 (their concatenation is `to_mcore`'s result), so that a
+writer cutting it into chunks along dim 0 (fc1's gate and up halves) need not concatenate first.
 
 `when` names a boolean attribute of the ModelSpec that must hold for the entry to exist (a bias that only some
 configs have, the output layer of an untied model).
@@ -40,6 +42,9 @@ class Rename:
     def to_mcore(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
         return tensors[0]
 
+    def to_mcore_parts(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
+        return [tensors[0]]
+
     def to_hf(self, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
         return [tensor]
 
@@ -58,6 +63,9 @@ class Concat:
 
     def to_mcore(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
         return torch.cat(list(tensors), dim=0)
+
+    def to_mcore_parts(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
+        return list(tensors)
 
     def to_hf(self, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
         return [part.contiguous() for part in tensor.chunk(len(self.hf_names), dim=0)]
@@ -95,6 +103,9 @@ class QKVInterleave:
         groups = spec.num_query_groups
         q, k, v = (t.reshape(groups, -1, *t.shape[1:]) for t in tensors)
         return torch.cat([q, k, v], dim=1).reshape(-1, *tensors[0].shape[1:])
+
+    def to_mcore_parts(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
+        return [self.to_mcore(tensors, spec)]
 
     def to_hf(self, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
         grouped = tensor.reshape(spec.num_query_groups, -1, *tensor.shape[1:])
