@@ -23,6 +23,8 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from mconvert.converters.megatron import Parallelism, padded_vocab_size
+
 try:
     import transformer_engine  # noqa: F401  (only probing whether it is installed)
 
@@ -46,8 +48,8 @@ def padded_vocab_size_for_tp(args: argparse.Namespace, tp: int) -> int:
     multiple gives what Megatron-LM computes from the unpadded vocabulary; the embedding and output
     layer load with `allow_shape_mismatch`, the extra rows being zero.
     """
-    multiple = getattr(args, "make_vocab_size_divisible_by", 128) * tp
-    return -(-args.padded_vocab_size // multiple) * multiple
+    divisible_by = getattr(args, "make_vocab_size_divisible_by", 128)
+    return padded_vocab_size(args.padded_vocab_size, Parallelism(tp=tp, make_vocab_size_divisible_by=divisible_by))
 
 
 def transformer_config_from_args(
