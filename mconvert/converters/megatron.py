@@ -144,9 +144,20 @@ def extra_state_key(module_key: str, offsets: tuple[int, ...], leading_shape: Sh
     return f"{module_key}._extra_state/shard_{'.'.join(map(str, offsets))}_{'.'.join(map(str, leading_shape))}"
 
 
+def _integral(value: float, flag: str, field: str) -> int:
+    """`value` as the int Megatron-LM's parser declares `flag` to be; a fraction would be rounded there, so it
+    is an error here."""
+    if value != int(value):
+        raise ConversionError(f"{field} {value:g}: Megatron-LM's {flag} takes only integers, so this model cannot be described")
+    return int(value)
+
+
 def megatron_args(spec: ModelSpec, par: Parallelism, dtype: torch.dtype, transformer_impl: str) -> argparse.Namespace:
     """The Megatron-LM arguments that describe the model, as `--use-checkpoint-args` reads them from common.pt."""
     rope: RopeScaling | None = spec.rope_scaling
+    linear_factor = None
+    if rope is not None and rope.kind == "linear":
+        linear_factor = _integral(rope.factor, "--rotary-seq-len-interpolation-factor", "rope_scaling factor")
     args: dict[str, Any] = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -160,12 +171,12 @@ def megatron_args(spec: ModelSpec, par: Parallelism, dtype: torch.dtype, transfo
         position_embedding_type="rope",
         add_position_embedding=False,
         use_rotary_position_embeddings=True,
-        rotary_base=spec.rope_theta,
+        rotary_base=_integral(spec.rope_theta, "--rotary-base", "rope_theta"),
         rotary_percent=1.0,
         rotary_interleaved=False,
         use_rope_scaling=rope is not None and rope.kind == "llama3",
         rope_scaling_factor=rope.factor if rope is not None and rope.kind == "llama3" else 8.0,
-        rotary_seq_len_interpolation_factor=rope.factor if rope is not None and rope.kind == "linear" else None,
+        rotary_seq_len_interpolation_factor=linear_factor,
         normalization="RMSNorm",
         norm_epsilon=spec.norm_eps,
         apply_layernorm_1p=False,
@@ -220,7 +231,7 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         f"--kv-channels {a.kv_channels}",
         f"--max-position-embeddings {a.max_position_embeddings}",
         "--position-embedding-type rope",
-        f"--rotary-base {a.rotary_base:g}",
+        f"--rotary-base {a.rotary_base}",
         "--normalization RMSNorm",
         f"--norm-epsilon {a.norm_epsilon:g}",
         "--swiglu",
@@ -235,7 +246,7 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
     if a.use_rope_scaling:
         flags += ["--use-rope-scaling", f"--rope-scaling-factor {a.rope_scaling_factor:g}"]
     if a.rotary_seq_len_interpolation_factor is not None:
-        flags.append(f"--rotary-seq-len-interpolation-factor {a.rotary_seq_len_interpolation_factor:g}")
+        flags.append(f"--rotary-seq-len-interpolation-factor {a.rotary_seq_len_interpolation_factor}")
     flags.append("--add-bias-linear" if a.add_bias_linear else "--disable-bias-linear")
     if a.add_qkv_bias and not a.add_bias_linear:
         flags.append("--add-qkv-bias")
