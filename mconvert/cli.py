@@ -29,6 +29,19 @@ def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_workers_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--workers", type=int, default=None,
+        help="threads converting at once (default: one per core, up to 8, as memory allows); under torchrun, per rank",
+    )
+
+
+def _workers(options: argparse.Namespace) -> int:
+    from mconvert.converters.parallel import default_workers
+
+    return default_workers() if options.workers is None else options.workers
+
+
 def _hf_to_mcore(options: argparse.Namespace) -> int:
     from mconvert.converters.hf_to_mcore import ARGS_SCRIPT, convert_hf_to_mcore
     from mconvert.converters.megatron import Parallelism
@@ -45,6 +58,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
         dtype=_dtype(options.dtype),
         transformer_impl=options.transformer_impl,
         overwrite=options.overwrite,
+        workers=_workers(options),
         progress=lambda message: print(message, file=sys.stderr),
     )
     plan = result.plan
@@ -74,6 +88,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
         dtype=_dtype(options.dtype),
         max_shard_size=options.max_shard_size,
         overwrite=options.overwrite,
+        workers=_workers(options),
         progress=lambda message: print(message, file=sys.stderr),
     )
     plan = result.plan
@@ -137,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the layer spec the checkpoint is meant for (recorded in its args; both specs load it)",
     )
     to_mcore.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
+    _add_workers_flag(to_mcore)
     to_mcore.set_defaults(run=_hf_to_mcore)
 
     to_hf = commands.add_parser("mcore-to-hf", help="Megatron-Core torch_dist (or legacy torch) checkpoint -> HF safetensors")
@@ -155,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="written dtype (default: the checkpoint's)")
     to_hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     to_hf.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
+    _add_workers_flag(to_hf)
     to_hf.set_defaults(run=_mcore_to_hf)
 
     check = commands.add_parser("verify", help="compare the HF model's logits with the converted Megatron-Core model's")

@@ -1,11 +1,10 @@
-"""The executor's read buffers are reused for reads of a fitting size, and large one-off ones are let go."""
+"""The executors' read buffers are reused for reads of a fitting size, and large one-off ones are let go."""
 
-from mconvert.converters import hf_to_mcore
-from mconvert.converters.hf_to_mcore import ReadBuffers
+from mconvert.converters.parallel import Buffers
 
 
 def test_buffers_are_reused_for_reads_of_at_least_half_their_size():
-    buffers = ReadBuffers()
+    buffers = Buffers()
     first = buffers.take(1000)
     buffers.give_back([first])
     assert buffers.take(2000).data_ptr() != first.data_ptr()  # too small
@@ -14,9 +13,8 @@ def test_buffers_are_reused_for_reads_of_at_least_half_their_size():
     assert buffers.take(600).data_ptr() != first.data_ptr()  # taken: not handed out twice
 
 
-def test_free_buffers_beyond_the_read_ahead_size_are_let_go_largest_first(monkeypatch):
-    monkeypatch.setattr(hf_to_mcore, "READ_AHEAD_BYTES", 1500)
-    buffers = ReadBuffers()
+def test_free_buffers_beyond_what_is_kept_are_let_go_largest_first():
+    buffers = Buffers(keep_bytes=1500)
     small, large = buffers.take(1000), buffers.take(2000)
     buffers.give_back([small, large])
     assert buffers.take(2000).data_ptr() != large.data_ptr()

@@ -7,9 +7,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import threading
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -19,6 +16,7 @@ import torch
 from mconvert.converters import megatron, torch_dist
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.output import atomic_directory, check_target
+from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces
 from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
 from mconvert.converters.safetensors_io import HFCheckpoint, read_hf_config
 from mconvert.errors import ConversionError
@@ -52,30 +50,6 @@ def fused_expert_layers(family: Family, spec: ModelSpec, hf: HFCheckpoint) -> fr
     )
 
 
-class ReadBuffers:
-    """Memory to read HF tensors into, handed back once their piece is written and reused by later reads:
-    the fresh pages of a new buffer cost the kernel a fault and a zeroing each, more than the read itself.
-    A buffer serves reads of half its size or more; free ones beyond READ_AHEAD_BYTES are let go, largest
-    first, so that one-off sizes (the embedding) are not kept."""
-
-    def __init__(self) -> None:
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            fitting = [i for i, buffer in enumerate(self._free) if nbytes <= buffer.numel() <= 2 * nbytes]
-            if fitting:
-                return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def give_back(self, buffers: list[torch.Tensor]) -> None:
-        with self._lock:
-            self._free = sorted(self._free + buffers, key=torch.Tensor.numel)
-            while sum(buffer.numel() for buffer in self._free) > READ_AHEAD_BYTES:
-                self._free.pop()
-
-
 def piece_parts(piece: Piece, sources: list[torch.Tensor], spec: ModelSpec, dtype: torch.dtype) -> list[torch.Tensor]:
     """The Megatron tensor region of `piece` from its HF tensors, transformed, padded and in the target dtype,
     as consecutive parts along dim 0 (the region is their concatenation)."""
@@ -105,7 +79,7 @@ def rows_of(parts: list[torch.Tensor], rows: slice) -> torch.Tensor:
 
 
 def build_piece(
-    piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: torch.dtype, buffers: ReadBuffers
+    piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: torch.dtype, buffers: Buffers
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """`piece_parts` of HF tensors read from files into reused buffers; and those buffers, to hand back once
     the region is written."""
@@ -114,41 +88,46 @@ def build_piece(
     return piece_parts(piece, sources, spec, dtype), taken
 
 
-def write_piece(writer: torch_dist.DCPWriter, piece: Piece, parts: list[torch.Tensor]) -> None:
+def write_piece(writer: torch_dist.DCPWriter, piece: Piece, parts: list[torch.Tensor], file: int = 0) -> None:
     axis = piece.layout.split_axis or 0
     # Chunks along dim 0 are cut from the parts directly; along another axis from the whole region.
     whole = parts if axis == 0 else [rows_of(parts, slice(None))]
     for offsets, part in piece.chunks():
         chunk = rows_of(whole, part) if axis == 0 else whole[0][(slice(None),) * axis + (part,)]
         for key in piece.keys:
-            writer.write_chunk(key, (*piece.offsets, *offsets), chunk)
+            writer.write_chunk(key, (*piece.offsets, *offsets), chunk, file)
 
 
-def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, progress: Callable[[str], None]) -> None:
-    """Build and write every piece of the plan. A thread reads and builds the pieces ahead of the one being
-    written, so that reading overlaps writing, as far as READ_AHEAD_BYTES of pieces allow (the next piece
-    always): one piece slower to build than to write (fc1) then does not stall the writes."""
+def write_pieces(
+    plan: Plan,
+    hf: HFCheckpoint,
+    writer: torch_dist.DCPWriter,
+    workers: int,
+    ranks: Ranks,
+    progress: Callable[[str], None],
+) -> None:
+    """Build and write this rank's share of the pieces on `workers` threads, each writing its own data file.
+    Pieces are read and built ahead of their writing (see parallel.run_pieces), so that reading overlaps
+    writing even with one worker: one piece slower to build than to write (fc1) then does not stall the
+    writes."""
     sizes = [math.prod(piece.layout.shape) * plan.dtype.itemsize for piece in plan.pieces]
-    buffers = ReadBuffers()
-    builder = ThreadPoolExecutor(max_workers=1)
-    try:
-        ahead: deque[Future[tuple[list[torch.Tensor], list[torch.Tensor]]]] = deque()
-        queued = 0  # pieces handed to the builder
-        queued_bytes = 0  # their sizes, less those of the pieces written
-        for index, piece in enumerate(plan.pieces):
-            while queued < len(plan.pieces) and (queued <= index + 1 or queued_bytes + sizes[queued] <= READ_AHEAD_BYTES):
-                ahead.append(builder.submit(build_piece, plan.pieces[queued], hf, plan.spec, plan.dtype, buffers))
-                queued_bytes += sizes[queued]
-                queued += 1
-            parts, taken = ahead.popleft().result()
-            write_piece(writer, piece, parts)
-            del parts  # may be views of the buffers, which later reads overwrite
-            buffers.give_back(taken)
-            queued_bytes -= sizes[index]
-            if (index + 1) % 100 == 0:
-                progress(f"{index + 1}/{len(plan.pieces)} tensors written")
-    finally:
-        builder.shutdown(cancel_futures=True)  # after a failure, read no further
+    mine = ranks.mine(sizes)
+    buffers = Buffers()
+
+    def load(index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return build_piece(plan.pieces[index], hf, plan.spec, plan.dtype, buffers)
+
+    def store(worker: int, index: int, built: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+        parts, taken = built
+        write_piece(writer, plan.pieces[index], parts, worker)
+        del parts, built  # may be views of the buffers, which later reads overwrite
+        buffers.give_back(taken)
+
+    def report(done: int) -> None:
+        if done % 100 == 0:
+            progress(f"{done}/{len(mine)} tensors written" + (f" by rank {ranks.rank}" if ranks.world > 1 else ""))
+
+    run_pieces(mine, [sizes[i] for i in mine], load, store, workers, report)
 
 
 def convert_hf_to_mcore(
@@ -160,9 +139,15 @@ def convert_hf_to_mcore(
     dtype: torch.dtype | None = None,
     transformer_impl: str = "transformer_engine",
     overwrite: bool = False,
+    workers: int = 1,
     progress: Callable[[str], None] = lambda message: None,
 ) -> Conversion:
-    """Convert the HF checkpoint in `load_dir` into a torch_dist checkpoint in `save_dir` for `parallelism`."""
+    """Convert the HF checkpoint in `load_dir` into a torch_dist checkpoint in `save_dir` for `parallelism`.
+
+    `workers` threads convert pieces at once, each into its own data file. Started by torchrun, every rank
+    runs this with the same arguments: each writes its share of the pieces into data files of its own, and
+    rank 0 merges their metadata and writes the tracker file last, once all succeeded."""
+    check_workers(workers)
     load_dir, save_dir = Path(load_dir), Path(save_dir)
     config = read_hf_config(load_dir, "--load-dir")
     family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
@@ -173,21 +158,27 @@ def convert_hf_to_mcore(
     args = megatron.megatron_args(spec, parallelism, plan.dtype, transformer_impl)
     flags = megatron.megatron_flags(args)
 
-    with atomic_directory(save_dir, overwrite) as work:
+    ranks = Ranks()
+    with atomic_directory(save_dir, overwrite, ranks) as work:
         release = work / torch_dist.RELEASE
-        release.mkdir()
-        writer = torch_dist.DCPWriter(release)
+        if ranks.is_first:
+            release.mkdir()
+        ranks.barrier()
+        writer = torch_dist.DCPWriter(release, workers, ranks.rank)
         try:
             for key, shape in plan.shapes.items():
                 writer.declare(key, shape, plan.dtype)
-            write_pieces(plan, hf, writer, progress)
-            for key in plan.extra_state_keys:
-                writer.write_object(key, torch_dist.EMPTY_EXTRA_STATE)
-            writer.finish()
-        except BaseException:
+            write_pieces(plan, hf, writer, workers, ranks, progress)
+            if ranks.is_first:
+                for key in plan.extra_state_keys:
+                    writer.write_object(key, torch_dist.EMPTY_EXTRA_STATE)
+        finally:
             writer.abort()
-            raise
-        torch_dist.write_common(release, args)
-        (work / ARGS_SCRIPT).write_text("MODEL_ARGS=(\n" + "".join(f"    {flag}\n" for flag in flags) + ")\n")
-        torch_dist.write_tracker(work)
+        ranks.settle(True)  # every rank's chunks are on disk
+        parts = ranks.gather(writer.local_part())
+        if ranks.is_first:
+            writer.finish(parts)
+            torch_dist.write_common(release, args)
+            (work / ARGS_SCRIPT).write_text("MODEL_ARGS=(\n" + "".join(f"    {flag}\n" for flag in flags) + ")\n")
+            torch_dist.write_tracker(work)
     return Conversion(plan, args, flags)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import re
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -205,20 +204,18 @@ class LegacyCheckpoint:
             shapes[label] = tuple(self.shards[where][min(self.shards[where])].shape)
         return shapes
 
-    def read_pieces(self, pieces: list[Piece]) -> Iterator[torch.Tensor]:
-        for piece in pieces:
-            located = self._find(piece)
-            assert located is not None, f"{piece.key} was checked present"
-            shards = located[1]
-            if not self._is_split(piece, shards):
-                yield shards[min(shards)]
-                continue
-            # Rank r of n holds `per_rank` fragments along the split axis: fragments r, r + n, ... (for fc1,
-            # its gate and its up slice).
-            layout, n = piece.layout, len(shards)
-            per_rank = max(1, layout.fragments // n)
-            fragments: list[torch.Tensor] = [torch.empty(0)] * (n * per_rank)
-            for rank, tensor in shards.items():
-                for j, part in enumerate(tensor.chunk(per_rank, dim=layout.split_axis)):
-                    fragments[rank + j * n] = part
-            yield torch.cat(fragments, dim=layout.split_axis)
+    def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
+        located = self._find(piece)
+        assert located is not None, f"{piece.key} was checked present"
+        shards = located[1]
+        if not self._is_split(piece, shards):
+            return shards[min(shards)]
+        # Rank r of n holds `per_rank` fragments along the split axis: fragments r, r + n, ... (for fc1,
+        # its gate and its up slice).
+        layout, n = piece.layout, len(shards)
+        per_rank = max(1, layout.fragments // n)
+        fragments: list[torch.Tensor] = [torch.empty(0)] * (n * per_rank)
+        for rank, tensor in shards.items():
+            for j, part in enumerate(tensor.chunk(per_rank, dim=layout.split_axis)):
+                fragments[rank + j * n] = part
+        return torch.cat(fragments, dim=layout.split_axis)

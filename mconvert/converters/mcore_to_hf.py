@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 from mconvert.converters import megatron, torch_dist
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.output import atomic_directory, check_target
+from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces
 from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
 from mconvert.converters.safetensors_io import SafetensorsWriter, parse_size, read_hf_config
 from mconvert.errors import ConversionError
@@ -63,8 +65,9 @@ class MegatronTensors(Protocol):
         """Every stored model tensor's global shape (vocabulary padded as saved), by checkpoint key."""
         ...
 
-    def read_pieces(self, pieces: list[Piece]) -> Iterator[torch.Tensor]:
-        """Each piece's region (layout shape, but the vocabulary rows as stored), in order."""
+    def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The piece's region (layout shape, but the vocabulary rows as stored), in `into` (a uint8 buffer
+        of at least its bytes) where the format reads into given memory. Safe to call from several threads."""
         ...
 
 
@@ -100,13 +103,10 @@ class TorchDistTensors:
     def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
         return {k: v for k, v in self.dcp.shapes.items() if k.startswith(MODEL_KEY_PREFIXES)}
 
-    def read_pieces(self, pieces: list[Piece]) -> Iterator[torch.Tensor]:
-        regions = []
-        for piece in pieces:
-            key = stored_key(piece, self.dcp.shapes)
-            regions.append((key, *piece_region(piece, self.dcp.shapes[key])))
-        for piece, region in zip(pieces, self.dcp.read_regions(regions)):
-            yield region.reshape(region.shape[len(piece.offsets) :])
+    def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
+        key = stored_key(piece, self.dcp.shapes)
+        region = self.dcp.read_region(key, *piece_region(piece, self.dcp.shapes[key]), into=into)
+        return region.reshape(region.shape[len(piece.offsets) :])
 
 
 @dataclass
@@ -125,9 +125,8 @@ class StateDictTensors:
     def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
         return {k: tuple(v.shape) for k, v in self.state_dict.items() if k.startswith(MODEL_KEY_PREFIXES)}
 
-    def read_pieces(self, pieces: list[Piece]) -> Iterator[torch.Tensor]:
-        for piece in pieces:
-            yield self.state_dict[stored_key(piece, self.state_dict)][piece.offsets]
+    def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
+        return self.state_dict[stored_key(piece, self.state_dict)][piece.offsets]
 
 
 def open_megatron_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None) -> MegatronTensors:
@@ -213,15 +212,23 @@ def check_stored(plan: Plan, shapes: dict[str, Shape], location: str) -> None:
         )
 
 
+def export_order(plan: Plan) -> list[Piece]:
+    """The plan's pieces key by key, layer by layer: the order of the stored chunks."""
+    return sorted(plan.pieces, key=lambda piece: (piece.key, piece.offsets))
+
+
+def piece_hf_tensors(plan: Plan, piece: Piece, region: torch.Tensor) -> list[tuple[HFRef, torch.Tensor]]:
+    """The HF tensors (or slices `ref.index` of them) of one piece, from its stored region."""
+    if piece.layout.real_rows is not None:
+        region = region[: piece.layout.real_rows]  # vocabulary padding
+    return list(zip(piece.sources, piece.entry.to_hf(region.to(plan.dtype), plan.spec)))
+
+
 def hf_tensors(plan: Plan, source: MegatronTensors) -> Iterator[tuple[HFRef, torch.Tensor]]:
     """Each HF tensor (or slice `ref.index` of one) of the plan, from the Megatron checkpoint, one piece at a
-    time. Pieces are read key by key, so that a stored chunk spanning several layers is read once."""
-    pieces = sorted(plan.pieces, key=lambda piece: (piece.key, piece.offsets))
-    for piece, region in zip(pieces, source.read_pieces(pieces)):
-        if piece.layout.real_rows is not None:
-            region = region[: piece.layout.real_rows]  # vocabulary padding
-        for ref, tensor in zip(piece.sources, piece.entry.to_hf(region.to(plan.dtype), plan.spec)):
-            yield ref, tensor
+    time."""
+    for piece in export_order(plan):
+        yield from piece_hf_tensors(plan, piece, source.read_piece(piece))
 
 
 def plan_export(
@@ -241,6 +248,42 @@ def plan_export(
     return plan, config
 
 
+def write_hf_pieces(
+    plan: Plan,
+    source: MegatronTensors,
+    writer: SafetensorsWriter,
+    workers: int,
+    ranks: Ranks,
+    progress: Callable[[str], None],
+) -> None:
+    """Read, transform and write this rank's share of the pieces on `workers` threads; each region is read
+    into a buffer reused once its HF tensors are written (at their places: no order among the writers)."""
+    pieces = export_order(plan)
+    shapes = source.stored_shapes(plan)
+    sizes = [
+        math.prod(piece_region(piece, shapes[stored_key(piece, shapes)])[1]) * (source.weights_dtype or plan.dtype).itemsize
+        for piece in pieces
+    ]
+    mine = ranks.mine(sizes)
+    buffers = Buffers()
+
+    def load(index: int) -> tuple[torch.Tensor, list[tuple[HFRef, torch.Tensor]]]:
+        into = buffers.take(sizes[index])
+        return into, piece_hf_tensors(plan, pieces[index], source.read_piece(pieces[index], into))
+
+    def store(worker: int, index: int, loaded: tuple[torch.Tensor, list[tuple[HFRef, torch.Tensor]]]) -> None:
+        into, tensors = loaded
+        for ref, tensor in tensors:
+            writer.write(ref.name, tensor, ref.index)
+        buffers.give_back([into])
+
+    def report(done: int) -> None:
+        if done % 100 == 0:
+            progress(f"{done}/{len(mine)} pieces written" + (f" by rank {ranks.rank}" if ranks.world > 1 else ""))
+
+    run_pieces(mine, [sizes[i] for i in mine], load, store, workers, report)
+
+
 @dataclass(frozen=True)
 class HFExport:
     plan: Plan
@@ -258,34 +301,42 @@ def convert_mcore_to_hf(
     dtype: torch.dtype | None = None,
     max_shard_size: str = "5GB",
     overwrite: bool = False,
+    workers: int = 1,
     progress: Callable[[str], None] = lambda message: None,
 ) -> HFExport:
     """Convert the Megatron checkpoint in `load_dir` (torch_dist or legacy torch, any TP/PP/EP) into an HF
     model directory `save_dir`: sharded safetensors, their index and config.json, plus the generation config
     and tokenizer files of `hf_config_dir` when given. `model_size` (Megatron-LM's `--model-size` values, or a
-    family name) names the family; it must agree with the checkpoint's args (or `hf_config_dir`)."""
+    family name) names the family; it must agree with the checkpoint's args (or `hf_config_dir`).
+
+    `workers` threads convert pieces at once. Started by torchrun, every rank runs this with the same
+    arguments: each converts its share of the pieces into the files rank 0 laid out, and rank 0 finishes."""
     save_dir = Path(save_dir)
     shard_bytes = parse_size(max_shard_size)
+    check_workers(workers)
     check_target(save_dir, overwrite)
     source = open_megatron_checkpoint(load_dir, iteration)
     reference = read_hf_config(Path(hf_config_dir), "--hf-config") if hf_config_dir is not None else None
     plan, config = plan_export(source, reference, dtype, model_size)
 
-    with atomic_directory(save_dir, overwrite) as work:
+    ranks = Ranks()
+    with atomic_directory(save_dir, overwrite, ranks) as work:
         hf_shapes = plan.hf_shapes()
-        writer = SafetensorsWriter(work, {name: (plan.dtype, shape) for name, shape in hf_shapes.items()}, shard_bytes)
+        layout = {name: (plan.dtype, shape) for name, shape in hf_shapes.items()}
+        writer = SafetensorsWriter(work, layout, shard_bytes, create=ranks.is_first)
+        ranks.barrier()  # the files exist, at their full size, before any rank writes into them
         try:
-            for number, (ref, tensor) in enumerate(hf_tensors(plan, source), 1):
-                writer.write(ref.name, tensor, ref.index)
-                if number % 100 == 0:
-                    progress(f"{number}/{len(hf_shapes)} tensors written")
-            writer.finish()
+            write_hf_pieces(plan, source, writer, workers, ranks, progress)
         finally:
             writer.close()
-        (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if hf_config_dir is not None:
-            for pattern in HF_SIDE_FILES:
-                for path in sorted(Path(hf_config_dir).glob(pattern)):
-                    shutil.copy2(path, work / path.name)
-        files = tuple(sorted(p.name for p in work.iterdir()))
+        ranks.settle(True)  # every rank's tensors are on disk
+        written = ranks.gather(writer.written)
+        if ranks.is_first:
+            writer.finish(written)
+            (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            if hf_config_dir is not None:
+                for pattern in HF_SIDE_FILES:
+                    for path in sorted(Path(hf_config_dir).glob(pattern)):
+                        shutil.copy2(path, work / path.name)
+    files = tuple(sorted(p.name for p in save_dir.iterdir()))
     return HFExport(plan, config, files)

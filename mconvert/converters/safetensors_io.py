@@ -11,6 +11,7 @@ import json
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,14 +171,23 @@ def parse_size(text: str) -> int:
 
 
 class SafetensorsWriter:
-    """Sharded safetensors files written as the tensors come, in any order, with bounded memory.
+    """Sharded safetensors files written as the tensors come, in any order, from any thread, with bounded
+    memory.
 
     The layout of every file (which tensors, their headers and byte offsets) is computed from the tensors'
-    names, dtypes and shapes before any data exists; each tensor (or each slice of its first axis) is then
-    written at its place. `finish` checks that every byte was written and writes the index.
+    names, dtypes and shapes before any data exists, the same in every process; the process that `create`s
+    writes the headers and sizes the files, and then each tensor (or each slice of its first axis) is written
+    at its place, by whichever thread or process converts it. `finish` checks that every byte was written
+    and writes the index.
     """
 
-    def __init__(self, directory: Path, tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]], max_shard_size: int):
+    def __init__(
+        self,
+        directory: Path,
+        tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+        max_shard_size: int,
+        create: bool = True,
+    ):
         self.directory = directory
         groups: list[list[str]] = [[]]
         group_bytes = 0
@@ -190,7 +200,8 @@ class SafetensorsWriter:
             group_bytes += size
         self.places: dict[str, tuple[Path, int, torch.dtype, tuple[int, ...]]] = {}
         self.weight_map: dict[str, str] = {}
-        self._unwritten: dict[str, int] = {}
+        self.sizes: dict[str, int] = {}
+        self.written: dict[str, int] = {}  # bytes written by this process, by tensor
         self.total_bytes = 0
         for number, names in enumerate(groups, 1):
             file = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
@@ -204,17 +215,26 @@ class SafetensorsWriter:
             encoded = json.dumps(header, separators=(",", ":")).encode()
             encoded += b" " * (-len(encoded) % 8)  # tensors start 8-byte aligned, as the safetensors library writes
             path = directory / file
-            with open(path, "wb") as f:
-                f.write(struct.pack("<Q", len(encoded)) + encoded)
-                f.truncate(8 + len(encoded) + offset)
+            if create:
+                with open(path, "wb") as f:
+                    f.write(struct.pack("<Q", len(encoded)) + encoded)
+                    f.truncate(8 + len(encoded) + offset)
             base = 8 + len(encoded)
             for name in names:
                 dtype, shape = tensors[name]
                 self.places[name] = (path, base + header[name]["data_offsets"][0], dtype, tuple(shape))
                 self.weight_map[name] = file
-                self._unwritten[name] = math.prod(shape) * dtype.itemsize
+                self.sizes[name] = math.prod(shape) * dtype.itemsize
+                self.written[name] = 0
             self.total_bytes += offset
-        self._files: dict[Path, object] = {}
+        self._files: dict[Path, int] = {}
+        self._lock = threading.Lock()
+
+    def _fd(self, path: Path) -> int:
+        with self._lock:
+            if path not in self._files:
+                self._files[path] = os.open(path, os.O_WRONLY)
+            return self._files[path]
 
     def write(self, name: str, tensor: torch.Tensor, index: int | None = None) -> None:
         """Write tensor `name`, or its slice `index` along the first axis."""
@@ -224,23 +244,26 @@ class SafetensorsWriter:
             shape = shape[1:]
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise AssertionError(f"'{name}': got {tensor.dtype} {list(tensor.shape)}, the layout says {dtype} {list(shape)}")
-        if path not in self._files:
-            self._files[path] = open(path, "r+b")
-        f = self._files[path]
-        f.seek(begin)
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-        f.write(memoryview(data))
-        self._unwritten[name] -= data.nbytes
+        data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        fd, done = self._fd(path), 0
+        while done < len(data):  # one write takes at most 2 GiB
+            done += os.pwrite(fd, data[done:], begin + done)
+        with self._lock:
+            self.written[name] += len(data)
 
-    def finish(self) -> None:
+    def finish(self, written: list[dict[str, int]] | None = None) -> None:
+        """Check that every byte was written (by this process, or by all of `written`, each process's
+        `written`) and write the index."""
         self.close()
-        unwritten = [name for name, left in self._unwritten.items() if left]
+        written = written if written is not None else [self.written]
+        unwritten = [name for name, size in self.sizes.items() if sum(part[name] for part in written) != size]
         if unwritten:
             raise AssertionError(f"{len(unwritten)} tensors not (fully) written, e.g. '{unwritten[0]}'")
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": self.weight_map}
         (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        with self._lock:
+            for fd in self._files.values():
+                os.close(fd)
+            self._files.clear()

@@ -17,11 +17,16 @@ import argparse
 import io
 import json
 import math
+import os
 import pickle
+import struct
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -31,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.utils.serialization import config as serialization_config
 
 from mconvert.errors import ConversionError
@@ -56,80 +62,103 @@ def _bytes_of(obj: Any) -> bytes:
 
 
 class DCPWriter:
-    """Writes a DCP checkpoint's chunks into one data file as they come, then its `.metadata`."""
+    """Writes a DCP checkpoint's chunks as they come into data files of this rank (one per writing thread,
+    `__<rank>_<file>.distcp`), and keeps their torch save-plan items and storage places; `.metadata` is made
+    from those of every rank by torch's own global planning (`write_metadata`)."""
 
-    DATA_FILE = "__0_0.distcp"
-
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, files: int = 1, rank: int = 0):
         self.directory = directory
-        self._file = open(directory / self.DATA_FILE, "wb")
-        self._state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+        self._names = [f"__{rank}_{number}.distcp" for number in range(files)]
+        self._files = [open(directory / name, "wb") for name in self._names]
+        self._declared: dict[str, tuple[TensorProperties, torch.Size]] = {}
+        self._items: list[WriteItem] = []
         self._storage: dict[MetadataIndex, _StorageInfo] = {}
-        self._filled: dict[str, int] = {}
-        self._staging = torch.empty(0, dtype=torch.uint8)
+        self._staging = [torch.empty(0, dtype=torch.uint8) for _ in range(files)]
 
     def declare(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self._state[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), [])
-        self._filled[key] = 0
+        self._declared[key] = (TensorProperties(dtype=dtype), torch.Size(shape))
 
-    def _append(self, payload: bytes | torch.Tensor) -> tuple[int, int]:
-        offset = self._file.tell()
+    def _append(self, file: int, payload: bytes | torch.Tensor) -> _StorageInfo:
+        f = self._files[file]
+        offset = f.tell()
         if isinstance(payload, bytes):
-            self._file.write(payload)
+            f.write(payload)
         else:
             # The zip records' CRC32 costs torch.save five times the write itself; torch.load does not check
             # it (DCP's readers, megatron-core's included, go through torch.load).
             with serialization_config.patch({"save.compute_crc32": False}):
-                torch.save(payload, self._file)
-        return offset, self._file.tell() - offset
+                torch.save(payload, f)
+        return _StorageInfo(self._names[file], offset, f.tell() - offset)
 
-    def write_chunk(self, key: str, offsets: tuple[int, ...], chunk: torch.Tensor) -> None:
-        meta = self._state[key]
-        assert isinstance(meta, TensorStorageMetadata)
-        if chunk.dtype != meta.properties.dtype or len(offsets) != len(meta.size):
-            raise AssertionError(f"chunk of '{key}' at {offsets} does not fit {meta}")
+    def write_chunk(self, key: str, offsets: tuple[int, ...], chunk: torch.Tensor, file: int = 0) -> None:
+        """Write a chunk of `key` at global `offsets` into data file number `file` (one per writing thread)."""
+        properties, size = self._declared[key]
+        if chunk.dtype != properties.dtype or len(offsets) != len(size):
+            raise AssertionError(f"chunk of '{key}' at {offsets} does not fit {properties.dtype} {list(size)}")
         # A layer's (or expert's) region of a stacked tensor is stored with its leading axes of size 1.
-        chunk = chunk.reshape((1,) * (len(meta.size) - chunk.dim()) + tuple(chunk.shape))
+        chunk = chunk.reshape((1,) * (len(size) - chunk.dim()) + tuple(chunk.shape))
         if not chunk.is_contiguous():  # a row-parallel chunk (TP > 1)
-            chunk = self._staged(chunk)
+            chunk = self._staged(file, chunk)
         # torch.save writes a tensor's whole storage: give it one that holds just this chunk. A contiguous
         # slice (a column-parallel chunk, half of fc1) needs no copy: a tensor over just its bytes does.
         if chunk.untyped_storage().nbytes() != chunk.nbytes:
             chunk = torch.from_numpy(chunk.view(torch.uint8).numpy()).view(chunk.dtype)
-        offset, length = self._append(chunk)
-        meta.chunks.append(ChunkStorageMetadata(torch.Size(offsets), chunk.shape))
-        self._storage[MetadataIndex(key, torch.Size(offsets), len(meta.chunks) - 1)] = _StorageInfo(
-            self.DATA_FILE, offset, length
+        info = self._append(file, chunk)
+        index = MetadataIndex(key, torch.Size(offsets))
+        self._items.append(
+            WriteItem(
+                index, WriteItemType.SHARD, tensor_data=TensorWriteData(ChunkStorageMetadata(index.offset, chunk.shape), properties, size)
+            )
         )
-        self._filled[key] += chunk.numel()
+        self._storage[index] = info
 
-    def _staged(self, chunk: torch.Tensor) -> torch.Tensor:
+    def _staged(self, file: int, chunk: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of `chunk` in memory reused from chunk to chunk: fresh memory would cost the
         kernel a page fault and a zeroing per 4 KiB, more than the copy itself."""
-        if self._staging.numel() < chunk.nbytes:
-            self._staging = torch.empty(chunk.nbytes, dtype=torch.uint8)
-        staged = self._staging[: chunk.nbytes].view(chunk.dtype).view(chunk.shape)
+        if self._staging[file].numel() < chunk.nbytes:
+            self._staging[file] = torch.empty(chunk.nbytes, dtype=torch.uint8)
+        staged = self._staging[file][: chunk.nbytes].view(chunk.dtype).view(chunk.shape)
         staged.copy_(chunk)
         return staged
 
-    def write_object(self, key: str, obj: Any) -> None:
-        offset, length = self._append(_bytes_of(obj))
-        self._state[key] = BytesStorageMetadata()
-        self._storage[MetadataIndex(key)] = _StorageInfo(self.DATA_FILE, offset, length)
+    def write_object(self, key: str, obj: Any, file: int = 0) -> None:
+        index = MetadataIndex(key)
+        self._storage[index] = self._append(file, _bytes_of(obj))
+        self._items.append(WriteItem(index, WriteItemType.BYTE_IO))
 
-    def finish(self) -> None:
-        """Write `.metadata` once every declared tensor is filled by its chunks."""
-        for key, filled in self._filled.items():
-            meta = self._state[key]
-            if filled != math.prod(meta.size):
-                raise AssertionError(f"'{key}': chunks cover {filled} of {math.prod(meta.size)} elements")
-        self._file.close()
-        metadata = Metadata(state_dict_metadata=self._state, storage_data=self._storage, version="1.0.0")
-        with open(self.directory / ".metadata", "wb") as f:
-            pickle.dump(metadata, f)
+    def local_part(self) -> tuple[SavePlan, dict[MetadataIndex, _StorageInfo]]:
+        """Close the data files; this rank's save plan and where its items are stored."""
+        self.abort()
+        return SavePlan(self._items), self._storage
+
+    def finish(self, parts: list[tuple[SavePlan, dict[MetadataIndex, _StorageInfo]]] | None = None) -> None:
+        """Write `.metadata`: of what this writer wrote, or of every rank's `local_part` (`parts`)."""
+        write_metadata(self.directory, parts if parts is not None else [self.local_part()], self._declared)
 
     def abort(self) -> None:
-        self._file.close()
+        for f in self._files:
+            f.close()
+
+
+def write_metadata(
+    directory: Path,
+    parts: list[tuple[SavePlan, dict[MetadataIndex, _StorageInfo]]],
+    declared: dict[str, tuple[TensorProperties, torch.Size]],
+) -> None:
+    """`.metadata` from every rank's (save plan, storage places), merged by torch's global save planning,
+    once the chunks cover every declared tensor exactly."""
+    plans, metadata = create_default_global_save_plan([plan for plan, _ in parts])
+    stored = {index: info for _, storage in parts for index, info in storage.items()}
+    # The global plan numbers each chunk within its tensor (the index hints readers probe first).
+    metadata.storage_data = {item.index: stored[item.index] for plan in plans for item in plan.items}
+    for key, (_, size) in declared.items():
+        meta = metadata.state_dict_metadata.get(key)
+        filled = sum(math.prod(chunk.sizes) for chunk in meta.chunks) if isinstance(meta, TensorStorageMetadata) else 0
+        if filled != math.prod(size):
+            raise AssertionError(f"'{key}': chunks cover {filled} of {math.prod(size)} elements")
+    metadata.version = "1.0.0"
+    with open(directory / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
 
 
 def write_common(release_dir: Path, args: argparse.Namespace) -> None:
@@ -242,6 +271,8 @@ class DCPCheckpoint:
             if isinstance(meta, TensorStorageMetadata)
         }
         self.object_keys = [k for k, m in metadata.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)]
+        self._chunk_index: dict[str, tuple[dict[int, list[int]], list[int]]] = {}
+        self._records: dict[tuple[str, int], int | None] = {}
 
     def _storage(self, index: MetadataIndex) -> _StorageInfo:
         info = self.metadata.storage_data[index]
@@ -267,7 +298,7 @@ class DCPCheckpoint:
             try:
                 window = io.BufferedReader(_FileWindow(f, info.offset, info.length), buffer_size=1 << 20)
                 tensor = torch.load(window, map_location="cpu", weights_only=True)
-            except RuntimeError as e:
+            except (RuntimeError, pickle.UnpicklingError) as e:
                 raise ConversionError(f"{self.directory / info.relative_path}: chunk {number} of '{key}' is unreadable ({e})") from None
         if tensor.numel() != math.prod(chunk.sizes):
             raise ConversionError(f"{self.directory}: chunk {number} of '{key}' holds {tensor.numel()} elements, metadata says {list(chunk.sizes)}")
@@ -279,52 +310,112 @@ class DCPCheckpoint:
         with torch.serialization.safe_globals(missing):
             return torch.load(io.BytesIO(self._read_bytes(MetadataIndex(key))), map_location="cpu", weights_only=True)
 
+    def chunks_of(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> list[int]:
+        """Numbers of the stored chunks of `key` that the region (offsets, shape) intersects."""
+        if key not in self._chunk_index:
+            # Chunks one row thick along the first axis (a layer's) are found by that row, not by a scan.
+            thin: dict[int, list[int]] = {}
+            wide: list[int] = []
+            for n, chunk in enumerate(self.metadata.state_dict_metadata[key].chunks):
+                if len(chunk.sizes) and chunk.sizes[0] == 1:
+                    thin.setdefault(chunk.offsets[0], []).append(n)
+                else:
+                    wide.append(n)
+            self._chunk_index[key] = (thin, wide)
+        thin, wide = self._chunk_index[key]
+        candidates = wide + [n for row in range(offsets[0], offsets[0] + shape[0]) for n in thin.get(row, ())] if shape else wide
+        chunks = self.metadata.state_dict_metadata[key].chunks
+        return sorted(n for n in candidates if region_overlap(chunks[n].offsets, chunks[n].sizes, offsets, shape) is not None)
+
+    def read_region(
+        self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...], into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The region (offsets, shape) of the tensor `key`, assembled from the stored chunks it intersects,
+        in the start of `into` (a uint8 tensor of at least its bytes, to reuse memory) or fresh memory.
+
+        A chunk stored as torch.save writes a plain tensor (one little-endian record, the chunk's bytes in
+        order) is read straight from its record, only the bytes the region needs, and where the region's
+        part is contiguous, straight into its place. Other chunks are loaded whole through torch.load."""
+        dtype = self.dtypes[key]
+        nbytes = math.prod(shape) * dtype.itemsize
+        fits = into is not None and into.numel() >= nbytes
+        out = (into if fits else torch.empty(nbytes, dtype=torch.uint8))[:nbytes].view(dtype).view(shape)
+        covered = 0
+        for n in self.chunks_of(key, offsets, shape):
+            chunk_meta = self.metadata.state_dict_metadata[key].chunks[n]
+            within_chunk, within_out = region_overlap(chunk_meta.offsets, chunk_meta.sizes, offsets, shape)
+            target = out[within_out]
+            record = self._raw_record(key, n)
+            if record is None:
+                target.copy_(self._load_chunk(key, n)[within_chunk])
+            else:
+                self._read_raw(key, n, record, within_chunk, target)
+            covered += target.numel()
+        if covered != out.numel():
+            raise ConversionError(f"{self.directory}: the stored chunks of '{key}' cover {covered} of the {out.numel()} elements at {list(offsets)}")
+        return out
+
     def read_regions(self, regions: list[tuple[str, tuple[int, ...], tuple[int, ...]]]):
-        """Yield, for each (key, offsets, shape) in order, that region of the tensor `key`.
-
-        Each stored chunk is read once: a chunk that several regions need is kept until the last of them is
-        served, then dropped. Regions ordered by key and offset keep that to the chunks of one key at a time.
-        """
-        needs: list[list[int]] = []
-        uses: dict[tuple[str, int], int] = {}
-        by_first_offset: dict[str, tuple[dict[int, list[int]], list[int]]] = {}
+        """Yield, for each (key, offsets, shape) in order, that region of the tensor `key` (fresh memory)."""
         for key, offsets, shape in regions:
-            chunks = self.metadata.state_dict_metadata[key].chunks
-            if key not in by_first_offset:
-                # Chunks one row thick along the first axis (a layer's) are found by that row, not by a scan.
-                thin: dict[int, list[int]] = {}
-                wide: list[int] = []
-                for n, chunk in enumerate(chunks):
-                    if len(chunk.sizes) and chunk.sizes[0] == 1:
-                        thin.setdefault(chunk.offsets[0], []).append(n)
-                    else:
-                        wide.append(n)
-                by_first_offset[key] = (thin, wide)
-            thin, wide = by_first_offset[key]
-            candidates = wide + [n for row in range(offsets[0], offsets[0] + shape[0]) for n in thin.get(row, ())] if shape else wide
-            hit = sorted(n for n in candidates if region_overlap(chunks[n].offsets, chunks[n].sizes, offsets, shape) is not None)
-            needs.append(hit)
-            for n in hit:
-                uses[(key, n)] = uses.get((key, n), 0) + 1
-        loaded: dict[tuple[str, int], torch.Tensor] = {}
-        for (key, offsets, shape), hit in zip(regions, needs):
-            out = torch.empty(shape, dtype=self.dtypes[key])
-            covered = 0
-            for n in hit:
-                if (key, n) not in loaded:
-                    loaded[(key, n)] = self._load_chunk(key, n)
-                chunk_meta = self.metadata.state_dict_metadata[key].chunks[n]
-                within_chunk, within_out = region_overlap(chunk_meta.offsets, chunk_meta.sizes, offsets, shape)
-                part = loaded[(key, n)][within_chunk]
-                out[within_out] = part
-                covered += part.numel()
-                uses[(key, n)] -= 1
-                if uses[(key, n)] == 0:
-                    del loaded[(key, n)]
-            if covered != out.numel():
-                raise ConversionError(f"{self.directory}: the stored chunks of '{key}' cover {covered} of the {out.numel()} elements at {list(offsets)}")
-            yield out
+            yield self.read_region(key, offsets, shape)
 
+    def _raw_record(self, key: str, number: int) -> int | None:
+        """Where in its data file the bytes of chunk `number` of `key` start, when torch.save stored it as a
+        plain tensor (dtype as declared, whole storage in order, little-endian); else None."""
+        if (key, number) in self._records:
+            return self._records[key, number]
+        chunk = self.metadata.state_dict_metadata[key].chunks[number]
+        info = self._storage(MetadataIndex(key, chunk.offsets, number))
+        path = self.directory / info.relative_path
+        record = None
+        with open(path, "rb", buffering=0) as f:
+            tail_start = max(0, info.length - _ZIP_TAIL)
+            tail = os.pread(f.fileno(), info.length - tail_start, info.offset + tail_start)
+            try:
+                entries = {i.filename.split("/", 1)[-1]: i for i in zipfile.ZipFile(io.BytesIO(tail)).infolist()}
+            except (zipfile.BadZipFile, ValueError):
+                entries = {}
+            data = [name for name in entries if name.startswith("data/")]
+            pickled, byteorder = entries.get("data.pkl"), entries.get("byteorder")
+            if len(data) == 1 and pickled is not None and all(i.compress_type == zipfile.ZIP_STORED for i in entries.values()):
+                expected = math.prod(chunk.sizes) * self.dtypes[key].itemsize
+                layout = _tensor_layout(_member(f, info.offset + tail_start, pickled))
+                order = _member(f, info.offset + tail_start, byteorder) if byteorder is not None else b"little"
+                record_info = entries[data[0]]
+                if (
+                    layout == (data[0].split("/", 1)[1], self.dtypes[key], 0, tuple(chunk.sizes), _contiguous_strides(chunk.sizes))
+                    and record_info.file_size == expected
+                    and order == b"little"
+                ):
+                    record = _member_start(f, info.offset + tail_start, record_info)
+        self._records[key, number] = record
+        return record
+
+    def _read_raw(self, key: str, number: int, record: int, within: tuple[slice, ...], target: torch.Tensor) -> None:
+        """Read the part `within` of a raw chunk into `target`: the span of bytes from its first element to
+        its last, straight into `target` when that span is exactly the part and `target` is contiguous."""
+        chunk = self.metadata.state_dict_metadata[key].chunks[number]
+        info = self._storage(MetadataIndex(key, chunk.offsets, number))
+        strides = _contiguous_strides(chunk.sizes)
+        first = sum(s.start * stride for s, stride in zip(within, strides))
+        last = sum((s.stop - 1) * stride for s, stride in zip(within, strides))
+        itemsize = target.element_size()
+        span = last - first + 1
+        direct = span == target.numel() and target.is_contiguous()
+        buffer = target if direct else torch.empty(span, dtype=target.dtype)
+        view = memoryview(buffer.view(-1).view(torch.uint8).numpy())
+        path = self.directory / info.relative_path
+        with open(path, "rb", buffering=0) as f:
+            position, done = record + first * itemsize, 0
+            while done < len(view):  # one read returns at most 2 GiB
+                count = os.preadv(f.fileno(), [view[done:]], position + done)
+                if not count:
+                    raise ConversionError(f"{path}: truncated while reading chunk {number} of '{key}'")
+                done += count
+        if not direct:
+            sizes = tuple(s.stop - s.start for s in within)
+            target.copy_(buffer.as_strided(sizes, strides))
 
 class _FileWindow(io.RawIOBase):
     """The bytes [offset, offset + length) of an open file, as a seekable file of their own."""
@@ -352,6 +443,60 @@ class _FileWindow(io.RawIOBase):
         read = self._file.readinto(memoryview(buffer)[:size])
         self._position += read
         return read
+
+
+# The end of a torch.save archive read to find its records: its central directory (a few entries).
+_ZIP_TAIL = 1 << 16
+_ZIP_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+
+
+def _member_start(f, archive: int, entry: zipfile.ZipInfo) -> int:
+    """Absolute position in file `f` of the data of a stored (uncompressed) zip entry of the archive that
+    starts at `archive`; the entry's header offset is relative to the tail it was parsed from."""
+    header = os.pread(f.fileno(), _ZIP_LOCAL_HEADER.size, archive + entry.header_offset)
+    fields = _ZIP_LOCAL_HEADER.unpack(header)
+    name_length, extra_length = fields[-2], fields[-1]
+    return archive + entry.header_offset + _ZIP_LOCAL_HEADER.size + name_length + extra_length
+
+
+def _member(f, archive: int, entry: zipfile.ZipInfo) -> bytes:
+    return os.pread(f.fileno(), entry.file_size, _member_start(f, archive, entry))
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Reads a torch.save'd tensor's pickle only for where its data is: (record, dtype, storage offset,
+    size, stride); anything but a plain tensor gives None."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return lambda storage, offset, size, stride, *rest: (storage, offset, tuple(size), tuple(stride))
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if module == "torch" and name.endswith("Storage") and hasattr(torch, name):
+            return name
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return pid
+
+
+def _tensor_layout(pickled: bytes) -> tuple | None:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the typed storage classes' deprecation
+            storage, offset, size, stride = _LayoutUnpickler(io.BytesIO(pickled)).load()
+            _, storage_type, record, _, _ = storage
+            return record, getattr(torch, storage_type).dtype, offset, size, stride
+    except (pickle.UnpicklingError, TypeError, ValueError, EOFError, AttributeError):
+        return None
+
+
+def _contiguous_strides(sizes) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(tuple(sizes)):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def region_overlap(chunk_offsets, chunk_sizes, offsets, shape) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:

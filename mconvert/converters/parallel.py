@@ -1,0 +1,228 @@
+"""Parallel execution of a conversion, in one place: threads within a process (`--workers`) and processes
+across machines (ranks of torch.distributed, started by torchrun).
+
+Both directions are a list of independent pieces, each loaded (read from the source files and transformed)
+and then stored (written to the output files). `run_pieces` runs them on `workers` threads: file reads,
+writes and tensor copies release the GIL, so threads overlap them as processes would, sharing the source's
+metadata and the output files' layout. A piece is loaded ahead of its store only while the loaded, unwritten
+pieces take at most `workers` times the budget of one (the largest piece, or READ_AHEAD_BYTES when larger):
+memory stays bounded by the worker count, whatever the model's size.
+
+`Ranks` is this process's place among the ranks of a torchrun job (gloo: works on CPU-only hosts and across
+nodes). Pieces are assigned to ranks by size (`assign`); each rank writes its own data files into the shared
+output directory; rank 0 merges what they wrote and finishes the checkpoint after every rank reported success.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Sequence, TypeVar
+
+import torch
+
+from mconvert.errors import ConversionError
+
+Item = TypeVar("Item")
+Loaded = TypeVar("Loaded")
+
+# How much of the pieces that follow the ones being written each worker may hold read in advance: about a
+# layer of a 7B model, small next to what its largest tensors take anyway.
+READ_AHEAD_BYTES = 512 << 20
+# Memory the default worker count leaves per worker: a read-ahead window and a large piece being written.
+MEMORY_PER_WORKER = 2 << 30
+MAX_DEFAULT_WORKERS = 8
+
+
+def default_workers() -> int:
+    """Workers for this machine: one per core this process may run on, at most MAX_DEFAULT_WORKERS (the
+    disk, not the cores, bounds a conversion beyond that), and no more than the available memory holds."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/meminfo") as f:  # MemAvailable counts the page cache the kernel can drop
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        available = MEMORY_PER_WORKER
+    return max(1, min(cores, MAX_DEFAULT_WORKERS, available // MEMORY_PER_WORKER))
+
+
+def check_workers(workers: int) -> int:
+    if workers < 1:
+        raise ConversionError(f"--workers {workers}: must be at least 1")
+    return workers
+
+
+class Buffers:
+    """Memory to read into, handed back once its piece is written and reused by later reads: the fresh pages
+    of a new buffer cost the kernel a fault and a zeroing each, more than the read itself. A buffer serves
+    requests of half its size or more; free ones beyond `keep_bytes` are let go, largest first, so that
+    one-off sizes (the embedding) are not kept. Thread-safe."""
+
+    def __init__(self, keep_bytes: int = READ_AHEAD_BYTES) -> None:
+        self.keep_bytes = keep_bytes
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fitting = [i for i, buffer in enumerate(self._free) if nbytes <= buffer.numel() <= 2 * nbytes]
+            if fitting:
+                return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give_back(self, buffers: list[torch.Tensor]) -> None:
+        with self._lock:
+            self._free = sorted(self._free + buffers, key=torch.Tensor.numel)
+            while sum(buffer.numel() for buffer in self._free) > self.keep_bytes:
+                self._free.pop()
+
+
+def run_pieces(
+    items: Sequence[Item],
+    sizes: Sequence[int],
+    load: Callable[[Item], Loaded],
+    store: Callable[[int, Item, Loaded], None],
+    workers: int = 1,
+    progress: Callable[[int], None] = lambda done: None,
+) -> None:
+    """`store(worker, item, load(item))` for every item, on `workers` writer threads (`worker` is the
+    writer's number, 0 to workers - 1, e.g. to pick its own output file) fed by `workers` loading threads.
+
+    Items are loaded in order, ahead of their store, while the loaded and unstored ones take at most
+    `workers` x max(largest item, READ_AHEAD_BYTES) bytes (`sizes`); each writer always has one item coming.
+    The first failure stops the loading and is raised once the writers have stopped."""
+    if not items:
+        return
+    budget = workers * max(max(sizes), READ_AHEAD_BYTES)
+    lock = threading.Condition()
+    pending: deque[tuple[int, Future[Loaded]]] = deque()
+    state = {"queued": 0, "in_flight": 0, "done": 0, "failed": None}
+    loader = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mconvert-load")
+
+    def refill() -> None:
+        """Queue loads while the budget allows (under `lock`); at least one per writer waiting."""
+        while state["queued"] < len(items) and state["failed"] is None and (
+            len(pending) < workers or state["in_flight"] + sizes[state["queued"]] <= budget
+        ):
+            index = state["queued"]
+            pending.append((index, loader.submit(load, items[index])))
+            state["in_flight"] += sizes[index]
+            state["queued"] += 1
+
+    def write(worker: int) -> None:
+        while True:
+            with lock:
+                refill()
+                if not pending or state["failed"] is not None:
+                    return
+                index, future = pending.popleft()
+            try:
+                loaded = future.result()
+                store(worker, items[index], loaded)
+                del loaded
+            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread below
+                with lock:
+                    if state["failed"] is None:
+                        state["failed"] = error
+                return
+            with lock:
+                state["in_flight"] -= sizes[index]
+                state["done"] += 1
+                done = state["done"]
+            progress(done)
+
+    writers = [threading.Thread(target=write, args=(w,), name=f"mconvert-write-{w}") for w in range(workers)]
+    try:
+        for thread in writers:
+            thread.start()
+        for thread in writers:
+            thread.join()
+    finally:
+        loader.shutdown(cancel_futures=True)  # after a failure, read no further
+    if state["failed"] is not None:
+        raise state["failed"]
+
+
+def assign(sizes: Sequence[int], parts: int) -> list[list[int]]:
+    """Indices of `sizes` split into `parts` lists of about equal total size (largest first, each to the
+    least loaded part), each list in increasing order; the same on every rank."""
+    loads = [0] * parts
+    assigned: list[list[int]] = [[] for _ in range(parts)]
+    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        part = min(range(parts), key=lambda p: (loads[p], p))
+        assigned[part].append(index)
+        loads[part] += sizes[index]
+    return [sorted(indices) for indices in assigned]
+
+
+class Ranks:
+    """This process among the ranks of a torch.distributed job; one rank of one when not started by torchrun.
+
+    Collectives go through a gloo group (CPU tensors and pickled objects, on any host). `settle` is the one
+    point where the ranks learn whether all of them succeeded: a rank that fails before it calls `settle(False)`
+    from its error path, so that nobody waits for it and nothing is finished."""
+
+    def __init__(self) -> None:
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.group = None
+        self.settled = False
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                timeout = datetime.timedelta(seconds=float(os.environ.get("MCONVERT_DIST_TIMEOUT", "3600")))
+                dist.init_process_group("gloo", timeout=timeout)
+            self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj`, on every rank."""
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, by rank, on every rank."""
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, obj, group=self.group)
+        return gathered
+
+    def settle(self, ok: bool) -> None:
+        """Wait until every rank got here (or failed); raise on the ranks that succeeded if another did not."""
+        self.settled = True
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        if ok and not flag.item():
+            raise ConversionError(f"rank {self.rank}: another rank failed; nothing was finished")
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def mine(self, sizes: Sequence[int]) -> list[int]:
+        """Indices of the items (of `sizes` bytes each) this rank converts."""
+        return assign(sizes, self.world)[self.rank] if self.world > 1 else list(range(len(sizes)))

@@ -1,0 +1,144 @@
+"""Parallel conversion: `--workers` threads and torchrun ranks (gloo, on this machine) give the single
+worker's checkpoint tensor for tensor; megatron-core loads what two ranks wrote; a rank's failure leaves
+nothing that looks complete."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mconvert.converters import torch_dist
+from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+from mconvert.converters.megatron import Parallelism
+from mconvert.converters.parallel import READ_AHEAD_BYTES, assign, run_pieces
+from mconvert.verify.distributed import run_ranks
+
+from test_dense_megatron import TOKENS, expected_megatron_state, megatron_view
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def dcp_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a torch_dist checkpoint, whole, read through torch's own DCP reader."""
+    import torch.distributed.checkpoint as dcp
+
+    release = torch_dist.iteration_dir(checkpoint)
+    metadata = dcp.FileSystemReader(str(release)).read_metadata()
+    state = {
+        key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if hasattr(meta, "size")
+    }
+    dcp.load(state, storage_reader=dcp.FileSystemReader(str(release)), no_dist=True)
+    return state
+
+
+def hf_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    state = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        state.update(load_file(path))
+    return state
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert set(a) == set(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+def torchrun(nproc: int, *argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    return subprocess.run([*command, "-m", "mconvert", *argv], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_pieces_are_spread_evenly_and_completely_over_ranks():
+    sizes = [5, 1, 1, 3, 2, 2, 8]
+    parts = assign(sizes, 3)
+    assert sorted(i for part in parts for i in part) == list(range(len(sizes)))
+    assert [sum(sizes[i] for i in part) for part in parts] == [8, 7, 7]
+
+
+def test_run_pieces_raises_the_first_failure_and_stops_loading():
+    loaded = []
+
+    def load(item):
+        loaded.append(item)
+        if item == 3:
+            raise ValueError("piece 3 is bad")
+        return item
+
+    with pytest.raises(ValueError, match="piece 3"):
+        run_pieces(list(range(1000)), [READ_AHEAD_BYTES] * 1000, load, lambda worker, item, value: None, workers=2)
+    assert len(loaded) < 10  # what the memory budget let start, not the rest
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_workers_write_what_one_worker_writes(hf_model_factory, tmp_path, workers):
+    hf = hf_model_factory("qwen3-30b-a3b", layers=2)
+    one, many = tmp_path / "one", tmp_path / "many"
+    convert_hf_to_mcore(hf, one, parallelism=Parallelism(tp=2, ep=2))
+    convert_hf_to_mcore(hf, many, parallelism=Parallelism(tp=2, ep=2), workers=workers)
+    assert len(list((many / "release").glob("*.distcp"))) == workers
+    assert_same(dcp_tensors(one), dcp_tensors(many))
+
+    back_one, back_many = tmp_path / "back-one", tmp_path / "back-many"
+    convert_mcore_to_hf(one, back_one)
+    convert_mcore_to_hf(many, back_many, workers=workers)
+    assert_same(hf_tensors(back_one), hf_tensors(back_many))
+    assert_same(hf_tensors(back_one), hf_tensors(hf))
+    for path in back_one.glob("*.safetensors"):
+        assert path.read_bytes() == (back_many / path.name).read_bytes()
+
+
+def test_two_torchrun_ranks_write_the_single_process_checkpoint_and_megatron_loads_it(hf_model_factory, tmp_path):
+    hf = hf_model_factory("qwen2.5-7b-instruct", layers=2)
+    single, ranked = tmp_path / "single", tmp_path / "ranked"
+    convert_hf_to_mcore(hf, single, parallelism=Parallelism(tp=2))
+    done = torchrun(2, "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(ranked), "--tp", "2", "--workers", "2")
+    assert done.returncode == 0, done.stderr
+    files = sorted(p.name for p in (ranked / "release").glob("*.distcp"))
+    assert {name.split("_")[2] for name in files} == {"0", "1"}  # __<rank>_<file>.distcp: both ranks wrote
+    assert (ranked / torch_dist.TRACKER_FILE).read_text() == "release"
+    assert_same(dcp_tensors(single), dcp_tensors(ranked))
+
+    _, state, _ = run_ranks(megatron_view, str(ranked), TOKENS, tp=2)
+    expected = expected_megatron_state(hf, 2)
+    assert set(state) == set(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(state[key], tensor), key
+
+    back_single, back_ranked = tmp_path / "back-single", tmp_path / "back-ranked"
+    convert_mcore_to_hf(single, back_single, max_shard_size="20MB")
+    done = torchrun(2, "mcore-to-hf", "--load-dir", str(ranked), "--save-dir", str(back_ranked), "--max-shard-size", "20MB")
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in back_single.iterdir()) == sorted(p.name for p in back_ranked.iterdir())
+    for path in back_single.iterdir():
+        assert path.read_bytes() == (back_ranked / path.name).read_bytes(), path.name
+
+
+def test_a_failing_rank_fails_the_run_and_leaves_nothing_complete(hf_model_factory, tmp_path):
+    hf = hf_model_factory("qwen2.5-7b-instruct", layers=2)
+    ckpt = tmp_path / "mcore"
+    convert_hf_to_mcore(hf, ckpt)
+    # Zero the stored final norm: the one rank that converts that piece fails to read it, the other does not.
+    release = ckpt / "release"
+    dcp = torch_dist.DCPCheckpoint(release)
+    for index, info in dcp.metadata.storage_data.items():
+        if index.fqn == "decoder.final_layernorm.weight":
+            with open(release / info.relative_path, "r+b") as f:
+                f.seek(info.offset)
+                f.write(bytes(info.length))
+    out = tmp_path / "out"
+    done = torchrun(2, "mcore-to-hf", "--load-dir", str(ckpt), "--save-dir", str(out))
+    assert done.returncode != 0
+    assert "decoder.final_layernorm.weight" in done.stderr and "another rank failed" in done.stderr
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
