@@ -32,9 +32,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-
-from mconvert.converters.safetensors_io import HFCheckpoint  # noqa: E402
-from mconvert.synthetic import real_config, write_random_hf_checkpoint  # noqa: E402
+# Nothing that imports torch at module level: a timed child's peak RSS (ru_maxrss) starts from this process's
+# at the fork.
 
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 GiB = 1 << 30
@@ -81,6 +80,8 @@ def remove(path: Path) -> None:
 def make_source(model: str, work_dir: Path) -> Path:
     """MODEL or MODEL@LAYERS: the real config, cut to its first LAYERS layers when given (a MoE model's
     thousands of small expert tensors are measured well by a few layers)."""
+    from mconvert.synthetic import real_config, write_random_hf_checkpoint
+
     source = work_dir / model
     if not (source / COMPLETE_MARK).exists():
         if source.exists():
@@ -100,6 +101,8 @@ def human_bytes(n: float) -> str:
 
 
 def main() -> int:
+    from mconvert.converters.safetensors_io import HFCheckpoint
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b"], help="configs from mconvert/configs, NAME@LAYERS for the first LAYERS layers")
     parser.add_argument("--work-dir", type=Path, required=True, help="where sources and outputs go (one disk)")

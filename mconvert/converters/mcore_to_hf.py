@@ -212,11 +212,6 @@ def check_stored(plan: Plan, shapes: dict[str, Shape], location: str) -> None:
         )
 
 
-def export_order(plan: Plan) -> list[Piece]:
-    """The plan's pieces key by key, layer by layer: the order of the stored chunks."""
-    return sorted(plan.pieces, key=lambda piece: (piece.key, piece.offsets))
-
-
 def piece_hf_tensors(plan: Plan, piece: Piece, region: torch.Tensor) -> list[tuple[HFRef, torch.Tensor]]:
     """The HF tensors (or slices `ref.index` of them) of one piece, from its stored region."""
     if piece.layout.real_rows is not None:
@@ -227,7 +222,7 @@ def piece_hf_tensors(plan: Plan, piece: Piece, region: torch.Tensor) -> list[tup
 def hf_tensors(plan: Plan, source: MegatronTensors) -> Iterator[tuple[HFRef, torch.Tensor]]:
     """Each HF tensor (or slice `ref.index` of one) of the plan, from the Megatron checkpoint, one piece at a
     time."""
-    for piece in export_order(plan):
+    for piece in plan.pieces:
         yield from piece_hf_tensors(plan, piece, source.read_piece(piece))
 
 
@@ -258,7 +253,9 @@ def write_hf_pieces(
 ) -> None:
     """Read, transform and write this rank's share of the pieces on `workers` threads; each region is read
     into a buffer reused once its HF tensors are written (at their places: no order among the writers)."""
-    pieces = export_order(plan)
+    # In the plan's order: the order in which the HF files are laid out, and the order in which hf-to-mcore
+    # writes the chunks, so that both the reads and the writes go through the files front to back.
+    pieces = plan.pieces
     shapes = source.stored_shapes(plan)
     sizes = [
         math.prod(piece_region(piece, shapes[stored_key(piece, shapes)])[1]) * (source.weights_dtype or plan.dtype).itemsize
