@@ -104,8 +104,14 @@ class Results:
         print(" | ".join(cells), flush=True)
 
 
+DEADLINE = [float("inf")]  # time.monotonic() after which measurements are skipped (--deadline-s)
+
+
 def measure(results: Results, model: str, step: str, command: list[str], source: Path, target: Path, nbytes: int,
             workers: int, ranks: int, baselines: dict[str, float]) -> float:
+    if time.monotonic() > DEADLINE[0]:
+        print(f"skipped (past --deadline-s): {model} {step} workers={workers} ranks={ranks}", flush=True)
+        return float("nan")
     warm(source)
     run = run_timed(command)
     if target.exists():
@@ -140,7 +146,10 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--peers", nargs="*", default=["qwen2.5-0.5b"], help="small models to measure the peers' approach on")
     parser.add_argument("--keep-sources", choices=("true", "false"), default="true")
+    parser.add_argument("--deadline-s", type=float, default=None, help="skip the measurements not started within this many seconds")
     options = parser.parse_args()
+    if options.deadline_s is not None:
+        DEADLINE[0] = time.monotonic() + options.deadline_s
     options.work_dir.mkdir(parents=True, exist_ok=True)
     results = Results(options.out)
     env_note = options.out / "machine.txt"

@@ -5,6 +5,7 @@ nothing that looks complete."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -56,7 +57,14 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
 def torchrun(nproc: int, *argv: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    return subprocess.run([*command, "-m", "mconvert", *argv], env=env, capture_output=True, text=True, timeout=300)
+    # A session of its own: a run that hangs is killed with its rank processes, not only torchrun.
+    process = subprocess.Popen([*command, "-m", "mconvert", *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def test_pieces_are_spread_evenly_and_completely_over_ranks():

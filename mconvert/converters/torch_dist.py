@@ -20,6 +20,7 @@ import math
 import os
 import pickle
 import struct
+import threading
 import warnings
 import zipfile
 from pathlib import Path
@@ -273,6 +274,7 @@ class DCPCheckpoint:
         self.object_keys = [k for k, m in metadata.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)]
         self._chunk_index: dict[str, tuple[dict[int, list[int]], list[int]]] = {}
         self._records: dict[tuple[str, int], int | None] = {}
+        self._threads = threading.local()
 
     def _storage(self, index: MetadataIndex) -> _StorageInfo:
         info = self.metadata.storage_data[index]
@@ -360,6 +362,14 @@ class DCPCheckpoint:
         for key, offsets, shape in regions:
             yield self.read_region(key, offsets, shape)
 
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        """This thread's memory for the bytes of a part that is not contiguous in its region (a row-parallel
+        chunk), reused from read to read: fresh memory would cost a page fault and a zeroing per 4 KiB."""
+        staging = getattr(self._threads, "staging", None)
+        if staging is None or staging.numel() < nbytes:
+            staging = self._threads.staging = torch.empty(nbytes, dtype=torch.uint8)
+        return staging[:nbytes]
+
     def _raw_record(self, key: str, number: int) -> int | None:
         """Where in its data file the bytes of chunk `number` of `key` start, when torch.save stored it as a
         plain tensor (dtype as declared, whole storage in order, little-endian); else None."""
@@ -403,7 +413,7 @@ class DCPCheckpoint:
         itemsize = target.element_size()
         span = last - first + 1
         direct = span == target.numel() and target.is_contiguous()
-        buffer = target if direct else torch.empty(span, dtype=target.dtype)
+        buffer = target if direct else self._staging(span * itemsize).view(target.dtype)
         view = memoryview(buffer.view(-1).view(torch.uint8).numpy())
         path = self.directory / info.relative_path
         with open(path, "rb", buffering=0) as f:
