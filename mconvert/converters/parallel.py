@@ -38,8 +38,9 @@ MAX_DEFAULT_WORKERS = 8
 
 
 def default_workers() -> int:
-    """Workers for this machine: one per core this process may run on, at most MAX_DEFAULT_WORKERS (the
-    disk, not the cores, bounds a conversion beyond that), and no more than the available memory holds."""
+    """Workers for this process: one per core it may run on, at most MAX_DEFAULT_WORKERS (the disk, not the
+    cores, bounds a conversion beyond that), and no more than the available memory holds; under torchrun,
+    the machine's share of this rank (cores and memory divided by the ranks on the machine)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -49,7 +50,8 @@ def default_workers() -> int:
                     available = int(line.split()[1]) * 1024
     except (OSError, ValueError):
         available = MEMORY_PER_WORKER
-    return max(1, min(cores, MAX_DEFAULT_WORKERS, available // MEMORY_PER_WORKER))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(cores // local_ranks, MAX_DEFAULT_WORKERS, available // local_ranks // MEMORY_PER_WORKER))
 
 
 def check_workers(workers: int) -> int:
