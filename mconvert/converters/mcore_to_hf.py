@@ -243,6 +243,35 @@ def plan_export(
     return plan, config
 
 
+def file_copies(plan: Plan, piece: Piece, source: MegatronTensors, shapes: dict[str, Shape]) -> list[tuple[HFRef, tuple[Path, int]]] | None:
+    """For a piece whose HF tensors are each a run of stored bytes (a rename, or gate and up cut from fc1,
+    in the stored dtype, each within one plainly stored chunk): each HF tensor's (file, position). None
+    otherwise. Which rows they are is found by applying the transform to a tensor on the meta device: views
+    that are contiguous row blocks qualify; anything else (a copy, QKV's regrouping) is read and transformed
+    in memory."""
+    if not isinstance(source, TorchDistTensors):
+        return None
+    key = stored_key(piece, shapes)
+    offsets, shape = piece_region(piece, shapes[key])
+    if source.dcp.dtypes[key] != plan.dtype:
+        return None
+    leading = len(piece.offsets)
+    whole = torch.empty(shape[leading:], dtype=plan.dtype, device="meta")
+    region = whole[: piece.layout.real_rows] if piece.layout.real_rows is not None else whole
+    row = math.prod(whole.shape[1:])
+    copies = []
+    for ref, tensor in zip(piece.sources, piece.entry.to_hf(region, plan.spec)):
+        start, count = tensor.storage_offset(), tensor.numel()
+        if not (tensor is whole or tensor._base is whole) or not tensor.is_contiguous() or start % row or count % row:
+            return None
+        rows = (*offsets[:leading], offsets[leading] + start // row, *offsets[leading + 1 :])
+        span = source.dcp.byte_span(key, rows, (*shape[:leading], count // row, *shape[leading + 1 :]))
+        if span is None:
+            return None
+        copies.append((ref, span))
+    return copies
+
+
 def write_hf_pieces(
     plan: Plan,
     source: MegatronTensors,
@@ -264,15 +293,22 @@ def write_hf_pieces(
     mine = ranks.mine(sizes)
     buffers = Buffers()
 
-    def load(index: int) -> tuple[torch.Tensor, list[tuple[HFRef, torch.Tensor]]]:
+    def load(index: int) -> tuple[torch.Tensor | None, list[tuple[HFRef, torch.Tensor | tuple[Path, int]]]]:
+        copies = file_copies(plan, pieces[index], source, shapes)
+        if copies is not None:
+            return None, copies
         into = buffers.take(sizes[index])
         return into, piece_hf_tensors(plan, pieces[index], source.read_piece(pieces[index], into))
 
-    def store(worker: int, index: int, loaded: tuple[torch.Tensor, list[tuple[HFRef, torch.Tensor]]]) -> None:
+    def store(worker: int, index: int, loaded: tuple[torch.Tensor | None, list[tuple[HFRef, torch.Tensor | tuple[Path, int]]]]) -> None:
         into, tensors = loaded
         for ref, tensor in tensors:
-            writer.write(ref.name, tensor, ref.index)
-        buffers.give_back([into])
+            if isinstance(tensor, torch.Tensor):
+                writer.write(ref.name, tensor, ref.index)
+            else:
+                writer.copy(ref.name, ref.index, *tensor)
+        if into is not None:
+            buffers.give_back([into])
 
     def report(done: int) -> None:
         if done % 100 == 0:

@@ -251,6 +251,24 @@ class SafetensorsWriter:
         with self._lock:
             self.written[name] += len(data)
 
+    def copy(self, name: str, index: int | None, source: Path, position: int) -> None:
+        """Write tensor `name` (or its slice `index`) as the bytes at `position` of file `source`, copied by
+        the kernel (copy_file_range), as `cp` copies: its layout's dtype and shape, in order."""
+        path, begin, dtype, shape = self.places[name]
+        if index is not None:
+            begin += index * math.prod(shape[1:]) * dtype.itemsize
+            shape = shape[1:]
+        length = math.prod(shape) * dtype.itemsize
+        fd, done = self._fd(path), 0
+        with open(source, "rb", buffering=0) as src:
+            while done < length:
+                copied = os.copy_file_range(src.fileno(), fd, length - done, position + done, begin + done)
+                if not copied:
+                    raise ConversionError(f"{source}: truncated while copying tensor '{name}'")
+                done += copied
+        with self._lock:
+            self.written[name] += length
+
     def finish(self, written: list[dict[str, int]] | None = None) -> None:
         """Check that every byte was written (by this process, or by all of `written`, each process's
         `written`) and write the index."""

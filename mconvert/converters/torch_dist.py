@@ -357,6 +357,23 @@ class DCPCheckpoint:
             raise ConversionError(f"{self.directory}: the stored chunks of '{key}' cover {covered} of the {out.numel()} elements at {list(offsets)}")
         return out
 
+    def byte_span(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[Path, int] | None:
+        """(file, position) where the region's bytes lie in order, when one plainly stored chunk holds all of
+        them contiguously (a layer's or expert's chunk at TP 1, a column-parallel one): they can be copied
+        file to file without passing through memory."""
+        hit = self.chunks_of(key, offsets, shape)
+        if len(hit) != 1 or (record := self._raw_record(key, hit[0])) is None:
+            return None
+        chunk = self.metadata.state_dict_metadata[key].chunks[hit[0]]
+        within, _ = region_overlap(chunk.offsets, chunk.sizes, offsets, shape)
+        strides = _contiguous_strides(chunk.sizes)
+        first = sum(s.start * stride for s, stride in zip(within, strides))
+        last = sum((s.stop - 1) * stride for s, stride in zip(within, strides))
+        if tuple(s.stop - s.start for s in within) != tuple(shape) or last - first + 1 != math.prod(shape):
+            return None
+        info = self._storage(MetadataIndex(key, chunk.offsets, hit[0]))
+        return self.directory / info.relative_path, record + first * self.dtypes[key].itemsize
+
     def read_regions(self, regions: list[tuple[str, tuple[int, ...], tuple[int, ...]]]):
         """Yield, for each (key, offsets, shape) in order, that region of the tensor `key` (fresh memory)."""
         for key, offsets, shape in regions:
