@@ -147,6 +147,7 @@ def test_a_failing_rank_fails_the_run_and_leaves_nothing_complete(hf_model_facto
     out = tmp_path / "out"
     done = torchrun(2, "mcore-to-hf", "--load-dir", str(ckpt), "--save-dir", str(out))
     assert done.returncode != 0
-    assert "decoder.final_layernorm.weight" in done.stderr and "another rank failed" in done.stderr
+    # Both ranks name the cause: the one that failed, and the other, which reports it.
+    assert done.stderr.count("decoder.final_layernorm.weight") >= 2 and "failed, so nothing was finished" in done.stderr
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []

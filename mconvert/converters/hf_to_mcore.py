@@ -174,7 +174,7 @@ def convert_hf_to_mcore(
                     writer.write_object(key, torch_dist.EMPTY_EXTRA_STATE)
         finally:
             writer.abort()
-        ranks.settle(True)  # every rank's chunks are on disk
+        ranks.settle()  # every rank's chunks are on disk
         parts = ranks.gather(writer.local_part())
         if ranks.is_first:
             writer.finish(parts)

@@ -362,7 +362,7 @@ def convert_mcore_to_hf(
             write_hf_pieces(plan, source, writer, workers, ranks, progress)
         finally:
             writer.close()
-        ranks.settle(True)  # every rank's tensors are on disk
+        ranks.settle()  # every rank's tensors are on disk
         written = ranks.gather(writer.written)
         if ranks.is_first:
             writer.finish(written)

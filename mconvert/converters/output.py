@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -24,7 +25,7 @@ def atomic_directory(save_dir: Path, overwrite: bool, ranks: Ranks | None = None
     old one when `overwrite`), on failure removed. A crash leaves only a `.tmp-` directory behind.
 
     With several `ranks` (torchrun), rank 0 makes the directory and all fill it; the body calls
-    `ranks.settle(True)` once its rank's share is written (a rank that fails before settles False for it);
+    `ranks.settle()` once its rank's share is written (a rank that fails before settles with its error);
     rank 0 finishes and renames the directory, and every rank returns once it is in place."""
     ranks = ranks or Ranks()
     save_dir = save_dir.absolute()
@@ -40,10 +41,11 @@ def atomic_directory(save_dir: Path, overwrite: bool, ranks: Ranks | None = None
     try:
         yield work
         if not ranks.settled:
-            ranks.settle(True)
-    except BaseException:
+            ranks.settle()
+    except BaseException as error:
         if not ranks.settled:
-            ranks.settle(False)
+            with contextlib.suppress(Exception):  # the group may be broken too
+                ranks.settle(str(error) or type(error).__name__)
         if ranks.is_first:
             shutil.rmtree(work, ignore_errors=True)
         raise

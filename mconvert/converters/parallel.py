@@ -167,8 +167,8 @@ class Ranks:
     """This process among the ranks of a torch.distributed job; one rank of one when not started by torchrun.
 
     Collectives go through a gloo group (CPU tensors and pickled objects, on any host). `settle` is the one
-    point where the ranks learn whether all of them succeeded: a rank that fails before it calls `settle(False)`
-    from its error path, so that nobody waits for it and nothing is finished."""
+    point where the ranks learn whether all of them succeeded: a rank that fails before it settles with its
+    error from its error path, so that nobody waits for it and nothing is finished."""
 
     def __init__(self) -> None:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -207,17 +207,20 @@ class Ranks:
         dist.all_gather_object(gathered, obj, group=self.group)
         return gathered
 
-    def settle(self, ok: bool) -> None:
-        """Wait until every rank got here (or failed); raise on the ranks that succeeded if another did not."""
+    def settle(self, error: str | None = None) -> None:
+        """Wait until every rank got here, having succeeded (`error` None) or failed; on the ranks that
+        succeeded, raise the first failed rank's error, so that every rank's output names the cause."""
         self.settled = True
         if self.world == 1:
             return
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        if ok and not flag.item():
-            raise ConversionError(f"rank {self.rank}: another rank failed; nothing was finished")
+        errors: list[str | None] = [None] * self.world
+        dist.all_gather_object(errors, error, group=self.group)
+        failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
+        if error is None and failed:
+            rank, message = failed[0]
+            raise ConversionError(f"rank {rank} failed, so nothing was finished: {message}")
 
     def barrier(self) -> None:
         if self.world > 1:
