@@ -170,7 +170,7 @@ def convert_hf_to_mcore(
     hf = HFCheckpoint(load_dir)
     plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers(family, spec, hf))
     check_sources(plan, {name: stored.shape for name, stored in hf.tensors.items()}, hf.where)
-    args = megatron.megatron_args(spec, parallelism, plan.dtype, transformer_impl)
+    args = megatron.megatron_args(spec, parallelism, plan.dtype, transformer_impl, tokenizer_dir=load_dir)
     flags = megatron.megatron_flags(args)
 
     with atomic_directory(save_dir, overwrite) as work:
@@ -188,6 +188,6 @@ def convert_hf_to_mcore(
             writer.abort()
             raise
         torch_dist.write_common(release, args)
-        (work / ARGS_SCRIPT).write_text("MODEL_ARGS=(\n" + "".join(f"    {flag}\n" for flag in flags) + ")\n")
+        (work / ARGS_SCRIPT).write_text(megatron.args_script(args, save_dir))
         torch_dist.write_tracker(work)
     return Conversion(plan, args, flags)
