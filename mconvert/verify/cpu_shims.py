@@ -84,9 +84,23 @@ def install_cpu_shims() -> None:
     _installed = True
 
 
+class _CudaRngOnCpu(types.ModuleType):
+    """torch.cuda, but its RNG state is the CPU's: what a CPU rank has to save where a GPU's would be."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def get_rng_state(device: object = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+
 class _TorchWithCudaTensorsOnCpu(types.ModuleType):
-    """torch, but `torch.tensor(..., device="cuda")` makes a CPU tensor: for modules that build their small
-    bookkeeping tensors on "cuda" by name (Megatron-LM's checkpoint loading: the iteration all-reduce)."""
+    """torch, but `torch.tensor(..., device="cuda")` makes a CPU tensor and the CUDA RNG state is the CPU's:
+    for modules that build their small bookkeeping tensors on "cuda" by name (Megatron-LM's checkpointing:
+    the iteration all-reduce, the RNG state it saves)."""
+
+    cuda = _CudaRngOnCpu("torch.cuda")
 
     def __getattr__(self, name: str) -> object:
         return getattr(torch, name)

@@ -23,7 +23,7 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from mconvert.converters.megatron import Parallelism, padded_vocab_size
+from mconvert.converters.megatron import Parallelism, padded_vocab_size, stored_arg
 
 try:
     import transformer_engine  # noqa: F401  (only probing whether it is installed)
@@ -101,7 +101,7 @@ def transformer_config_from_args(
         ),
         kv_channels=getattr(args, "kv_channels", None),
         normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon,
+        layernorm_epsilon=stored_arg(args, "layernorm_epsilon", 1e-5),
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=args.add_bias_linear,

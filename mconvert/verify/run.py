@@ -37,7 +37,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ARCHITECTURE_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "vocab_size", "rotary_base", "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
-    "norm_epsilon", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights",
+    "layernorm_epsilon", "norm_epsilon", "window_size", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights",
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax", "moe_layer_freq",
     "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
 )
