@@ -155,7 +155,7 @@ def judge(options: argparse.Namespace) -> dict:
             "passed": len(values) > 1 and all(b < a for a, b in zip(values, values[1:])),
         }
     verdicts = [part["passed"] for part in result.values() if isinstance(part, dict) and "passed" in part]
-    result["passed"] = all(v is not False for v in verdicts)
+    result["passed"] = bool(verdicts) and all(v is not False for v in verdicts)
     return result
 
 
