@@ -126,6 +126,14 @@ def main() -> None:
     from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
+    import megatron.core.datasets.utils as dataset_utils
+
+    if not (Path(dataset_utils.__file__).parent / "Makefile").exists():
+        # megatron-core's wheel ships the dataset index helpers compiled (helpers_cpp) but not their Makefile:
+        # pretrain's `make -C .../megatron/core/datasets` would find nothing to make and exit(1). This driver's
+        # data needs no index helpers at all.
+        dataset_utils.compile_helpers = lambda: None
+
     args = parse_and_validate_args(extra_args_provider=add_driver_args)
     Path(args.loss_log).mkdir(parents=True, exist_ok=True)
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
