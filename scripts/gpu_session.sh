@@ -4,9 +4,11 @@
 # machine is kept (about 30 s after a call), so the calls after `prepare` go back to back:
 #
 #   here:   bash scripts/gpu_session.sh prepare                  # wheels and the five TE parts (git-ignored)
-#   there:  bash scripts/gpu_session.sh part N                   # N = 1..5, one call each, carrying .tepN
-#   there:  bash scripts/gpu_session.sh run 560 install train te-export     # carrying .tebuild and .whl
-#   there:  bash scripts/gpu_session.sh run 560 install verify te-export    # (install is skipped when done)
+#   there:  bash scripts/gpu_session.sh part N                   # N = 1..4, one call each, carrying .tepN
+#   there:  bash scripts/gpu_session.sh run 560 install train    # carrying .tep5, .tebuild and .whl
+#   there:  bash scripts/gpu_session.sh run 560 install verify   # carrying .tebuild and .whl (install: done)
+#   there:  bash scripts/gpu_session.sh run 300 install te-export train   # the export check, and training jobs
+#                                                                # the first call had no time for
 #
 # `run SECONDS STAGE...` runs the stages in order and stops starting work at SECONDS after its start, so that the
 # call returns its results within the machine's 10 minutes a command. Each stage writes its results to $OUT as
@@ -66,6 +68,8 @@ for stage in "$@"; do
   note "$stage: start ($(left) s left)"
   case "$stage" in
   install)
+    # A TE part carried with this call (the last one fits beside .tebuild and .whl) joins the others.
+    for part in .tep?; do [ -d "$part" ] && mkdir -p /tmp/teparts && cp "$part"/* /tmp/teparts/; done
     if python3 -c "import megatron.training, transformer_engine.pytorch" 2>/dev/null; then
       mark install
     else
@@ -82,10 +86,11 @@ for stage in "$@"; do
   train)
     # Dense TP=2 and PP=2 on Qwen2.5-0.5B's shape (all 24 layers, tied embeddings), MoE EP=2 on Qwen3-30B-A3B's
     # (first 2 layers: 128 experts of full width).
-    python3 scripts/gpu_train.py --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" \
-      qwen2.5-0.5b:tp2 qwen2.5-0.5b:pp2 qwen3-30b-a3b@2:ep2 > "$OUT/train.log" 2>&1
-    note "train: exit $?"
-    mark train
+    python3 scripts/gpu_train.py --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" \
+      qwen2.5-0.5b:tp2 qwen3-30b-a3b@2:ep2 qwen2.5-0.5b:pp2 > "$OUT/train.log" 2>&1
+    code=$?
+    note "train: exit $code"
+    [ "$code" = 3 ] || mark train  # 3: jobs left for a later call
     ;;
   verify)
     # Real widths, first 8 layers (device time: the whole 32- and 36-layer models took 60 to 80 s each to

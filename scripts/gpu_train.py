@@ -14,7 +14,7 @@ then scripts/megatron_train_check.py judges. Without Transformer Engine (it does
 defaults take from TE turned off, and the result says so. Dropout is off (--hidden-dropout 0
 --attention-dropout 0; Megatron-LM defaults both to 0.1, the HF models to 0) so that the training forward is
 the model's function. Each result is appended to OUT/train.jsonl as it comes; jobs not started before
---deadline-s are skipped, runs are stopped at it.
+--deadline-s are skipped (exit 3; with --done-dir a later run does only those), runs are stopped at it.
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ def main() -> int:
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--done-dir", type=Path, help="a marker per finished job here; jobs marked are skipped")
     options = parser.parse_args()
     options.out.mkdir(parents=True, exist_ok=True)
     have_te = importlib.util.find_spec("transformer_engine") is not None
@@ -82,9 +83,15 @@ def main() -> int:
     def left() -> float:
         return options.deadline_s - (time.perf_counter() - started)
 
+    skipped = 0
     for job in options.jobs:
+        marker = options.done_dir / f"train-{job.replace(':', '-')}" if options.done_dir else None
+        if marker and marker.exists():
+            print(f"skipped {job}: done in an earlier run", flush=True)
+            continue
         if left() < 60:
             print(f"skipped {job}: deadline", flush=True)
+            skipped += 1
             continue
         name, layers, sizes, _ = parse_job(job)
         tag = f"{name}@{layers or 'all'}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}"
@@ -154,7 +161,9 @@ def main() -> int:
             f.write(json.dumps(result) + "\n")
         shutil.rmtree(work / "mcore", ignore_errors=True)
         shutil.rmtree(work / "save0", ignore_errors=True)
-    return 0
+        if marker:
+            marker.touch()
+    return 3 if skipped else 0
 
 
 if __name__ == "__main__":
