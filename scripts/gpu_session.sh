@@ -5,8 +5,8 @@
 #
 #   here:   bash scripts/gpu_session.sh prepare                  # wheels and the five TE parts (git-ignored)
 #   there:  bash scripts/gpu_session.sh part N                   # N = 1..4, one call each, carrying .tepN
-#   there:  bash scripts/gpu_session.sh run 560 install train    # carrying .tep5, .tebuild and .whl
-#   there:  bash scripts/gpu_session.sh run 560 install verify   # carrying .tebuild and .whl (install: done)
+#   there:  bash scripts/gpu_session.sh run 540 install train    # carrying .tep5, .tebuild and .whl
+#   there:  bash scripts/gpu_session.sh run 540 install verify   # carrying .tebuild and .whl (install: done)
 #   there:  bash scripts/gpu_session.sh run 300 install te-export train   # the export check, and training jobs
 #                                                                # the first call had no time for
 #
