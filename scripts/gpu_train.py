@@ -45,7 +45,7 @@ WITHOUT_TE = ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-l
 
 def model_args(ckpt: Path) -> list[str]:
     block = re.search(r"MODEL_ARGS=\((.*?)\)", (ckpt / "megatron_args.sh").read_text(), re.S).group(1)
-    return shlex.split(block)
+    return shlex.split(block, comments=True)
 
 
 def run(command: list[str], timeout_s: float, log: Path) -> tuple[int, float]:

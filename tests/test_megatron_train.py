@@ -37,7 +37,7 @@ def _script(name: str):
 def model_args(ckpt: Path) -> list[str]:
     """MODEL_ARGS, exactly as the converter wrote them to megatron_args.sh."""
     block = re.search(r"MODEL_ARGS=\((.*?)\)", (ckpt / "megatron_args.sh").read_text(), re.S).group(1)
-    return shlex.split(block)
+    return shlex.split(block, comments=True)
 
 
 def driver_command_line(ckpt: Path, tokens: Path, log: Path, seq_length: int, rows: int) -> list[str]:
