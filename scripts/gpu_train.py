@@ -44,6 +44,7 @@ WITHOUT_TE = ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-l
 
 
 def model_args(ckpt: Path) -> list[str]:
+    """MODEL_ARGS, exactly as the converter wrote them to megatron_args.sh."""
     block = re.search(r"MODEL_ARGS=\((.*?)\)", (ckpt / "megatron_args.sh").read_text(), re.S).group(1)
     return shlex.split(block, comments=True)
 

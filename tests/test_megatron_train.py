@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
-import shlex
 import sys
 from pathlib import Path
 
@@ -34,15 +32,9 @@ def _script(name: str):
     return module
 
 
-def model_args(ckpt: Path) -> list[str]:
-    """MODEL_ARGS, exactly as the converter wrote them to megatron_args.sh."""
-    block = re.search(r"MODEL_ARGS=\((.*?)\)", (ckpt / "megatron_args.sh").read_text(), re.S).group(1)
-    return shlex.split(block, comments=True)
-
-
 def driver_command_line(ckpt: Path, tokens: Path, log: Path, seq_length: int, rows: int) -> list[str]:
     return [
-        *model_args(ckpt),
+        *_script("gpu_train").model_args(ckpt),  # MODEL_ARGS, exactly as the converter wrote them
         "--load", str(ckpt), "--finetune", "--no-load-optim", "--no-load-rng", "--ckpt-format", "torch_dist",
         "--dist-ckpt-strictness", "raise_unexpected", "--tokenizer-type", "NullTokenizer",
         "--token-file", str(tokens), "--loss-log", str(log), "--seq-length", str(seq_length),
