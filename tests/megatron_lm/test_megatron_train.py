@@ -22,7 +22,7 @@ from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
 from mconvert.converters.megatron import Parallelism  # noqa: E402
 from mconvert.verify.distributed import run_ranks  # noqa: E402
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 
 def _script(name: str):
