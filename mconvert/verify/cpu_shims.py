@@ -1,4 +1,4 @@
-"""The few patches megatron-core 0.16.1 needs to run a GPTModel forward on CPU.
+"""The few patches megatron-core (0.13 to 0.19) needs to run a GPTModel forward on CPU.
 
 megatron-core assumes CUDA in a handful of places even when every tensor lives on the CPU
 (`use_cpu_initialization=True`). These shims make those places work on CPU and change nothing else:
