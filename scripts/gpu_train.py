@@ -122,6 +122,10 @@ def main() -> int:
             result["model_args"] = flags
             if not have_te:
                 flags = [flag for flag in flags if flag != "--moe-grouped-gemm"] + WITHOUT_TE
+            elif importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+                # Megatron-LM's default gradient accumulation fusion is APEX's CUDA extension (seen missing
+                # on the GPU machine: its first training forward stopped there).
+                flags = [*flags, "--no-gradient-accumulation-fusion"]
             write_tokens(hf, options.rows, options.seq_length, work / "tokens.npy")
             torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                         str(options.nproc), "scripts/megatron_train.py"]
