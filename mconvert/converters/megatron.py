@@ -146,22 +146,6 @@ def extra_state_key(module_key: str, offsets: tuple[int, ...], leading_shape: Sh
     return f"{module_key}._extra_state/shard_{'.'.join(map(str, offsets))}_{'.'.join(map(str, leading_shape))}"
 
 
-def stored_arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
-    """An arg as stored by any Megatron-LM version (by its 0.19 name, or the earlier one), else `default`."""
-    value = getattr(args, name, None)
-    if value is None and name in RENAMED_ARGS:
-        value = getattr(args, RENAMED_ARGS[name], None)
-    return default if value is None else value
-
-
-def _integral(value: float, flag: str, field: str) -> int:
-    """`value` as the int Megatron-LM's parser declares `flag` to be; a fraction would be rounded there, so it
-    is an error here."""
-    if value != int(value):
-        raise ConversionError(f"{field} {value:g}: Megatron-LM's {flag} takes only integers, so this model cannot be described")
-    return int(value)
-
-
 # Args that Megatron-LM's `--use-checkpoint-args` copies from a checkpoint's stored args
 # (megatron.training.checkpointing.load_args_from_checkpoint, Megatron-LM 0.19.2; tests/megatron_lm reads
 # the installed function to keep this in step). Everything else that shapes the model must be passed.
