@@ -12,7 +12,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-CONFIGS = ("llama-2-7b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b-instruct", "qwen3-8b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b-v0.1")
+CONFIGS = (
+    "llama-2-7b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b-instruct", "qwen3-8b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b",
+    "mixtral-8x7b-v0.1", "deepseek-v2-lite", "deepseek-v3", "glm-4.5-air",
+)
 
 
 def real_config(name: str) -> dict[str, Any]:
@@ -36,11 +39,13 @@ def shrink(config: dict[str, Any], layers: int = 2, **overrides: Any) -> dict[st
         bos_token_id=1,
         eos_token_id=2,
     )
+    if config.get("pad_token_id") is not None:
+        small["pad_token_id"] = 0
     if "head_dim" in config and config["head_dim"] != config["hidden_size"] // config["num_attention_heads"]:
         small["head_dim"] = 32  # hidden/heads is 16: keeps the two different, as in Qwen3
     elif "head_dim" in config:
         small["head_dim"] = 16
-    experts_key = next((k for k in ("num_experts", "num_local_experts") if k in config), None)
+    experts_key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config), None)
     if experts_key:
         small[experts_key] = 8
         small["num_experts_per_tok"] = 2
@@ -48,6 +53,17 @@ def shrink(config: dict[str, Any], layers: int = 2, **overrides: Any) -> dict[st
         small["moe_intermediate_size"] = 32
     if config.get("shared_expert_intermediate_size"):
         small["shared_expert_intermediate_size"] = 96
+    if config.get("first_k_dense_replace"):
+        small["first_k_dense_replace"] = 1  # one dense layer, then experts
+    if config.get("n_group", 1) > 1:
+        small.update(n_group=4, topk_group=2, num_experts_per_tok=4)  # groups scored by their best 2, as the hub's
+    if "kv_lora_rank" in config:
+        # Multi-latent attention: ranks and head parts all distinct, so that a swapped one shows.
+        small.update(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+        if config.get("q_lora_rank"):
+            small["q_lora_rank"] = 40
+    # The test weights are made in full precision; FP8 checkpoints are made by quantizing them.
+    small.pop("quantization_config", None)
     small.update(overrides)
     return small
 
@@ -73,6 +89,11 @@ def make_hf_checkpoint(
         for parameter in model.parameters():
             # Norm weights of ones and zero biases would hide mistakes in their mapping.
             parameter.normal_(0.0, 0.05 if parameter.dim() > 1 else 0.5).add_(1.0 if parameter.dim() == 1 else 0.0)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # A router's expert bias is zero at init: a dropped one would go unseen. Large enough to
+                # change which experts are chosen.
+                buffer.normal_(0.0, 0.1)
     out_dir = Path(out_dir)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, save_original_format=not fused_experts, **kwargs)
@@ -183,7 +204,9 @@ def write_random_hf_checkpoint(
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     # named_parameters() lists a tied output layer once, under the embedding's name, as save_pretrained stores it.
-    parameters = list(model.named_parameters())
+    # Persistent buffers (a router's expert bias) are stored too.
+    stored = model.state_dict()
+    parameters = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in stored]
     shards = _shards(parameters if fused_experts else _per_expert(parameters, config), max_shard_bytes)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -126,9 +126,7 @@ def build_plan(
         fused = layer in fused_expert_layers
         moe_mlp = table.fused_moe_mlp if fused and table.fused_moe_mlp is not None else table.moe_mlp
         for entry in _active(table.attention + (moe_mlp if is_moe else table.dense_mlp), spec):
-            names = [entry.mcore]
-            if is_moe and entry.mcore == megatron.MOE_NORM:
-                names.append(megatron.MOE_NORM_LOCAL)
+            names = megatron.checkpoint_names(entry.mcore, spec, is_moe)
             located = [megatron.layer_key(name, layer, spec) for name in names]
             layout = megatron.tensor_layout(entry.mcore, spec, parallelism)
             add(tuple(k for k, _ in located), located[0][1], layers, layout, entry, [prefix + n for n in entry.hf_names])
