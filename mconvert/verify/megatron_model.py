@@ -18,12 +18,13 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from mconvert.converters.megatron import Parallelism, padded_vocab_size
+from mconvert.verify import cpu_shims
 
 try:
     import transformer_engine  # noqa: F401  (only probing whether it is installed)
@@ -78,6 +79,8 @@ def transformer_config_from_args(
             moe_router_score_function=getattr(args, "moe_router_score_function", "softmax"),
             moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
             moe_router_enable_expert_bias=getattr(args, "moe_router_enable_expert_bias", False),
+            moe_router_num_groups=getattr(args, "moe_router_num_groups", None),
+            moe_router_group_topk=getattr(args, "moe_router_group_topk", None),
             moe_layer_freq=getattr(args, "moe_layer_freq", 1),
             # The local spec's grouped gemm is the legacy GroupedMLP (CUDA-only grouped_gemm kernels,
             # other checkpoint keys); its SequentialMLP stores the keys TEGroupedMLP stores
@@ -90,7 +93,27 @@ def transformer_config_from_args(
             # result; allgather is the one that runs on gloo (CPU) as well as NCCL.
             moe_token_dispatcher_type="allgather",
         )
-    return TransformerConfig(
+    config_class, mla_settings = TransformerConfig, {}
+    if getattr(args, "multi_latent_attention", False):
+        config_class = MLATransformerConfig
+        mla_settings = dict(
+            multi_latent_attention=True,
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_head_dim=args.qk_head_dim,
+            qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+            v_head_dim=args.v_head_dim,
+            rope_type=getattr(args, "rope_type", None) or "yarn",
+            rotary_base=getattr(args, "rotary_base", 10000),
+            rotary_scaling_factor=getattr(args, "rotary_scaling_factor", 1.0),
+            mscale=getattr(args, "mscale", 1.0),
+            mscale_all_dim=getattr(args, "mscale_all_dim", 0.0),
+        )
+        # Megatron-LM has no flags for these; args written by mconvert record MLATransformerConfig's defaults.
+        for name in ("original_max_position_embeddings", "beta_fast", "beta_slow"):
+            if getattr(args, name, None) is not None:
+                mla_settings[name] = getattr(args, name)
+    return config_class(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -131,6 +154,7 @@ def transformer_config_from_args(
         use_cpu_initialization=True,
         perform_initialization=perform_initialization,
         **moe_settings,
+        **mla_settings,
     )
 
 
@@ -140,14 +164,32 @@ def _layer_spec(
     """The layer spec Megatron-LM's GPT model provider picks for these args."""
     if config.num_moe_experts:
         # Handles moe_layer_freq (dense and MoE layers mixed) and slices this pipeline stage's layers.
-        return get_gpt_decoder_block_spec(
+        spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization=args.normalization
         )
-    if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    return get_gpt_layer_local_spec(
-        qk_layernorm=config.qk_layernorm, normalization=args.normalization
-    )
+    elif use_te:
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention
+        )
+    else:
+        spec = get_gpt_layer_local_spec(
+            qk_layernorm=config.qk_layernorm,
+            normalization=args.normalization,
+            multi_latent_attention=config.multi_latent_attention,
+        )
+    if config.multi_latent_attention and not use_te:
+        _fit_local_mla(spec)
+    return spec
+
+
+def _fit_local_mla(spec: ModuleSpec | TransformerBlockSubmodules) -> None:
+    """megatron-core 0.16.1's local MLA layers, made buildable (see cpu_shims): the core attention that
+    takes MLA's arguments, and MLA's own test for Transformer Engine."""
+    cpu_shims.mla_without_transformer_engine()
+    core_attention = cpu_shims.local_mla_core_attention()
+    layers = spec.layer_specs if isinstance(spec, TransformerBlockSubmodules) else [spec]
+    for layer in layers:
+        layer.submodules.self_attention.submodules.core_attention = core_attention
 
 
 def build_gpt_model(
