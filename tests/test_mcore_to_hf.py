@@ -35,8 +35,12 @@ MODELS = {
     "qwen3_moe-mixed": ("qwen3-30b-a3b", {"layers": 4, "mlp_only_layers": [0, 3]}),
     "qwen2_moe": ("qwen1.5-moe-a2.7b", {}),
     "mixtral": ("mixtral-8x7b-v0.1", {}),
+    # Multi-latent attention with and without the query bottleneck, sigmoid and softmax routing; GLM-4.5.
+    "deepseek-v3": ("deepseek-v3", {}),
+    "deepseek-v2-lite": ("deepseek-v2-lite", {}),
+    "glm-4.5-air": ("glm-4.5-air", {"use_qk_norm": True}),
 }
-MOE = ("qwen3_moe-mixed", "qwen2_moe", "mixtral")
+MOE = ("qwen3_moe-mixed", "qwen2_moe", "mixtral", "deepseek-v3", "deepseek-v2-lite", "glm-4.5-air")
 
 
 def hf_dir(factory, name):
@@ -123,7 +127,7 @@ def test_state_dicts_convert_both_ways_as_the_files_do(hf_model_factory, tmp_pat
     assert all(torch.equal(from_args[k], hf_state[k]) for k in hf_state)
 
 
-@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-7b-instruct", "qwen3-8b", "qwen3_moe-mixed", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-7b-instruct", "qwen3-8b", *MOE])
 def test_args_read_back_into_the_same_model_of_the_same_family(name):
     config_name, overrides = MODELS[name]
     family, spec = get_mapping(shrink(real_config(config_name), **overrides))
@@ -152,15 +156,17 @@ def test_moe_layer_freq_reads_as_megatron_lm_stores_it():
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(moe_router_score_function="sigmoid"), "score function 'sigmoid'"),
-        (dict(moe_router_enable_expert_bias=True), "expert bias"),
+        # Sigmoid routing is GLM-4.5's, whose shared experts have no gate.
+        (dict(moe_router_score_function="sigmoid"), "glm4_moe family has ungated shared experts"),
+        (dict(moe_router_enable_expert_bias=True), "qwen2_moe family cannot express this model: moe.expert_bias would read back as False"),
+        (dict(moe_router_score_function="sqrtsoftplus"), "score function 'sqrtsoftplus'"),
         # No shared expert: a Mixtral, whose config has no biases on q, k, v to say.
         (
             dict(moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False, moe_router_pre_softmax=False, moe_ffn_hidden_size=128),
             "mixtral family cannot express this model: qkv_bias would read back as False, not True",
         ),
     ],
-    ids=["sigmoid-routing", "expert-bias", "mixtral-with-qkv-bias"],
+    ids=["sigmoid-routing-gated-shared-expert", "expert-bias-softmax", "sqrtsoftplus", "mixtral-with-qkv-bias"],
 )
 def test_args_of_models_no_family_has_are_refused(changes, message):
     with pytest.raises(ConversionError, match=message):
