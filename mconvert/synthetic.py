@@ -92,8 +92,8 @@ def make_hf_checkpoint(
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 # A router's expert bias is zero at init: a dropped one would go unseen. Large enough to
-                # change which experts are chosen.
-                buffer.normal_(0.0, 0.1)
+                # change which experts are chosen. In fp32 whatever the weights' dtype, as the hub stores it.
+                buffer.data = buffer.data.float().normal_(0.0, 0.1)
     out_dir = Path(out_dir)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, save_original_format=not fused_experts, **kwargs)

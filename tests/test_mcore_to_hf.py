@@ -21,7 +21,7 @@ from mconvert.converters.safetensors_io import INDEX_FILE, HFCheckpoint, Safeten
 from mconvert.converters.state_dict import hf_to_mcore_state_dict, mcore_to_hf_state_dict
 from mconvert.errors import ConversionError
 from mconvert.mappings import family_for_spec, get_mapping
-from mconvert.synthetic import real_config, shrink
+from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 
 # id: (real config, overrides)
 MODELS = {
@@ -256,3 +256,19 @@ def test_each_stored_chunk_is_read_once(hf_model_factory, tmp_path):
     assert len(list(hf_tensors(plan, source))) == len(plan.hf_shapes())
     stored = [(key, n) for key in dcp.shapes for n in range(len(dcp.metadata.state_dict_metadata[key].chunks))]
     assert sorted(dcp.loads) == sorted(stored) and len(stored) > len(plan.pieces)
+
+
+def test_expert_bias_stays_fp32_in_a_bf16_round_trip(hf_model_factory, tmp_path, capsys):
+    """Megatron keeps the router's expert bias in fp32, as the hub's bf16 DeepSeek-V3 stores it: a bf16
+    conversion must not round it, either way."""
+    hf = tmp_path / "hf"
+    make_hf_checkpoint(shrink(real_config("deepseek-v3")), hf, dtype="bfloat16")
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, ep=2))
+    dcp = torch_dist.DCPCheckpoint(tmp_path / "mcore" / torch_dist.RELEASE)
+    assert dcp.dtypes["decoder.layers.1.mlp.router.expert_bias"] == torch.float32
+    assert dcp.dtypes["decoder.layers.1.mlp.router.weight"] == torch.bfloat16
+    export(capsys, tmp_path / "mcore", tmp_path / "back")
+    original, back = read_hf(hf), read_hf(tmp_path / "back")
+    assert original["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(original[k], back[k]) and original[k].dtype == back[k].dtype for k in original)

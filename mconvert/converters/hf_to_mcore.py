@@ -137,7 +137,7 @@ def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, pro
         queued_bytes = 0  # their sizes, less those of the pieces written
         for index, piece in enumerate(plan.pieces):
             while queued < len(plan.pieces) and (queued <= index + 1 or queued_bytes + sizes[queued] <= READ_AHEAD_BYTES):
-                ahead.append(builder.submit(build_piece, plan.pieces[queued], hf, plan.spec, plan.dtype, buffers))
+                ahead.append(builder.submit(build_piece, plan.pieces[queued], hf, plan.spec, plan.dtype_of(plan.pieces[queued]), buffers))
                 queued_bytes += sizes[queued]
                 queued += 1
             parts, taken = ahead.popleft().result()
@@ -178,8 +178,9 @@ def convert_hf_to_mcore(
         release.mkdir()
         writer = torch_dist.DCPWriter(release)
         try:
+            dtypes = plan.key_dtypes()
             for key, shape in plan.shapes.items():
-                writer.declare(key, shape, plan.dtype)
+                writer.declare(key, shape, dtypes[key])
             write_pieces(plan, hf, writer, progress)
             for key in plan.extra_state_keys:
                 writer.write_object(key, torch_dist.EMPTY_EXTRA_STATE)

@@ -220,7 +220,7 @@ def hf_tensors(plan: Plan, source: MegatronTensors) -> Iterator[tuple[HFRef, tor
     for piece, region in zip(pieces, source.read_pieces(pieces)):
         if piece.layout.real_rows is not None:
             region = region[: piece.layout.real_rows]  # vocabulary padding
-        for ref, tensor in zip(piece.sources, piece.entry.to_hf(region.to(plan.dtype), plan.spec)):
+        for ref, tensor in zip(piece.sources, piece.entry.to_hf(region.to(plan.dtype_of(piece)), plan.spec)):
             yield ref, tensor
 
 
@@ -273,7 +273,8 @@ def convert_mcore_to_hf(
 
     with atomic_directory(save_dir, overwrite) as work:
         hf_shapes = plan.hf_shapes()
-        writer = SafetensorsWriter(work, {name: (plan.dtype, shape) for name, shape in hf_shapes.items()}, shard_bytes)
+        dtypes = {ref.name: plan.dtype_of(piece) for piece in plan.pieces for ref in piece.sources}
+        writer = SafetensorsWriter(work, {name: (dtypes[name], shape) for name, shape in hf_shapes.items()}, shard_bytes)
         try:
             for number, (ref, tensor) in enumerate(hf_tensors(plan, source), 1):
                 writer.write(ref.name, tensor, ref.index)

@@ -108,6 +108,9 @@ class TensorLayout:
     fragments: int = 1
     # Rows that hold real data; the rest up to shape[0] is zero padding (the vocabulary).
     real_rows: int | None = None
+    # The dtype the tensor has whatever the weights' dtype: Megatron keeps the router's expert bias in fp32
+    # (as transformers keeps e_score_correction_bias), since bf16 steps are coarser than its updates.
+    dtype: torch.dtype | None = None
 
 
 def tensor_layout(name: str, spec: ModelSpec, par: Parallelism, expert: bool = False) -> TensorLayout:
@@ -120,7 +123,7 @@ def tensor_layout(name: str, spec: ModelSpec, par: Parallelism, expert: bool = F
     if spec.mla is not None and name.startswith("self_attention."):
         return _mla_layout(name, spec, par)
     if name == "mlp.router.expert_bias":
-        return TensorLayout((moe.num_experts,))
+        return TensorLayout((moe.num_experts,), dtype=torch.float32)
     if name.endswith("norm.weight") or name.endswith("layer_norm_weight"):
         norm_size = d if name.startswith("self_attention.q_") or name.startswith("self_attention.k_") else H
         return TensorLayout((norm_size,))

@@ -72,6 +72,13 @@ class Plan:
     pieces: tuple[Piece, ...]
     extra_state_keys: tuple[str, ...]
 
+    def dtype_of(self, piece: Piece) -> torch.dtype:
+        """The dtype of a piece's tensors, on both sides: the conversion's, unless the tensor has its own."""
+        return piece.layout.dtype or self.dtype
+
+    def key_dtypes(self) -> dict[str, torch.dtype]:
+        return {key: self.dtype_of(piece) for piece in self.pieces for key in piece.keys}
+
     def hf_names(self) -> set[str]:
         return {ref.name for piece in self.pieces for ref in piece.sources}
 

@@ -126,5 +126,5 @@ def gather_hf_weights(
         region = region.reshape(region_shape[len(piece.offsets) :])
         if piece.layout.real_rows is not None:
             region = region[: piece.layout.real_rows]
-        for ref, tensor in zip(piece.sources, piece.entry.to_hf(region.to(dtype or region.dtype), spec)):
+        for ref, tensor in zip(piece.sources, piece.entry.to_hf(region.to(piece.layout.dtype or dtype or region.dtype), spec)):
             yield ref.name, tensor

@@ -45,9 +45,10 @@ def hf_to_mcore_state_dict(
     hf = StateDictHF(hf_state_dict)
     plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers=fused_expert_layers(family, spec, hf))
     check_sources(plan, {name: tuple(t.shape) for name, t in hf_state_dict.items()}, hf.where)
-    state_dict = {key: torch.zeros(shape, dtype=plan.dtype) for key, shape in plan.shapes.items()}
+    dtypes = plan.key_dtypes()
+    state_dict = {key: torch.zeros(shape, dtype=dtypes[key]) for key, shape in plan.shapes.items()}
     for piece in plan.pieces:
-        tensor = piece_tensor(piece, [hf.read(ref.name, ref.index) for ref in piece.sources], spec, plan.dtype)
+        tensor = piece_tensor(piece, [hf.read(ref.name, ref.index) for ref in piece.sources], spec, plan.dtype_of(piece))
         for key in piece.keys:
             state_dict[key][piece.offsets] = tensor
     return state_dict
