@@ -100,6 +100,43 @@ def make_hf_checkpoint(
     return out_dir
 
 
+def add_mtp_layers(hf_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Give a checkpoint made by `make_hf_checkpoint` the multi-token prediction layers its config names
+    (`num_nextn_predict_layers`), as the hub's DeepSeek-V3 and GLM-4.5 hold them and transformers never builds
+    them: HF layer num_hidden_layers + m, with a decoder layer like the last one (random values), its own
+    enorm, hnorm, eh_proj and shared_head.norm, and copies of the embedding and output head. Written to
+    `mtp.safetensors` beside `model.safetensors`, with an index of both."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = Path(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    model = load_file(hf_dir / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+
+    def random_like(tensor):
+        values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+        return (values * 0.05 if tensor.dim() > 1 else values * 0.5 + 1.0).to(tensor.dtype)
+
+    last = f"model.layers.{layers - 1}."
+    mtp = {}
+    for m in range(config.get("num_nextn_predict_layers") or 0):
+        prefix = f"model.layers.{layers + m}."
+        dtype = model["model.norm.weight"].dtype
+        mtp.update({prefix + name[len(last) :]: random_like(t) for name, t in model.items() if name.startswith(last)})
+        for name, shape in (("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)), ("eh_proj.weight", (hidden, 2 * hidden)), ("shared_head.norm.weight", (hidden,))):
+            mtp[prefix + name] = random_like(torch.empty(shape, dtype=dtype))
+        mtp[prefix + "embed_tokens.weight"] = model["model.embed_tokens.weight"].clone()
+        mtp[prefix + "shared_head.head.weight"] = model["lm_head.weight"].clone()
+    save_file(mtp, hf_dir / "mtp.safetensors", metadata={"format": "pt"})
+    # Two files: an index says which holds what, as the hub's shards are listed.
+    weight_map = {name: "model.safetensors" for name in model} | {name: "mtp.safetensors" for name in mtp}
+    index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return hf_dir
+
+
 SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 # Elements generated at a time while writing a random tensor: bounds memory for the largest embeddings.
 RANDOM_BLOCK = 1 << 24

@@ -1,5 +1,5 @@
 """DeepSeek-V2/V3 (multi-latent attention, sigmoid routing with an expert bias, group-limited routing, shared
-experts, yarn) and GLM-4.5 (partial rope, q/k/v biases, q/k norms) converted to torch_dist, judged by
+experts, yarn, multi-token prediction layers) and GLM-4.5 (partial rope, q/k/v biases, q/k norms) converted to torch_dist, judged by
 megatron-core 0.16.1: its GPTModel (local spec, gloo CPU ranks) loads the checkpoint at TP=2 with EP=2 and at
 PP=2 (the dense first layer on another stage than the MoE one); every parameter equals what the HF weights
 imply (written out here from the HF tensors, independently of the mapping tables), every key megatron asks for
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from safetensors.torch import load_file
 
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.megatron import Parallelism
-from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
+from mconvert.synthetic import add_mtp_layers, make_hf_checkpoint, real_config, shrink
 from mconvert.verify.distributed import run_ranks
 from tests.test_moe_megatron import TOKENS, hf_logits, megatron_view, stored_keys
 
@@ -60,8 +61,16 @@ def expected_megatron_state(hf_dir, tp: int) -> dict[str, torch.Tensor]:
         "output_layer.weight": torch.cat([hf["lm_head.weight"], torch.zeros(padded - vocab, config["hidden_size"])]),
         "decoder.final_layernorm.weight": hf["model.norm.weight"],
     }
-    for i in range(layers):
-        p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+    mtp_layers = sum(name.endswith(".enorm.weight") for name in hf)
+    for i in range(layers + mtp_layers):
+        p = f"model.layers.{i}."
+        # Multi-token prediction layers: their own tensors beside a decoder layer.
+        m = f"decoder.layers.{i}." if i < layers else f"mtp.layers.{i - layers}.transformer_layer."
+        if i >= layers:
+            own = f"mtp.layers.{i - layers}."
+            out[f"{own}enorm.weight"], out[f"{own}hnorm.weight"] = hf[f"{p}enorm.weight"], hf[f"{p}hnorm.weight"]
+            out[f"{own}eh_proj.weight"] = hf[f"{p}eh_proj.weight"]
+            out[f"{own}final_layernorm.weight"] = hf[f"{p}shared_head.norm.weight"]
         a = f"{p}self_attn."
         if mla:
             # The local spec's MLA layers keep their norms' module names (no key map).
@@ -108,8 +117,9 @@ def expected_megatron_state(hf_dir, tp: int) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek_hf")
+    # The hub's multi-token prediction layers where the config names them (V3, GLM-4.5; not V2-Lite).
     return {
-        name: make_hf_checkpoint(shrink(real_config(config), layers=2, **overrides), root / name, fused_experts=fused)
+        name: add_mtp_layers(make_hf_checkpoint(shrink(real_config(config), layers=2, **overrides), root / name, fused_experts=fused))
         for name, (config, overrides, fused) in MODELS.items()
     }
 
@@ -145,7 +155,8 @@ def test_megatron_loads_what_hf_holds(layout, hf_models, tmp_path):
         # Beyond what the local spec asks for, only the Transformer Engine spec's names of the same norms.
         written = stored_keys(ckpts[name])
         assert asked <= written, (name, asked - written)
-        extra = {key.split(".", 3)[-1] for key in written - asked if "_extra_state" not in key}
+        layer_prefix = re.compile(r"^(decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.")
+        extra = {layer_prefix.sub("", key) for key in written - asked if "_extra_state" not in key}
         te_names = {"pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"}
         if "deepseek" in name:
             te_names |= {"self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.linear_kv_up_proj.layer_norm_weight"}

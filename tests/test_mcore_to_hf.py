@@ -21,7 +21,7 @@ from mconvert.converters.safetensors_io import INDEX_FILE, HFCheckpoint, Safeten
 from mconvert.converters.state_dict import hf_to_mcore_state_dict, mcore_to_hf_state_dict
 from mconvert.errors import ConversionError
 from mconvert.mappings import family_for_spec, get_mapping
-from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
+from mconvert.synthetic import add_mtp_layers, make_hf_checkpoint, real_config, shrink
 
 # id: (real config, overrides)
 MODELS = {
@@ -272,3 +272,25 @@ def test_expert_bias_stays_fp32_in_a_bf16_round_trip(hf_model_factory, tmp_path,
     assert original["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     assert sorted(back) == sorted(original)
     assert all(torch.equal(original[k], back[k]) and original[k].dtype == back[k].dtype for k in original)
+
+
+def test_mtp_layers_convert_both_ways_or_are_left_out(tmp_path, capsys):
+    """The hub's multi-token prediction layer (HF layer num_hidden_layers, with copies of the embedding and
+    head) becomes megatron-core's mtp.layers.0 and comes back bit for bit; --no-mtp leaves it out and says so."""
+    hf = add_mtp_layers(make_hf_checkpoint(shrink(real_config("deepseek-v3")), tmp_path / "hf"))
+    assert main(["hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(tmp_path / "mcore"), "--tp", "2", "--pp", "2", "--ep", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "converted 1 multi-token prediction layer" in out and "--mtp-num-layers 1" in out
+    shapes = torch_dist.DCPCheckpoint(tmp_path / "mcore" / torch_dist.RELEASE).shapes
+    assert shapes["mtp.layers.0.eh_proj.weight"] == (64, 128)
+    assert "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight" in shapes
+    config = export(capsys, tmp_path / "mcore", tmp_path / "back")
+    assert config["num_nextn_predict_layers"] == 1
+    original, back = read_hf(hf), read_hf(tmp_path / "back")
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(original[k], back[k]) for k in original)
+
+    assert main(["hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(tmp_path / "no-mtp"), "--no-mtp"]) == 0
+    out = capsys.readouterr().out
+    assert "left out 1 multi-token prediction layer" in out and "--mtp-num-layers" not in out
+    assert not any(key.startswith("mtp.") for key in torch_dist.DCPCheckpoint(tmp_path / "no-mtp" / torch_dist.RELEASE).shapes)

@@ -44,8 +44,6 @@ HF_SIDE_FILES = (
     "chat_template.json",
     "chat_template.jinja",
 )
-# Checkpoint keys that hold model weights; others (optimizer state, RNG state, `_extra_state`) are not read.
-MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 
 class MegatronTensors(Protocol):
@@ -98,7 +96,7 @@ class TorchDistTensors:
         return self.dcp.dtypes.get("embedding.word_embeddings.weight")
 
     def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
-        return {k: v for k, v in self.dcp.shapes.items() if k.startswith(MODEL_KEY_PREFIXES)}
+        return {k: v for k, v in self.dcp.shapes.items() if k.startswith(megatron.MODEL_KEY_PREFIXES)}
 
     def read_pieces(self, pieces: list[Piece]) -> Iterator[torch.Tensor]:
         regions = []
@@ -123,7 +121,7 @@ class StateDictTensors:
         return None if embedding is None else embedding.dtype
 
     def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
-        return {k: tuple(v.shape) for k, v in self.state_dict.items() if k.startswith(MODEL_KEY_PREFIXES)}
+        return {k: tuple(v.shape) for k, v in self.state_dict.items() if k.startswith(megatron.MODEL_KEY_PREFIXES)}
 
     def read_pieces(self, pieces: list[Piece]) -> Iterator[torch.Tensor]:
         for piece in pieces:

@@ -18,6 +18,9 @@ from mconvert.mappings.spec import MLASpec, ModelSpec, MoESpec, RopeScaling
 
 Shape = tuple[int, ...]
 
+# Checkpoint keys that hold model weights; others (optimizer state, RNG state, `_extra_state`) are not read.
+# `mtp.` holds the multi-token prediction layers.
+MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 # Megatron-Core's module path of routed experts: the MoE layer's `experts` module holds its own `experts`.
 EXPERTS_PREFIX = "mlp.experts.experts."
 # The MoE post-attention norm: a module of its own under the Transformer Engine spec; the local spec stores it
@@ -122,6 +125,8 @@ def tensor_layout(name: str, spec: ModelSpec, par: Parallelism, expert: bool = F
         return TensorLayout((padded_vocab_size(spec.vocab_size, par), H), 0, par.tp, real_rows=spec.vocab_size)
     if spec.mla is not None and name.startswith("self_attention."):
         return _mla_layout(name, spec, par)
+    if name == "eh_proj.weight":
+        return TensorLayout((H, 2 * H), 0, par.tp)
     if name == "mlp.router.expert_bias":
         return TensorLayout((moe.num_experts,), dtype=torch.float32)
     if name.endswith("norm.weight") or name.endswith("layer_norm_weight"):
@@ -172,9 +177,17 @@ def _mla_layout(name: str, spec: ModelSpec, par: Parallelism) -> TensorLayout:
     return layouts[name]
 
 
+def mtp_key(name: str, mtp_layer: int) -> str:
+    """A multi-token prediction layer's key (megatron-core 0.16.1's MultiTokenPredictionBlock: never stacked)."""
+    return f"mtp.layers.{mtp_layer}.{name}"
+
+
 def layer_key(name: str, layer: int, spec: ModelSpec) -> tuple[str, tuple[int, ...]]:
     """Checkpoint key and leading offsets of a layer's tensor: stacked along a layer axis when all layers are
-    alike, else one key per layer."""
+    alike, else one key per layer. Layers from num_layers on are the decoder layers of the multi-token
+    prediction layers."""
+    if layer >= spec.num_layers:
+        return mtp_key(f"transformer_layer.{name}", layer - spec.num_layers), ()
     if spec.uniform_layers:
         return f"decoder.layers.{name}", (layer,)
     return f"decoder.layers.{layer}.{name}", ()
@@ -247,6 +260,7 @@ def megatron_args(spec: ModelSpec, par: Parallelism, dtype: torch.dtype, transfo
         hidden_dropout=0.0,
         transformer_impl=transformer_impl,
         num_experts=None,
+        mtp_num_layers=spec.mtp_layers or None,
     )
     if spec.moe is not None:
         moe = spec.moe
@@ -380,6 +394,8 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         flags += _router_flags(a)
     if getattr(a, "multi_latent_attention", False):
         flags += _mla_flags(a)
+    if getattr(a, "mtp_num_layers", None):
+        flags.append(f"--mtp-num-layers {a.mtp_num_layers}")
     return flags
 
 
@@ -535,5 +551,6 @@ def spec_from_args(
         moe=moe,
         mla=mla,
         rotary_percent=float(arg("rotary_percent", 1.0)),
+        mtp_layers=arg("mtp_num_layers", 0),
         hf_config=dict(hf_config or {}),
     )

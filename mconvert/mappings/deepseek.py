@@ -40,9 +40,24 @@ MOE_MLP = (
     Rename("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight"),
 )
 
+# A multi-token prediction layer's own tensors: eh_proj takes [embedding norm; hidden norm] as Megatron does.
+MTP = (
+    Rename("enorm.weight", "enorm.weight"),
+    Rename("hnorm.weight", "hnorm.weight"),
+    Rename("eh_proj.weight", "eh_proj.weight"),
+    Rename("final_layernorm.weight", "shared_head.norm.weight"),
+)
+# Megatron's MTP layers use the model's embedding and output layer; the hub stores copies in each.
+MTP_COPIES = (
+    Rename("embedding.word_embeddings.weight", "embed_tokens.weight"),
+    Rename("output_layer.weight", "shared_head.head.weight"),
+)
+
 TABLE = Table(
     model=llama.MODEL,
     attention=MLA_ATTENTION,
+    mtp=MTP,
+    mtp_copies=MTP_COPIES,
     dense_mlp=llama.DENSE_MLP,
     moe_mlp=MOE_MLP,
     experts=qwen2_moe.EXPERTS,
@@ -184,6 +199,7 @@ def write_config(spec: ModelSpec) -> dict[str, Any]:
         qk_rope_head_dim=mla.qk_pos_emb_head_dim,
         v_head_dim=mla.v_head_dim,
         moe_layer_freq=1,
+        num_nextn_predict_layers=spec.mtp_layers,
         scoring_func=spec.moe.score_function,
         topk_method="noaux_tc" if sigmoid else "group_limited_greedy" if spec.moe.num_groups else "greedy",
     )

@@ -19,6 +19,8 @@ TABLE = Table(
     moe_mlp=deepseek.MOE_MLP,
     experts=qwen2_moe.EXPERTS,
     fused_experts=qwen2_moe.FUSED_EXPERTS,
+    mtp=deepseek.MTP,
+    mtp_copies=deepseek.MTP_COPIES,
 )
 
 
@@ -50,7 +52,12 @@ def write_config(spec: ModelSpec) -> dict[str, Any]:
     if spec.mla is not None or spec.linear_bias:
         raise ConversionError("the glm4_moe family has grouped-query attention with no biases beyond q, k, v")
     config = deepseek.write_moe(write_dense_config(spec, "glm4_moe", "Glm4MoeForCausalLM"), spec, "glm4_moe")
-    config.update(attention_bias=spec.qkv_bias, use_qk_norm=spec.qk_norm, partial_rotary_factor=spec.rotary_percent)
+    config.update(
+        attention_bias=spec.qkv_bias,
+        use_qk_norm=spec.qk_norm,
+        partial_rotary_factor=spec.rotary_percent,
+        num_nextn_predict_layers=spec.mtp_layers,
+    )
     return config
 
 

@@ -96,6 +96,9 @@ class ModelSpec:
     mla: MLASpec | None = None
     # The fraction of each head's dimensions that rope rotates (GLM-4.5's partial_rotary_factor).
     rotary_percent: float = 1.0
+    # Multi-token prediction layers the checkpoint holds (DeepSeek-V3's and GLM-4.5's extra layers after the
+    # decoder). What a checkpoint holds, not what its config says: transformers drops them when it saves.
+    mtp_layers: int = field(default=0, compare=False)
     # The config.json the spec was read from, kept so the way back can restore fields Megatron has no use for.
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

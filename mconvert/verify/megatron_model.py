@@ -17,6 +17,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
+    get_gpt_mtp_block_spec,
 )
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
@@ -153,6 +154,7 @@ def transformer_config_from_args(
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=True,
         perform_initialization=perform_initialization,
+        mtp_num_layers=getattr(args, "mtp_num_layers", None),
         **moe_settings,
         **mla_settings,
     )
@@ -204,9 +206,16 @@ def build_gpt_model(
     config = transformer_config_from_args(
         args, params_dtype, transformer_impl, perform_initialization
     )
+    use_te = uses_transformer_engine(transformer_impl)
+    layer_spec = _layer_spec(config, args, use_te)
+    mtp_block_spec = None
+    if config.mtp_num_layers:
+        # Built on the last pipeline stage only, each layer like the decoder's last.
+        mtp_block_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_te)
     return GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(config, args, uses_transformer_engine(transformer_impl)),
+        transformer_layer_spec=layer_spec,
+        mtp_block_spec=mtp_block_spec,
         vocab_size=padded_vocab_size_for_tp(args, config.tensor_model_parallel_size),
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
