@@ -21,7 +21,7 @@ from mconvert.converters import megatron, torch_dist
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
-from mconvert.converters.safetensors_io import HFCheckpoint, read_hf_config
+from mconvert.converters.safetensors_io import HFCheckpoint, fp8_block_size, read_hf_config
 from mconvert.errors import ConversionError
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family
@@ -191,7 +191,7 @@ def convert_hf_to_mcore(
     config = read_hf_config(load_dir, "--load-dir")
     family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
     check_target(save_dir, overwrite)
-    hf = HFCheckpoint(load_dir)
+    hf = HFCheckpoint(load_dir, fp8_block_size(config))
     held = mtp_layers_held(family, spec, hf.tensors)
     spec = dataclasses.replace(spec, mtp_layers=held if mtp else 0)
     plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers(family, spec, hf))

@@ -263,7 +263,9 @@ def write_dense_config(spec: ModelSpec, model_type: str, architecture: str) -> d
     """An HF config.json for `spec`, in the hub style that transformers v4 and v5 both read. Fields of the
     config the spec was read from that Megatron has no use for (token ids, ...) are kept."""
     dtype_name = next(name for name, dtype in DTYPES.items() if dtype == spec.dtype)
-    config = {k: v for k, v in spec.hf_config.items() if k not in ("rope_parameters", "dtype", "torch_dtype")}
+    # The weights written are never quantized: a source's quantization_config does not describe them.
+    dropped = ("rope_parameters", "dtype", "torch_dtype", "quantization_config")
+    config = {k: v for k, v in spec.hf_config.items() if k not in dropped}
     if spec.rope_scaling is None:
         rope_scaling = None
     elif spec.rope_scaling.kind == "linear":
