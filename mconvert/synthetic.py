@@ -236,6 +236,8 @@ def write_random_hf_checkpoint(
     import torch
     import transformers
 
+    # Random weights are written unquantized (a quantization_config would have transformers quantize the model).
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
     hf_config = transformers.AutoConfig.for_model(**config)
     dtype = getattr(torch, config.get("torch_dtype", "float32"))
     with torch.device("meta"):
