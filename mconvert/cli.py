@@ -30,6 +30,9 @@ def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _hf_to_mcore(options: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mconvert.converters import megatron
     from mconvert.converters.hf_to_mcore import ARGS_SCRIPT, convert_hf_to_mcore
     from mconvert.converters.megatron import Parallelism
 
@@ -58,11 +61,9 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
         f"TP={parallelism.tp} PP={parallelism.pp} EP={parallelism.ep}, {str(plan.dtype).removeprefix('torch.')}, "
         f"{time.perf_counter() - started:.1f}s"
     )
-    print(f"Megatron-LM flags for this model (also in {options.save_dir}/{ARGS_SCRIPT}):")
-    print("  " + " \\\n  ".join(result.flags))
-    print(
-        f"load with: --load {options.save_dir} --ckpt-format torch_dist --finetune --no-load-optim --no-load-rng"
-    )
+    # The same text as the file, so that what is printed and what is sourced never differ.
+    print(f"Megatron-LM flags (also in {options.save_dir}/{ARGS_SCRIPT}):")
+    print(megatron.args_script(result.args, Path(options.save_dir)), end="")
     return 0
 
 

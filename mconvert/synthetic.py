@@ -142,6 +142,18 @@ SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 RANDOM_BLOCK = 1 << 24
 
 
+def write_word_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A word-level tokenizer of `vocab_size` tokens (`w0` ... and `[UNK]` last) in HF's files, made offline:
+    what transformers' AutoTokenizer and Megatron-LM's HuggingFaceTokenizer load from a model directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab_size - 1)} | {"[UNK]": vocab_size - 1}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(directory)
+
+
 def _shards(parameters: list[tuple[str, Any]], max_shard_bytes: int) -> list[list[tuple[str, Any]]]:
     """Split parameters, in model order, into consecutive groups of at most `max_shard_bytes`, as
     transformers' save_pretrained shards them (a tensor larger than that gets a shard of its own)."""

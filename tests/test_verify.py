@@ -78,15 +78,11 @@ def test_verify_text_prompts_with_the_models_tokenizer(hf_model_factory, tmp_pat
     """--prompts: text, tokenized by the tokenizer in the HF directory (one is built here: no network)."""
     import shutil
 
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from mconvert.synthetic import write_word_tokenizer
 
     hf = tmp_path / "hf"
     shutil.copytree(hf_model_factory("qwen3-8b"), hf)
-    words = {f"w{i}": i for i in range(999)} | {"[UNK]": 999}
-    tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(hf)
+    write_word_tokenizer(hf, 1000)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("w1 w2 w3 w500 w998\n\nw7 unknown w42\n")
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism())
@@ -118,3 +114,14 @@ def test_verify_bf16_is_calibrated_on_the_hf_models_own_bf16_error(hf_model_fact
     convert_hf_to_mcore(hf_model_factory("qwen3-8b", layers=4, seed=1), tmp_path / "other", parallelism=Parallelism())
     code, out, _ = verify(capsys, hf, tmp_path / "other", "--dtype", "bf16")
     assert code == 1 and "first diverge at decoder layer 0" in out
+
+
+def test_verify_compares_a_sliding_window_model_within_its_window(hf_model_factory, tmp_path, capsys):
+    hf = hf_model_factory("llama-2-7b", model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8)
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2))
+    code, out, _ = verify(capsys, hf, tmp_path / "mcore", "--tp", "2", "--json", str(tmp_path / "report.json"))
+    assert code == 0, out
+    assert "note: sliding window of 8 tokens: prompts cut to the window" in out
+    result = json.loads((tmp_path / "report.json").read_text())
+    assert [p["tokens"] for p in result["prompts"]] == [7, 8, 8, 8]
+    assert result["notes"] == ["sliding window of 8 tokens: prompts cut to the window"]

@@ -197,7 +197,7 @@ def convert_hf_to_mcore(
     plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers(family, spec, hf))
     read = without_mtp_layers(family, spec, hf.tensors, held) if not mtp else hf.tensors
     check_sources(plan, {name: hf.tensors[name].shape for name in read}, hf.where)
-    args = megatron.megatron_args(spec, parallelism, plan.dtype, transformer_impl)
+    args = megatron.megatron_args(spec, parallelism, plan.dtype, transformer_impl, tokenizer_dir=load_dir)
     flags = megatron.megatron_flags(args)
 
     with atomic_directory(save_dir, overwrite) as work:
@@ -216,6 +216,6 @@ def convert_hf_to_mcore(
             writer.abort()
             raise
         torch_dist.write_common(release, args)
-        (work / ARGS_SCRIPT).write_text("MODEL_ARGS=(\n" + "".join(f"    {flag}\n" for flag in flags) + ")\n")
+        (work / ARGS_SCRIPT).write_text(megatron.args_script(args, save_dir))
         torch_dist.write_tracker(work)
     return Conversion(plan, args, flags, dropped_mtp_layers=0 if mtp else held)

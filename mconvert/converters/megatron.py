@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -212,12 +214,61 @@ def _integral(value: float, flag: str, field: str) -> int:
     return int(value)
 
 
-def megatron_args(spec: ModelSpec, par: Parallelism, dtype: torch.dtype, transformer_impl: str) -> argparse.Namespace:
-    """The Megatron-LM arguments that describe the model, as `--use-checkpoint-args` reads them from common.pt."""
+# Args that Megatron-LM's `--use-checkpoint-args` copies from a checkpoint's stored args
+# (megatron.training.checkpointing.load_args_from_checkpoint, Megatron-LM 0.19.2; tests/megatron_lm reads
+# the installed function to keep this in step). Everything else that shapes the model must be passed.
+RESTORED_BY_CHECKPOINT_ARGS = frozenset({
+    "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads", "num_query_groups",
+    "group_query_attention", "kv_channels", "max_position_embeddings", "position_embedding_type",
+    "add_position_embedding", "use_rotary_position_embeddings", "rotary_base", "rotary_percent",
+    "rotary_interleaved", "add_bias_linear", "add_qkv_bias", "squared_relu", "swiglu",
+    "untie_embeddings_and_output_weights", "apply_layernorm_1p", "normalization", "apply_query_key_layer_scaling",
+    "attention_dropout", "hidden_dropout", "mtp_hybrid_override_pattern", "mtp_num_layers", "mtp_use_repeated_layer",
+    "spec", "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_token_dispatcher_type",
+    "moe_router_pre_softmax", "moe_grouped_gemm", "moe_single_grouped_weight", "moe_single_grouped_bias",
+    "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads",
+    "hybrid_layer_pattern", "heterogeneous_layers_config_path", "heterogeneous_layers_config_encoded_json",
+    "moe_latent_size", "tokenizer_model", "tokenizer_type", "tiktoken_pattern", "padded_vocab_size", "ckpt_format",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage", "expert_model_parallel_size",
+})
+# Megatron-LM's defaults (its argument parser, 0.19.2; tests/megatron_lm checks them) of the args that shape
+# the model or how it trains: the model a run builds from a flag left out.
+MEGATRON_LM_DEFAULTS: dict[str, Any] = {
+    "num_layers": None, "hidden_size": None, "ffn_hidden_size": None, "num_attention_heads": None,
+    "kv_channels": None, "group_query_attention": False, "num_query_groups": 1, "max_position_embeddings": None,
+    "position_embedding_type": "learned_absolute", "rotary_base": 10000, "rotary_percent": 1.0,
+    "rotary_interleaved": False, "use_rope_scaling": False, "rope_scaling_factor": 8.0,
+    "rotary_seq_len_interpolation_factor": None, "normalization": "LayerNorm", "norm_epsilon": 1e-5,
+    "swiglu": False, "add_bias_linear": True, "add_qkv_bias": False, "qk_layernorm": False,
+    "untie_embeddings_and_output_weights": False, "attention_dropout": 0.1, "hidden_dropout": 0.1,
+    "window_size": None, "num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None,
+    "moe_router_pre_softmax": False, "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None,
+    "moe_shared_expert_gate": False, "moe_aux_loss_coeff": 0.0,
+}
+# Files that make an HF directory usable as Megatron-LM's `--tokenizer-model` for HuggingFaceTokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def _integral(value: float, flag: str, field: str) -> int:
+    """`value` as the int Megatron-LM's parser declares `flag` to be; a fraction would be rounded there, so it
+    is an error here."""
+    if value != int(value):
+        raise ConversionError(f"{field} {value:g}: Megatron-LM's {flag} takes only integers, so this model cannot be described")
+    return int(value)
+
+
+def megatron_args(
+    spec: ModelSpec, par: Parallelism, dtype: torch.dtype, transformer_impl: str, tokenizer_dir: Path | None = None
+) -> argparse.Namespace:
+    """The Megatron-LM arguments that describe the model, as `--use-checkpoint-args` reads them from common.pt.
+    `tokenizer_dir`: the HF directory, recorded as the tokenizer when it has tokenizer files."""
     rope: RopeScaling | None = spec.rope_scaling
     linear_factor = None
     if rope is not None and rope.kind == "linear":
         linear_factor = _integral(rope.factor, "--rotary-seq-len-interpolation-factor", "rope_scaling factor")
+    has_tokenizer = tokenizer_dir is not None and any((tokenizer_dir / name).exists() for name in TOKENIZER_FILES)
     args: dict[str, Any] = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -245,6 +296,8 @@ def megatron_args(spec: ModelSpec, par: Parallelism, dtype: torch.dtype, transfo
         add_qkv_bias=spec.qkv_bias,
         qk_layernorm=spec.qk_norm,
         untie_embeddings_and_output_weights=spec.untie_embeddings,
+        # Megatron-LM's (left, right) window excludes the position itself; HF's `sliding_window` counts it.
+        window_size=(spec.sliding_window - 1, 0) if spec.sliding_window is not None else None,
         vocab_size=spec.vocab_size,
         padded_vocab_size=padded_vocab_size(spec.vocab_size, par),
         make_vocab_size_divisible_by=par.make_vocab_size_divisible_by,
@@ -256,9 +309,12 @@ def megatron_args(spec: ModelSpec, par: Parallelism, dtype: torch.dtype, transfo
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         params_dtype=dtype,
-        attention_dropout=0.0,
+        # HF models train with the config's attention dropout and no hidden dropout; Megatron-LM's default is 0.1.
+        attention_dropout=spec.attention_dropout,
         hidden_dropout=0.0,
         transformer_impl=transformer_impl,
+        tokenizer_type="HuggingFaceTokenizer" if has_tokenizer else None,
+        tokenizer_model=str(tokenizer_dir.absolute()) if has_tokenizer else None,
         num_experts=None,
         mtp_num_layers=spec.mtp_layers or None,
     )
@@ -276,6 +332,7 @@ def megatron_args(spec: ModelSpec, par: Parallelism, dtype: torch.dtype, transfo
             # legacy GroupedMLP (CUDA-only grouped_gemm package), so it gets SequentialMLP. Same checkpoint keys.
             moe_grouped_gemm=transformer_impl == "transformer_engine",
             moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=moe.aux_loss_coeff,
             moe_token_dispatcher_type="alltoall",
         )
         args.update(_router_args(moe))
@@ -332,7 +389,8 @@ def _mla_args(spec: ModelSpec) -> dict[str, Any]:
 
 
 def megatron_flags(args: argparse.Namespace) -> list[str]:
-    """Megatron-LM command-line flags for the model that `args` describes (a MODEL_ARGS block)."""
+    """Megatron-LM command-line flags for the model that `args` describe (a MODEL_ARGS block), each value in
+    the form Megatron-LM's parser takes."""
     a = args
     flags = [
         f"--num-layers {a.num_layers}",
@@ -341,36 +399,43 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         f"--num-attention-heads {a.num_attention_heads}",
         f"--kv-channels {a.kv_channels}",
         f"--max-position-embeddings {a.max_position_embeddings}",
+        f"--seq-length {a.seq_length}",
         "--position-embedding-type rope",
         f"--rotary-base {a.rotary_base}",
         "--normalization RMSNorm",
         f"--norm-epsilon {a.norm_epsilon:g}",
         "--swiglu",
+        f"--attention-dropout {a.attention_dropout:g}",
+        f"--hidden-dropout {a.hidden_dropout:g}",
         f"--vocab-size {a.vocab_size}",
         f"--make-vocab-size-divisible-by {a.make_vocab_size_divisible_by}",
         f"--tensor-model-parallel-size {a.tensor_model_parallel_size}",
         f"--pipeline-model-parallel-size {a.pipeline_model_parallel_size}",
         f"--transformer-impl {a.transformer_impl}",
     ]
+    if a.rotary_percent != 1.0:
+        flags.append(f"--rotary-percent {a.rotary_percent:g}")
     if a.group_query_attention:
         flags += ["--group-query-attention", f"--num-query-groups {a.num_query_groups}"]
     if a.use_rope_scaling:
         flags += ["--use-rope-scaling", f"--rope-scaling-factor {a.rope_scaling_factor:g}"]
     if a.rotary_seq_len_interpolation_factor is not None:
         flags.append(f"--rotary-seq-len-interpolation-factor {a.rotary_seq_len_interpolation_factor}")
+    if a.window_size is not None:
+        flags.append(f"--window-size {a.window_size[0]},{a.window_size[1]}")
     flags.append("--add-bias-linear" if a.add_bias_linear else "--disable-bias-linear")
     if a.add_qkv_bias and not a.add_bias_linear:
         flags.append("--add-qkv-bias")
     if a.qk_layernorm:
         flags.append("--qk-layernorm")
-    if a.rotary_percent != 1.0:
-        flags.append(f"--rotary-percent {a.rotary_percent:g}")
     if a.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
     if a.bf16:
         flags.append("--bf16")
     elif a.fp16:
         flags.append("--fp16")
+    if a.tokenizer_type is not None:
+        flags += [f"--tokenizer-type {a.tokenizer_type}", f"--tokenizer-model {shlex.quote(a.tokenizer_model)}"]
     if a.num_experts:
         flags += [
             f"--num-experts {a.num_experts}",
@@ -379,6 +444,7 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
             f"--expert-model-parallel-size {a.expert_model_parallel_size}",
             f"--expert-tensor-parallel-size {a.expert_tensor_parallel_size}",
             f"--moe-router-load-balancing-type {a.moe_router_load_balancing_type}",
+            f"--moe-aux-loss-coeff {a.moe_aux_loss_coeff:g}",
             f"--moe-token-dispatcher-type {a.moe_token_dispatcher_type}",
         ]
         if a.moe_grouped_gemm:
@@ -427,6 +493,35 @@ def _mla_flags(a: argparse.Namespace) -> list[str]:
         f"--mscale-all-dim {a.mscale_all_dim:g}",
     ]
     return flags
+
+
+def load_flags(checkpoint_dir: Path) -> list[str]:
+    """The flags that start training from a converted checkpoint: its weights only, no optimizer or RNG state."""
+    return [f"--load {shlex.quote(str(checkpoint_dir.absolute()))}", "--ckpt-format torch_dist", "--finetune", "--no-load-optim", "--no-load-rng"]
+
+
+def not_restored_by_checkpoint_args(args: argparse.Namespace) -> list[str]:
+    """The args of this model that Megatron-LM's `--use-checkpoint-args` would leave at defaults other than
+    the model's values: what a run relying on it alone would silently get wrong."""
+    return [
+        name
+        for name, default in MEGATRON_LM_DEFAULTS.items()
+        if name not in RESTORED_BY_CHECKPOINT_ARGS and getattr(args, name, default) != default
+    ]
+
+
+def args_script(args: argparse.Namespace, checkpoint_dir: Path) -> str:
+    """megatron_args.sh: MODEL_ARGS (the model) and LOAD_ARGS (start from this checkpoint), for bash."""
+    missed = not_restored_by_checkpoint_args(args)
+    lines = ["# Megatron-LM flags for the converted model: pass \"${MODEL_ARGS[@]}\" \"${LOAD_ARGS[@]}\" to pretrain_gpt.py."]
+    if missed:
+        lines.append(
+            "# Pass MODEL_ARGS even with --use-checkpoint-args: Megatron-LM does not restore "
+            + ", ".join(missed) + " from a checkpoint."
+        )
+    lines += ["MODEL_ARGS=("] + [f"    {flag}" for flag in megatron_flags(args)] + [")"]
+    lines += ["LOAD_ARGS=("] + [f"    {flag}" for flag in load_flags(checkpoint_dir)] + [")"]
+    return "\n".join(lines) + "\n"
 
 
 def parallelism_from_args(args: argparse.Namespace) -> Parallelism:
@@ -503,6 +598,7 @@ def spec_from_args(
             topk_scaling_factor=arg("moe_router_topk_scaling_factor"),
             num_groups=arg("moe_router_num_groups"),
             group_topk=arg("moe_router_group_topk"),
+            aux_loss_coeff=float(arg("moe_aux_loss_coeff", 0.0)),
         )
     mla: MLASpec | None = None
     if arg("multi_latent_attention", False):
@@ -528,6 +624,9 @@ def spec_from_args(
     else:
         rope = None
     linear_bias = bool(arg("add_bias_linear", True))
+    window = arg("window_size")
+    if window is not None and (window[1] != 0 or arg("window_attn_skip_freq") is not None):
+        raise ConversionError(f"args: window_size {window} with window_attn_skip_freq {arg('window_attn_skip_freq')}: only a causal window on every layer is supported")
     return ModelSpec(
         family=family,
         num_layers=args.num_layers,
@@ -552,5 +651,7 @@ def spec_from_args(
         mla=mla,
         rotary_percent=float(arg("rotary_percent", 1.0)),
         mtp_layers=arg("mtp_num_layers", 0),
+        sliding_window=window[0] + 1 if window is not None else None,
+        attention_dropout=float(arg("attention_dropout", 0.1)),
         hf_config=dict(hf_config or {}),
     )

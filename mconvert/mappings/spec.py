@@ -58,6 +58,8 @@ class MoESpec:
     # Group-limited routing: experts in `num_groups` groups, tokens routed within the best `group_topk`.
     num_groups: int | None = None
     group_topk: int | None = None
+    # The load-balancing loss's weight in training (HF `router_aux_loss_coef`); no effect on the weights.
+    aux_loss_coeff: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,10 @@ class ModelSpec:
     # Multi-token prediction layers the checkpoint holds (DeepSeek-V3's and GLM-4.5's extra layers after the
     # decoder). What a checkpoint holds, not what its config says: transformers drops them when it saves.
     mtp_layers: int = field(default=0, compare=False)
+    # Tokens each position attends to, itself included (HF `sliding_window`); None for full attention.
+    sliding_window: int | None = None
+    # Dropout on attention probabilities in training (HF `attention_dropout`); no effect on the weights.
+    attention_dropout: float = 0.0
     # The config.json the spec was read from, kept so the way back can restore fields Megatron has no use for.
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -206,19 +212,41 @@ def read_dtype(config: dict[str, Any]) -> torch.dtype:
     return DTYPES[name]
 
 
+def read_sliding_window(config: dict[str, Any], source: str) -> int | None:
+    """The attention window of every layer, as transformers applies `sliding_window`: not when
+    `use_sliding_window` is false (Qwen configs carry a window they do not use), and per layer where
+    `layer_types` (or Qwen's `max_window_layers`, from which transformers derives them) say so. Megatron
+    applies one window to all layers: a mix of windowed and full layers is an error."""
+    window = config.get("sliding_window")
+    if window is None or config.get("use_sliding_window") is False:
+        return None
+    kinds = config.get("layer_types")
+    if kinds is None and config.get("max_window_layers") is not None:
+        first_windowed = config["max_window_layers"]
+        kinds = ["sliding_attention" if i >= first_windowed else "full_attention" for i in range(config.get("num_hidden_layers", 0))]
+    if kinds is not None:
+        if "sliding_attention" not in kinds:
+            return None
+        if "full_attention" in kinds:
+            raise ConversionError(f"{source}: sliding-window attention on some layers only ({kinds.count('sliding_attention')} of {len(kinds)}) is not supported")
+    return int(window)
+
+
 def read_dense_spec(
-    config: dict[str, Any], family: str, source: str = "config.json", default_theta: float = 10000.0, **overrides: Any
+    config: dict[str, Any],
+    family: str,
+    source: str = "config.json",
+    default_theta: float = 10000.0,
+    applies_sliding_window: bool = True,
+    **overrides: Any,
 ) -> ModelSpec:
-    """The fields every supported family shares, read the way transformers reads them."""
+    """The fields every supported family shares, read the way transformers reads them.
+    `applies_sliding_window`: whether the model's transformers class honours `sliding_window` (Llama's
+    ignores it)."""
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ConversionError(f"{source}: hidden_act '{act}' is not supported (SwiGLU with silu is)")
-    window = config.get("sliding_window")
     max_positions = config.get("max_position_embeddings", 4096)
-    # Qwen configs carry a window with use_sliding_window=false; Mistral's applies whenever it is set.
-    window_used = config.get("use_sliding_window", window is not None and window < max_positions)
-    if window_used:
-        raise ConversionError(f"{source}: sliding-window attention (sliding_window={window}) is not supported")
     heads = require(config, "num_attention_heads", source)
     hidden = require(config, "hidden_size", source)
     head_dim = config.get("head_dim") or hidden // heads
@@ -248,6 +276,8 @@ def read_dense_spec(
         linear_bias=attention_bias,
         qk_norm=False,
         dtype=read_dtype(config),
+        sliding_window=read_sliding_window(config, source) if applies_sliding_window else None,
+        attention_dropout=float(config.get("attention_dropout", 0.0)),
         hf_config=dict(config),
     )
     fields.update(overrides)
@@ -305,6 +335,15 @@ def write_dense_config(spec: ModelSpec, model_type: str, architecture: str) -> d
         rope_theta=spec.rope_theta,
         rope_scaling=rope_scaling,
         tie_word_embeddings=not spec.untie_embeddings,
+        attention_dropout=spec.attention_dropout,
         torch_dtype=dtype_name,
     )
+    if spec.sliding_window is not None:
+        # Mistral reads `sliding_window`; Qwen also needs the switch and every layer typed as windowed.
+        config.update(
+            sliding_window=spec.sliding_window,
+            use_sliding_window=True,
+            layer_types=["sliding_attention"] * spec.num_layers,
+        )
+        config.pop("max_window_layers", None)
     return config

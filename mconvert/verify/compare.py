@@ -96,6 +96,8 @@ class Report:
     hf_bf16_error: list[PromptMetrics] | None
     first_diverging_layer: int | None
     seconds: dict[str, float]
+    # What the comparison covered or left out, said with the result.
+    notes: list[str]
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -125,5 +127,6 @@ class Report:
                 )
         if self.first_diverging_layer is not None:
             lines.append(f"hidden states first diverge at decoder layer {self.first_diverging_layer}")
+        lines += [f"note: {note}" for note in self.notes]
         lines.append("PASS" if self.passed else "FAIL")
         return "\n".join(lines)

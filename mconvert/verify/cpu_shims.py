@@ -7,6 +7,7 @@ processes that run megatron-core on CPU (never on CUDA ranks).
 """
 
 import contextlib
+import types
 
 import torch
 
@@ -29,6 +30,13 @@ def _null_rng_fork(self: object, name: str = "") -> contextlib.AbstractContextMa
     return contextlib.nullcontext()
 
 
+def _sliding_window_causal_mask_on_cpu(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+    """megatron.core.transformer.utils.get_sliding_window_causal_mask (True = masked out), which allocates
+    its ones on "cuda": the same triangles, on the CPU."""
+    ones = torch.ones(sq, skv, dtype=torch.bool)
+    return ~torch.tril(torch.triu(ones, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+
+
 def define_missing_te_general_gemm() -> None:
     """The MoE router's gemm (moe_utils.router_gating_linear) tests `te_general_gemm`, a name moe_utils
     defines only when Transformer Engine imports: without TE it raises NameError, on CPU and CUDA
@@ -45,6 +53,7 @@ def install_cpu_shims() -> None:
     if _installed:
         return
 
+    from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import moe_utils
 
@@ -66,10 +75,36 @@ def install_cpu_shims() -> None:
     # last stages; on CPU the tensor must stay where it is.
     torch.Tensor.cuda = _tensor_stays_on_cpu
 
+    # The local attention's sliding-window mask (window_size set: Mistral) is built on "cuda".
+    fused_softmax.get_sliding_window_causal_mask = _sliding_window_causal_mask_on_cpu
+
     # megatron's own dist_checkpointing.save synchronizes the CUDA stream before writing.
     torch.cuda.synchronize = _no_op
 
     _installed = True
+
+
+class _TorchWithCudaTensorsOnCpu(types.ModuleType):
+    """torch, but `torch.tensor(..., device="cuda")` makes a CPU tensor: for modules that build their small
+    bookkeeping tensors on "cuda" by name (Megatron-LM's checkpoint loading: the iteration all-reduce)."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+    @staticmethod
+    def tensor(*args: object, **kwargs: object) -> torch.Tensor:
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return torch.tensor(*args, **kwargs)
+
+
+def install_megatron_lm_cpu_shims() -> None:
+    """What Megatron-LM's own training code (megatron.training, megatron-core >= 0.19) needs on CPU ranks
+    beyond megatron-core's shims. Idempotent."""
+    install_cpu_shims()
+    from megatron.training import checkpointing
+
+    checkpointing.torch = _TorchWithCudaTensorsOnCpu("torch")
 
 
 def local_mla_core_attention() -> type:

@@ -132,6 +132,7 @@ def transformer_config_from_args(
         add_qkv_bias=getattr(args, "add_qkv_bias", False),
         qk_layernorm=getattr(args, "qk_layernorm", False),
         rotary_interleaved=getattr(args, "rotary_interleaved", False),
+        window_size=getattr(args, "window_size", None),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,

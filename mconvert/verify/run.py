@@ -138,6 +138,15 @@ def verify(request: VerifyRequest) -> Report:
         if request.prompts_file
         else builtin_prompts(vocab_size)
     )
+    notes = []
+    window = stored.window_size[0] + 1 if getattr(stored, "window_size", None) else None
+    if window is not None and max(len(prompt) for prompt in prompts) > window:
+        # Within the window both sides attend to every earlier token: the weights are compared, not two
+        # implementations of the window (tests/test_dense_megatron.py checks the window on CPU).
+        prompts = [prompt[:window] for prompt in prompts]
+        notes.append(f"sliding window of {window} tokens: prompts cut to the window")
+    elif window is not None:
+        notes.append(f"sliding window of {window} tokens: every prompt is within it")
     dtype = DTYPES[request.dtype]
     seconds = {}
     started = time.perf_counter()
@@ -169,4 +178,4 @@ def verify(request: VerifyRequest) -> Report:
     ]
     first = min((layer for layer in diverged if layer is not None), default=None)
     passed = all(m.passes(limit) for m, limit in zip(metrics, limits))
-    return Report(passed, request.dtype, metrics, limits, floors, first, seconds)
+    return Report(passed, request.dtype, metrics, limits, floors, first, seconds, notes)
