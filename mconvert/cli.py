@@ -112,6 +112,7 @@ def _verify(options: argparse.Namespace) -> int:
         dtype=options.dtype,
         prompts_file=Path(options.prompts) if options.prompts else None,
         timeout_s=options.timeout,
+        spec=options.spec,
     )
     try:
         report = verify(request)
@@ -174,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="GPUs through NCCL, or CPU gloo ranks")
     check.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype both models run in")
     check.add_argument("--prompts", default=None, help="text file, one prompt a line (needs a tokenizer in --hf)")
+    check.add_argument(
+        "--spec", choices=("te", "local"), default=None,
+        help="megatron-core layer spec: te (Transformer Engine, grouped-GEMM experts for MoE; GPUs only) or local "
+        "(default: te when transformer_engine imports, else local)",
+    )
     check.add_argument("--json", default=None, help="write the report as JSON here")
     check.add_argument("--timeout", type=float, default=1800.0, help="seconds before ranks are stopped (never hang)")
     check.set_defaults(run=_verify)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,11 +58,11 @@ def test_tokenizer_flags_name_the_hf_directory_when_it_has_a_tokenizer(hf_model_
     "config_name, overrides, missed",
     [
         ("llama-2-7b", {}, []),
-        ("qwen2.5-7b-instruct", {}, ["norm_epsilon"]),
-        ("qwen3-8b", {}, ["norm_epsilon", "qk_layernorm"]),
-        ("llama-3.1-8b", {}, ["use_rope_scaling"]),
-        ("llama-2-7b", MISTRAL, ["window_size"]),
-        ("qwen1.5-moe-a2.7b", {}, ["norm_epsilon", "moe_shared_expert_gate", "moe_aux_loss_coeff"]),
+        ("qwen2.5-7b-instruct", {}, ["--norm-epsilon"]),
+        ("qwen3-8b", {}, ["--norm-epsilon", "--qk-layernorm"]),
+        ("llama-3.1-8b", {}, ["--use-rope-scaling"]),
+        ("llama-2-7b", MISTRAL, ["--window-size"]),
+        ("qwen1.5-moe-a2.7b", {}, ["--norm-epsilon", "--moe-shared-expert-gate", "--moe-aux-loss-coeff"]),
     ],
 )
 def test_args_that_use_checkpoint_args_misses_are_named(config_name, overrides, missed):
@@ -79,7 +80,7 @@ def test_console_prints_exactly_megatron_args_sh(hf_model_factory, tmp_path):
     )
     script = (out / "megatron_args.sh").read_text()
     assert script in done.stdout
-    assert "does not restore norm_epsilon, qk_layernorm from a checkpoint" in script
+    assert "does not restore --norm-epsilon, --qk-layernorm from a checkpoint" in script
     listed = subprocess.run(
         ["bash", "-c", f'source {out}/megatron_args.sh && printf "%s\\n" "${{MODEL_ARGS[@]}}" "${{LOAD_ARGS[@]}}"'],
         capture_output=True, text=True, check=True,
@@ -119,3 +120,22 @@ def test_a_window_on_some_layers_only_is_an_error():
 
 def test_llama_ignores_a_sliding_window_as_transformers_does():
     assert get_mapping(shrink(real_config("llama-2-7b"), sliding_window=8))[1].sliding_window is None
+
+
+@pytest.mark.parametrize(
+    "rope_scaling, caveat",
+    [
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, None),
+        ({"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, "so with factor 8, not 32"),
+        ({"rope_type": "linear", "factor": 4.0}, "without --rotary-seq-len-interpolation-factor"),
+    ],
+)
+def test_rope_scaling_that_pretrain_gpt_drops_is_said(rope_scaling, caveat):
+    _, spec = get_mapping(shrink(real_config("llama-3.1-8b"), rope_scaling=rope_scaling))
+    args = megatron.megatron_args(spec, Parallelism(), torch.bfloat16, "transformer_engine")
+    caveats = megatron.pretrain_gpt_caveats(args)
+    script = megatron.args_script(args, Path("ckpt"))
+    if caveat is None:
+        assert caveats == [] and "Caveat" not in script
+    else:
+        assert len(caveats) == 1 and caveat in caveats[0] and f"# Caveat: {caveats[0]}." in script

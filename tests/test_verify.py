@@ -50,6 +50,8 @@ def test_verify_passes_for_a_faithful_conversion(family, hf_model_factory, tmp_p
     result = json.loads(report.read_text())
     assert result["passed"] and len(result["prompts"]) == 4
     assert all(p["top1_agreement"] == 1.0 and p["kl"] < 1e-8 for p in result["prompts"])
+    # On CPU the local spec runs (Transformer Engine needs GPUs), and the report says so.
+    assert result["spec"] == "local" and "megatron-core layer spec: local" in out
 
 
 def test_verify_fails_for_another_model(hf_model_factory, tmp_path, capsys):
@@ -75,6 +77,20 @@ def test_verify_usage_errors(hf_model_factory, tmp_path, capsys):
     if not torch.cuda.is_available():
         code, _, err = verify(capsys, hf, tmp_path, "--device", "cuda")
         assert code == 2 and "--device cuda" in err
+
+
+def test_verify_spec_flag(hf_model_factory, tmp_path, capsys):
+    """--spec local runs the local spec; --spec te without Transformer Engine, or on CPU, is a usage error."""
+    from mconvert.verify.megatron_model import HAVE_TRANSFORMER_ENGINE
+
+    hf = hf_model_factory("qwen3-8b")
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism())
+    report = tmp_path / "report.json"
+    code, out, _ = verify(capsys, hf, tmp_path / "mcore", "--spec", "local", "--json", str(report))
+    assert code == 0 and json.loads(report.read_text())["spec"] == "local", out
+    code, out, err = verify(capsys, hf, tmp_path / "mcore", "--spec", "te")
+    expected = "--spec te needs --device cuda" if HAVE_TRANSFORMER_ENGINE else "--spec te: transformer_engine is not installed"
+    assert code == 2 and not out and err.startswith("mconvert verify: error: " + expected) and len(err.splitlines()) == 1
 
 
 def test_verify_text_prompts_with_the_models_tokenizer(hf_model_factory, tmp_path, capsys):

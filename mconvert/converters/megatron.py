@@ -206,6 +206,14 @@ def extra_state_key(module_key: str, offsets: tuple[int, ...], leading_shape: Sh
     return f"{module_key}._extra_state/shard_{'.'.join(map(str, offsets))}_{'.'.join(map(str, leading_shape))}"
 
 
+def stored_arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
+    """An arg as stored by any Megatron-LM version (by its 0.19 name, or the earlier one), else `default`."""
+    value = getattr(args, name, None)
+    if value is None and name in RENAMED_ARGS:
+        value = getattr(args, RENAMED_ARGS[name], None)
+    return default if value is None else value
+
+
 def _integral(value: float, flag: str, field: str) -> int:
     """`value` as the int Megatron-LM's parser declares `flag` to be; a fraction would be rounded there, so it
     is an error here."""
@@ -240,15 +248,29 @@ MEGATRON_LM_DEFAULTS: dict[str, Any] = {
     "kv_channels": None, "group_query_attention": False, "num_query_groups": 1, "max_position_embeddings": None,
     "position_embedding_type": "learned_absolute", "rotary_base": 10000, "rotary_percent": 1.0,
     "rotary_interleaved": False, "use_rope_scaling": False, "rope_scaling_factor": 8.0,
-    "rotary_seq_len_interpolation_factor": None, "normalization": "LayerNorm", "norm_epsilon": 1e-5,
+    "rotary_seq_len_interpolation_factor": None, "normalization": "LayerNorm", "layernorm_epsilon": 1e-5,
     "swiglu": False, "add_bias_linear": True, "add_qkv_bias": False, "qk_layernorm": False,
     "untie_embeddings_and_output_weights": False, "attention_dropout": 0.1, "hidden_dropout": 0.1,
     "window_size": None, "num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None,
     "moe_router_pre_softmax": False, "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None,
     "moe_shared_expert_gate": False, "moe_aux_loss_coeff": 0.0,
 }
+# Args whose name in Megatron-LM 0.19 (its parser's dest, after TransformerConfig's field) differs from the
+# flag's, and from the name earlier Megatron-LM versions store: both names are written, either is read.
+RENAMED_ARGS = {"layernorm_epsilon": "norm_epsilon", "layernorm_zero_centered_gamma": "apply_layernorm_1p"}
+FLAG_OF_ARG = {
+    "layernorm_epsilon": "--norm-epsilon", "layernorm_zero_centered_gamma": "--apply-layernorm-1p", "add_bias_linear": "--disable-bias-linear",
+}
 # Files that make an HF directory usable as Megatron-LM's `--tokenizer-model` for HuggingFaceTokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def stored_arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
+    """An arg as stored by any Megatron-LM version (by its 0.19 name, or the earlier one), else `default`."""
+    value = getattr(args, name, None)
+    if value is None and name in RENAMED_ARGS:
+        value = getattr(args, RENAMED_ARGS[name], None)
+    return default if value is None else value
 
 
 def _integral(value: float, flag: str, field: str) -> int:
@@ -289,7 +311,9 @@ def megatron_args(
         rope_scaling_factor=rope.factor if rope is not None and rope.kind == "llama3" else 8.0,
         rotary_seq_len_interpolation_factor=linear_factor,
         normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
         norm_epsilon=spec.norm_eps,
+        layernorm_zero_centered_gamma=False,
         apply_layernorm_1p=False,
         swiglu=True,
         add_bias_linear=spec.linear_bias,
@@ -403,7 +427,7 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         "--position-embedding-type rope",
         f"--rotary-base {a.rotary_base}",
         "--normalization RMSNorm",
-        f"--norm-epsilon {a.norm_epsilon:g}",
+        f"--norm-epsilon {a.layernorm_epsilon:g}",
         "--swiglu",
         f"--attention-dropout {a.attention_dropout:g}",
         f"--hidden-dropout {a.hidden_dropout:g}",
@@ -501,19 +525,38 @@ def load_flags(checkpoint_dir: Path) -> list[str]:
 
 
 def not_restored_by_checkpoint_args(args: argparse.Namespace) -> list[str]:
-    """The args of this model that Megatron-LM's `--use-checkpoint-args` would leave at defaults other than
-    the model's values: what a run relying on it alone would silently get wrong."""
+    """The flags of this model whose args Megatron-LM's `--use-checkpoint-args` would leave at defaults other
+    than the model's values: what a run relying on it alone would silently get wrong."""
     return [
-        name
+        FLAG_OF_ARG.get(name, "--" + name.replace("_", "-"))
         for name, default in MEGATRON_LM_DEFAULTS.items()
         if name not in RESTORED_BY_CHECKPOINT_ARGS and getattr(args, name, default) != default
     ]
+
+
+def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
+    """What Megatron-LM's pretrain_gpt.py would build differently from these args: its model builder
+    (gpt_builders.gpt_builder) passes GPTModel neither --rope-scaling-factor nor
+    --rotary-seq-len-interpolation-factor, so GPTModel's defaults (8, none) apply."""
+    caveats = []
+    if args.use_rope_scaling and args.rope_scaling_factor != 8.0:
+        caveats.append(
+            f"pretrain_gpt.py builds GPTModel without --rope-scaling-factor, so with factor 8, not "
+            f"{args.rope_scaling_factor:g}: pass rope_scaling_factor=args.rope_scaling_factor in its gpt_builder"
+        )
+    if args.rotary_seq_len_interpolation_factor is not None:
+        caveats.append(
+            "pretrain_gpt.py builds GPTModel without --rotary-seq-len-interpolation-factor, so without position "
+            "interpolation: pass seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor in its gpt_builder"
+        )
+    return caveats
 
 
 def args_script(args: argparse.Namespace, checkpoint_dir: Path) -> str:
     """megatron_args.sh: MODEL_ARGS (the model) and LOAD_ARGS (start from this checkpoint), for bash."""
     missed = not_restored_by_checkpoint_args(args)
     lines = ["# Megatron-LM flags for the converted model: pass \"${MODEL_ARGS[@]}\" \"${LOAD_ARGS[@]}\" to pretrain_gpt.py."]
+    lines += [f"# Caveat: {caveat}." for caveat in pretrain_gpt_caveats(args)]
     if missed:
         lines.append(
             "# Pass MODEL_ARGS even with --use-checkpoint-args: Megatron-LM does not restore "
@@ -559,14 +602,13 @@ def spec_from_args(
     takes it from the tokenizer and may store only the padded size). Features no family has are errors."""
 
     def arg(name: str, default: Any = None) -> Any:
-        value = getattr(args, name, None)
-        return default if value is None else value
+        return stored_arg(args, name, default)
 
     unsupported = [
         (arg("normalization", "LayerNorm") != "RMSNorm", f"normalization {arg('normalization', 'LayerNorm')} (RMSNorm is supported)"),
         (not arg("swiglu", False), "an MLP without SwiGLU"),
         (arg("position_embedding_type", "learned_absolute") != "rope", f"position embeddings '{arg('position_embedding_type', 'learned_absolute')}' (rope is supported)"),
-        (arg("apply_layernorm_1p", False), "layernorm_1p"),
+        (arg("layernorm_zero_centered_gamma", False), "layernorm_1p"),
         (arg("rotary_interleaved", False), "interleaved rotary embeddings"),
         (arg("moe_router_score_function", "softmax") not in ("softmax", "sigmoid"), f"router score function '{arg('moe_router_score_function')}' (softmax and sigmoid are supported)"),
     ]
@@ -638,7 +680,7 @@ def spec_from_args(
         head_dim=mla.qk_head_dim + mla.qk_pos_emb_head_dim if mla else arg("kv_channels", args.hidden_size // heads),
         vocab_size=vocab,
         max_position_embeddings=args.max_position_embeddings,
-        norm_eps=float(arg("norm_epsilon", 1e-5)),
+        norm_eps=float(arg("layernorm_epsilon", 1e-5)),
         rope_theta=float(arg("rotary_base", 10000)),
         rope_scaling=rope,
         untie_embeddings=bool(arg("untie_embeddings_and_output_weights", False)),

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.utils.serialization import config as serialization_config
 
+from mconvert.converters.pickles import load_megatron_file
 from mconvert.errors import ConversionError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -143,15 +144,8 @@ def write_tracker(checkpoint_dir: Path) -> None:
 
 
 def _load_common(path: Path) -> dict:
-    """common.pt's dict, unpickling only tensors and argparse.Namespace."""
-    # The context manager removes on exit what it added, even if it was allowed before (megatron-core allows
-    # Namespace process-wide on import): add only what is missing.
-    missing = [cls for cls in (argparse.Namespace,) if cls not in torch.serialization.get_safe_globals()]
-    try:
-        with torch.serialization.safe_globals(missing):
-            common = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise ConversionError(f"{path}: holds objects other than args and tensors ({str(e).splitlines()[0]})") from None
+    """common.pt's dict, running nothing it names (see mconvert.converters.pickles)."""
+    common = load_megatron_file(path, str(path))
     if not isinstance(common, dict):
         raise ConversionError(f"{path}: holds a {type(common).__name__}, not a dict")
     return common
@@ -273,11 +267,9 @@ class DCPCheckpoint:
             raise ConversionError(f"{self.directory}: chunk {number} of '{key}' holds {tensor.numel()} elements, metadata says {list(chunk.sizes)}")
         return tensor.reshape(tuple(chunk.sizes))
 
-    def read_object(self, key: str, allowed: tuple[type, ...] = ()) -> Any:
-        """An object stored with `torch.save` under `key`, unpickling only tensors and `allowed` classes."""
-        missing = [cls for cls in allowed if cls not in torch.serialization.get_safe_globals()]
-        with torch.serialization.safe_globals(missing):
-            return torch.load(io.BytesIO(self._read_bytes(MetadataIndex(key))), map_location="cpu", weights_only=True)
+    def read_object(self, key: str) -> Any:
+        """An object stored with `torch.save` under `key`, running nothing it names."""
+        return load_megatron_file(io.BytesIO(self._read_bytes(MetadataIndex(key))), f"{self.directory}: '{key}'")
 
     def read_regions(self, regions: list[tuple[str, tuple[int, ...], tuple[int, ...]]]):
         """Yield, for each (key, offsets, shape) in order, that region of the tensor `key`.
@@ -379,10 +371,9 @@ def read_common_args(release_dir: Path, dcp: DCPCheckpoint | None = None) -> arg
     for key in dcp.object_keys:
         if key.split("/")[0] != "common_state":
             continue
-        try:
-            common = dcp.read_object(key, (argparse.Namespace,))
-        except pickle.UnpicklingError as e:
-            raise ConversionError(f"{release_dir}: common state '{key}' holds more than args ({e})") from None
+        common = dcp.read_object(key)
+        if isinstance(common, list) and common:
+            common = common[0]  # Megatron-LM 0.19's training saves hold it in a one-element list
         args = common.get("args") if isinstance(common, dict) else None
         if isinstance(args, argparse.Namespace):
             return args

@@ -1,4 +1,4 @@
-"""The few patches megatron-core 0.16.1 needs to run a GPTModel forward on CPU.
+"""The few patches megatron-core (0.13 to 0.19) needs to run a GPTModel forward on CPU.
 
 megatron-core assumes CUDA in a handful of places even when every tensor lives on the CPU
 (`use_cpu_initialization=True`). These shims make those places work on CPU and change nothing else:
@@ -84,9 +84,23 @@ def install_cpu_shims() -> None:
     _installed = True
 
 
+class _CudaRngOnCpu(types.ModuleType):
+    """torch.cuda, but its RNG state is the CPU's: what a CPU rank has to save where a GPU's would be."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def get_rng_state(device: object = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+
 class _TorchWithCudaTensorsOnCpu(types.ModuleType):
-    """torch, but `torch.tensor(..., device="cuda")` makes a CPU tensor: for modules that build their small
-    bookkeeping tensors on "cuda" by name (Megatron-LM's checkpoint loading: the iteration all-reduce)."""
+    """torch, but `torch.tensor(..., device="cuda")` makes a CPU tensor and the CUDA RNG state is the CPU's:
+    for modules that build their small bookkeeping tensors on "cuda" by name (Megatron-LM's checkpointing:
+    the iteration all-reduce, the RNG state it saves)."""
+
+    cuda = _CudaRngOnCpu("torch.cuda")
 
     def __getattr__(self, name: str) -> object:
         return getattr(torch, name)

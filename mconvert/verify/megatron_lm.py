@@ -14,9 +14,11 @@ from contextlib import contextmanager
 from typing import Iterator
 
 # Flags a test or driver adds to MODEL_ARGS + LOAD_ARGS: what a training command line has besides the model.
-RUN_FLAGS = ["--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-5"]
-# On CPU: the local spec (Transformer Engine needs a GPU), weights made on the CPU, no fused kernels.
+RUN_FLAGS = ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-5"]
+# On CPU: the local spec (Transformer Engine needs a GPU), weights made on the CPU, no fused kernels, and the
+# token dispatcher that runs on gloo (it moves tokens to their experts and back, the result is the same).
 CPU_FLAGS = [
+    "--moe-token-dispatcher-type", "allgather",
     "--transformer-impl", "local", "--use-cpu-initialization", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
     "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
 ]
@@ -43,11 +45,14 @@ def _command_line(argv: list[str], world_size: int, rank: int) -> Iterator[None]
 def parse_megatron_lm_args(argv: list[str], world_size: int, rank: int = 0) -> argparse.Namespace:
     """Megatron-LM's own `parse_args` and `validate_args` on `argv`, as `pretrain_gpt.py` runs them (its
     initialize_megatron), with `--use-checkpoint-args` applied between the two."""
+    import torch
     from megatron.training import arguments, checkpointing
 
-    # It asks the GPU for its architecture (the CUDA_DEVICE_MAX_CONNECTIONS rule); a Hopper answer keeps
-    # the rule in force.
-    arguments.get_device_arch_version = lambda: 9
+    if not torch.cuda.is_available():
+        # Validation asks the GPU for its architecture (the CUDA_DEVICE_MAX_CONNECTIONS rule, grouped GEMM's
+        # support): on CPU, answer as a Hopper GPU would, which keeps those rules in force.
+        arguments.get_device_arch_version = lambda: 9
+        torch.cuda.get_device_capability = lambda device=None: (9, 0)
     with _command_line(argv, world_size, rank):
         args = arguments.parse_args()
         if args.use_checkpoint_args:

@@ -9,6 +9,7 @@ that load it: torch_dist checkpoints are layout-independent.
 import argparse
 from typing import Literal
 
+import megatron.core
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
@@ -24,7 +25,8 @@ from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from mconvert.converters.megatron import Parallelism, padded_vocab_size
+from mconvert.converters.megatron import Parallelism, padded_vocab_size, stored_arg
+from mconvert.errors import ConversionError
 from mconvert.verify import cpu_shims
 
 try:
@@ -54,6 +56,17 @@ def padded_vocab_size_for_tp(args: argparse.Namespace, tp: int) -> int:
     return padded_vocab_size(args.padded_vocab_size, Parallelism(tp=tp, make_vocab_size_divisible_by=divisible_by))
 
 
+def require_shared_expert_gate() -> None:
+    """megatron-core before 0.16 has no config field for the shared expert's sigmoid gate (Qwen2-MoE):
+    its MoE spec builds shared experts without one, so the gate's weight could not be loaded."""
+    if not hasattr(TransformerConfig, "moe_shared_expert_gate"):
+        raise ConversionError(
+            f"megatron-core {megatron.core.__version__} cannot build this checkpoint's model: it has a shared "
+            "expert gate (moe_shared_expert_gate), which megatron-core supports from 0.16 on; load it with "
+            "megatron-core >= 0.16"
+        )
+
+
 def transformer_config_from_args(
     args: argparse.Namespace,
     params_dtype: torch.dtype,
@@ -75,7 +88,6 @@ def transformer_config_from_args(
             moe_shared_expert_intermediate_size=getattr(
                 args, "moe_shared_expert_intermediate_size", None
             ),
-            moe_shared_expert_gate=getattr(args, "moe_shared_expert_gate", False),
             moe_router_pre_softmax=getattr(args, "moe_router_pre_softmax", False),
             moe_router_score_function=getattr(args, "moe_router_score_function", "softmax"),
             moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
@@ -94,6 +106,9 @@ def transformer_config_from_args(
             # result; allgather is the one that runs on gloo (CPU) as well as NCCL.
             moe_token_dispatcher_type="allgather",
         )
+        if getattr(args, "moe_shared_expert_gate", False):
+            require_shared_expert_gate()
+            moe_settings["moe_shared_expert_gate"] = True
     config_class, mla_settings = TransformerConfig, {}
     if getattr(args, "multi_latent_attention", False):
         config_class = MLATransformerConfig
@@ -125,7 +140,7 @@ def transformer_config_from_args(
         ),
         kv_channels=getattr(args, "kv_channels", None),
         normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon,
+        layernorm_epsilon=stored_arg(args, "layernorm_epsilon", 1e-5),
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=args.add_bias_linear,

@@ -16,7 +16,6 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.models.gpt import GPTModel
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from mconvert.converters.rank_export import model_sharded_state_dict
 from mconvert.converters.torch_dist import iteration_dir
@@ -107,19 +106,22 @@ def _forward(
         for layer in (chunk.decoder.layers if record_hidden_states else [])
     ]
     # One microbatch through the stages, as megatron's forward-only schedule runs it; the schedule
-    # itself cannot run on CPU (0.16.1 allocates its token counter with device="cuda").
-    pipeline = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), chunk.config)
+    # itself cannot run on CPU (0.16.1 allocates its token counter with device="cuda"). The stages
+    # pass activations with plain send/recv: megatron's own wrappers changed API between versions
+    # (module functions in 0.13, P2PCommunicator from 0.14).
     try:
         with torch.no_grad():
-            chunk.set_input_tensor(
-                pipeline.recv_forward(
-                    (seq, batch, chunk.config.hidden_size), is_first_stage=is_first_stage
+            if not is_first_stage:
+                received = torch.empty(
+                    (seq, batch, chunk.config.hidden_size), dtype=chunk.config.pipeline_dtype, device=device
                 )
-            )
+                dist.recv(received, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+                chunk.set_input_tensor(received)
             # TP logits are gathered by the output layer itself.
             with _without_mtp(chunk):
                 output = chunk(tokens, position_ids, causal_mask, runtime_gather_output=True)
-            pipeline.send_forward(output, is_last_stage=is_last_stage)
+            if not is_last_stage:
+                dist.send(output, dst=parallel_state.get_pipeline_model_parallel_next_rank())
     finally:
         for hook in hooks:
             hook.remove()
