@@ -79,6 +79,9 @@ def forward_logits_and_hidden_states(
 def _without_mtp(chunk: torch.nn.Module):
     """The forward of the main model alone. Multi-token prediction layers predict later tokens from the main
     model's hidden states and never change its logits; megatron-core 0.16.1 runs them only with labels."""
+    if not getattr(chunk, "mtp_process", False):
+        yield
+        return
     mtp_process, mtp_num_layers = chunk.mtp_process, chunk.config.mtp_num_layers
     chunk.mtp_process, chunk.config.mtp_num_layers = False, None
     try:
