@@ -48,9 +48,14 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
         dtype=_dtype(options.dtype),
         transformer_impl=options.transformer_impl,
         overwrite=options.overwrite,
+        mtp=not options.no_mtp,
         progress=lambda message: print(message, file=sys.stderr),
     )
     plan = result.plan
+    if result.dropped_mtp_layers:
+        print(f"left out {result.dropped_mtp_layers} multi-token prediction layer(s) of {options.load_dir} (--no-mtp)")
+    elif plan.spec.mtp_layers:
+        print(f"converted {plan.spec.mtp_layers} multi-token prediction layer(s) (--mtp-num-layers; --no-mtp leaves them out)")
     print(
         f"wrote {options.save_dir}: {plan.family.name}, {len(plan.shapes)} tensors, "
         f"TP={parallelism.tp} PP={parallelism.pp} EP={parallelism.ep}, {str(plan.dtype).removeprefix('torch.')}, "
@@ -137,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.add_argument(
         "--transformer-impl", choices=("transformer_engine", "local"), default="transformer_engine",
         help="the layer spec the checkpoint is meant for (recorded in its args; both specs load it)",
+    )
+    to_mcore.add_argument(
+        "--no-mtp", action="store_true",
+        help="leave out the multi-token prediction layers the checkpoint holds (DeepSeek-V3, GLM-4.5)",
     )
     to_mcore.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
     to_mcore.set_defaults(run=_hf_to_mcore)

@@ -19,6 +19,9 @@ FAMILIES = {
     "qwen3_moe": ("qwen3-30b-a3b", Parallelism(ep=2)),
     "qwen2_moe": ("qwen1.5-moe-a2.7b", Parallelism(tp=2, ep=2, etp=1)),
     "mixtral": ("mixtral-8x7b-v0.1", Parallelism(pp=2, ep=2)),
+    "deepseek_v3": ("deepseek-v3", Parallelism(tp=2, pp=2)),
+    "deepseek_v2": ("deepseek-v2-lite", Parallelism(ep=2)),
+    "glm4_moe": ("glm-4.5-air", Parallelism(tp=2, ep=2)),
     # The layouts of 4 and 8 GPUs, on 4 CPU ranks.
     "llama-mha-tp4": ("llama-2-7b", Parallelism(tp=4)),
     "qwen3-tp2-pp2": ("qwen3-8b", Parallelism(tp=2, pp=2)),

@@ -5,6 +5,7 @@ model."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import threading
@@ -20,7 +21,7 @@ from mconvert.converters import megatron, torch_dist
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
-from mconvert.converters.safetensors_io import HFCheckpoint, read_hf_config
+from mconvert.converters.safetensors_io import HFCheckpoint, fp8_block_size, read_hf_config
 from mconvert.errors import ConversionError
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family
@@ -37,6 +38,26 @@ class Conversion:
     plan: Plan
     args: argparse.Namespace
     flags: list[str]
+    # Multi-token prediction layers the HF checkpoint held and the conversion left out (--no-mtp).
+    dropped_mtp_layers: int = 0
+
+
+def mtp_layers_held(family: Family, spec: ModelSpec, names) -> int:
+    """How many multi-token prediction layers (HF layers num_hidden_layers, num_hidden_layers + 1, ...) the
+    checkpoint holds, told by their first own tensor. transformers drops them when it saves a model."""
+    if not family.table.mtp:
+        return 0
+    first = family.table.mtp[0].hf_names[0]
+    count = 0
+    while family.table.layer_prefix.format(layer=spec.num_layers + count) + first in names:
+        count += 1
+    return count
+
+
+def without_mtp_layers(family: Family, spec: ModelSpec, names, count: int) -> set[str]:
+    """`names` less those of the first `count` multi-token prediction layers."""
+    prefixes = tuple(family.table.layer_prefix.format(layer=spec.num_layers + m) for m in range(count))
+    return {name for name in names if not name.startswith(prefixes)}
 
 
 def fused_expert_layers(family: Family, spec: ModelSpec, hf: HFCheckpoint) -> frozenset[int]:
@@ -47,8 +68,8 @@ def fused_expert_layers(family: Family, spec: ModelSpec, hf: HFCheckpoint) -> fr
     fused_name = table.fused_experts[0].hf_names[0].split("[")[0]
     return frozenset(
         layer
-        for layer in range(spec.num_layers)
-        if spec.layer_is_moe(layer) and table.layer_prefix.format(layer=layer) + fused_name in hf.tensors
+        for layer in range(spec.num_layers + spec.mtp_layers)
+        if table.layer_prefix.format(layer=layer) + fused_name in hf.tensors
     )
 
 
@@ -128,16 +149,17 @@ def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, pro
     """Build and write every piece of the plan. A thread reads and builds the pieces ahead of the one being
     written, so that reading overlaps writing, as far as READ_AHEAD_BYTES of pieces allow (the next piece
     always): one piece slower to build than to write (fc1) then does not stall the writes."""
-    sizes = [math.prod(piece.layout.shape) * plan.dtype.itemsize for piece in plan.pieces]
+    pieces = [piece for piece in plan.pieces if not piece.copy]
+    sizes = [math.prod(piece.layout.shape) * plan.dtype.itemsize for piece in pieces]
     buffers = ReadBuffers()
     builder = ThreadPoolExecutor(max_workers=1)
     try:
         ahead: deque[Future[tuple[list[torch.Tensor], list[torch.Tensor]]]] = deque()
         queued = 0  # pieces handed to the builder
         queued_bytes = 0  # their sizes, less those of the pieces written
-        for index, piece in enumerate(plan.pieces):
-            while queued < len(plan.pieces) and (queued <= index + 1 or queued_bytes + sizes[queued] <= READ_AHEAD_BYTES):
-                ahead.append(builder.submit(build_piece, plan.pieces[queued], hf, plan.spec, plan.dtype, buffers))
+        for index, piece in enumerate(pieces):
+            while queued < len(pieces) and (queued <= index + 1 or queued_bytes + sizes[queued] <= READ_AHEAD_BYTES):
+                ahead.append(builder.submit(build_piece, pieces[queued], hf, plan.spec, plan.dtype_of(pieces[queued]), buffers))
                 queued_bytes += sizes[queued]
                 queued += 1
             parts, taken = ahead.popleft().result()
@@ -146,7 +168,7 @@ def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, pro
             buffers.give_back(taken)
             queued_bytes -= sizes[index]
             if (index + 1) % 100 == 0:
-                progress(f"{index + 1}/{len(plan.pieces)} tensors written")
+                progress(f"{index + 1}/{len(pieces)} tensors written")
     finally:
         builder.shutdown(cancel_futures=True)  # after a failure, read no further
 
@@ -160,16 +182,21 @@ def convert_hf_to_mcore(
     dtype: torch.dtype | None = None,
     transformer_impl: str = "transformer_engine",
     overwrite: bool = False,
+    mtp: bool = True,
     progress: Callable[[str], None] = lambda message: None,
 ) -> Conversion:
-    """Convert the HF checkpoint in `load_dir` into a torch_dist checkpoint in `save_dir` for `parallelism`."""
+    """Convert the HF checkpoint in `load_dir` into a torch_dist checkpoint in `save_dir` for `parallelism`.
+    Multi-token prediction layers the checkpoint holds are converted, or left out with `mtp=False`."""
     load_dir, save_dir = Path(load_dir), Path(save_dir)
     config = read_hf_config(load_dir, "--load-dir")
     family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
     check_target(save_dir, overwrite)
-    hf = HFCheckpoint(load_dir)
+    hf = HFCheckpoint(load_dir, fp8_block_size(config))
+    held = mtp_layers_held(family, spec, hf.tensors)
+    spec = dataclasses.replace(spec, mtp_layers=held if mtp else 0)
     plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers(family, spec, hf))
-    check_sources(plan, {name: stored.shape for name, stored in hf.tensors.items()}, hf.where)
+    read = without_mtp_layers(family, spec, hf.tensors, held) if not mtp else hf.tensors
+    check_sources(plan, {name: hf.tensors[name].shape for name in read}, hf.where)
     args = megatron.megatron_args(spec, parallelism, plan.dtype, transformer_impl, tokenizer_dir=load_dir)
     flags = megatron.megatron_flags(args)
 
@@ -178,8 +205,9 @@ def convert_hf_to_mcore(
         release.mkdir()
         writer = torch_dist.DCPWriter(release)
         try:
+            dtypes = plan.key_dtypes()
             for key, shape in plan.shapes.items():
-                writer.declare(key, shape, plan.dtype)
+                writer.declare(key, shape, dtypes[key])
             write_pieces(plan, hf, writer, progress)
             for key in plan.extra_state_keys:
                 writer.write_object(key, torch_dist.EMPTY_EXTRA_STATE)
@@ -190,4 +218,4 @@ def convert_hf_to_mcore(
         torch_dist.write_common(release, args)
         (work / ARGS_SCRIPT).write_text(megatron.args_script(args, save_dir))
         torch_dist.write_tracker(work)
-    return Conversion(plan, args, flags)
+    return Conversion(plan, args, flags, dropped_mtp_layers=0 if mtp else held)

@@ -44,8 +44,6 @@ HF_SIDE_FILES = (
     "chat_template.json",
     "chat_template.jinja",
 )
-# Checkpoint keys that hold model weights; others (optimizer state, RNG state, `_extra_state`) are not read.
-MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 
 class MegatronTensors(Protocol):
@@ -98,7 +96,7 @@ class TorchDistTensors:
         return self.dcp.dtypes.get("embedding.word_embeddings.weight")
 
     def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
-        return {k: v for k, v in self.dcp.shapes.items() if k.startswith(MODEL_KEY_PREFIXES)}
+        return {k: v for k, v in self.dcp.shapes.items() if k.startswith(megatron.MODEL_KEY_PREFIXES)}
 
     def read_pieces(self, pieces: list[Piece]) -> Iterator[torch.Tensor]:
         regions = []
@@ -123,7 +121,7 @@ class StateDictTensors:
         return None if embedding is None else embedding.dtype
 
     def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
-        return {k: tuple(v.shape) for k, v in self.state_dict.items() if k.startswith(MODEL_KEY_PREFIXES)}
+        return {k: tuple(v.shape) for k, v in self.state_dict.items() if k.startswith(megatron.MODEL_KEY_PREFIXES)}
 
     def read_pieces(self, pieces: list[Piece]) -> Iterator[torch.Tensor]:
         for piece in pieces:
@@ -220,7 +218,7 @@ def hf_tensors(plan: Plan, source: MegatronTensors) -> Iterator[tuple[HFRef, tor
     for piece, region in zip(pieces, source.read_pieces(pieces)):
         if piece.layout.real_rows is not None:
             region = region[: piece.layout.real_rows]  # vocabulary padding
-        for ref, tensor in zip(piece.sources, piece.entry.to_hf(region.to(plan.dtype), plan.spec)):
+        for ref, tensor in zip(piece.sources, piece.entry.to_hf(region.to(plan.dtype_of(piece)), plan.spec)):
             yield ref, tensor
 
 
@@ -273,7 +271,8 @@ def convert_mcore_to_hf(
 
     with atomic_directory(save_dir, overwrite) as work:
         hf_shapes = plan.hf_shapes()
-        writer = SafetensorsWriter(work, {name: (plan.dtype, shape) for name, shape in hf_shapes.items()}, shard_bytes)
+        dtypes = {ref.name: plan.dtype_of(piece) for piece in plan.pieces for ref in piece.sources}
+        writer = SafetensorsWriter(work, {name: (dtypes[name], shape) for name, shape in hf_shapes.items()}, shard_bytes)
         try:
             for number, (ref, tensor) in enumerate(hf_tensors(plan, source), 1):
                 writer.write(ref.name, tensor, ref.index)

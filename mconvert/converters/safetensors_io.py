@@ -32,6 +32,10 @@ ST_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Block-quantized FP8 (DeepSeek-V3's `quant_method: fp8` with `weight_block_size`): each FP8 weight `X` comes
+# with `X_scale_inv`, one fp32 factor per block, which multiplies the block back to its values.
+SCALE_SUFFIX = "_scale_inv"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -75,6 +79,21 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
     return tensors
 
 
+def fp8_block_size(config: dict) -> tuple[int, int] | None:
+    """The block size of block-quantized FP8 weights that config.json's quantization_config names
+    (DeepSeek-V3: `quant_method: fp8`, `weight_block_size: [128, 128]`), None when it names none."""
+    quantization = config.get("quantization_config") or {}
+    block = quantization.get("weight_block_size")
+    if not quantization:
+        return None
+    if quantization.get("quant_method") != "fp8" or not block or len(block) != 2:
+        raise ConversionError(
+            f"config.json: quantization_config {quantization} is not supported (block-quantized fp8 with a "
+            f"2-D weight_block_size is)"
+        )
+    return int(block[0]), int(block[1])
+
+
 def read_hf_config(directory: Path, flag: str) -> dict:
     """config.json of an HF model directory given by `flag`."""
     path = Path(directory) / "config.json"
@@ -89,7 +108,9 @@ def read_hf_config(directory: Path, flag: str) -> dict:
 class HFCheckpoint:
     """The tensors of an HF checkpoint directory: `model.safetensors`, or shards listed by the index."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, fp8_block: tuple[int, int] | None = None):
+        """`fp8_block`: the block size of FP8 weights' scales (config.json's quantization_config, see
+        fp8_block_size); FP8 weights are read dequantized."""
         self.directory = Path(directory)
         index = self.directory / INDEX_FILE
         if index.exists():
@@ -113,6 +134,30 @@ class HFCheckpoint:
         for name, file in weight_map.items():
             if name not in self.tensors or self.tensors[name].file.name != file:
                 raise ConversionError(f"{self.directory / file}: tensor '{name}' listed in {INDEX_FILE} is not there")
+        self.scales = self._take_block_scales(fp8_block)
+
+    def _take_block_scales(self, block: tuple[int, int] | None) -> dict[str, tuple[StoredTensor, tuple[int, int]]]:
+        """FP8 weights' block scales, by weight name, with the block size, taken out of `tensors`: FP8 weights
+        read as their dequantized values, so the checkpoint's tensors are what an unquantized one holds."""
+        scales = {}
+        for name in [n for n, stored in self.tensors.items() if stored.dtype in FP8_DTYPES]:
+            stored, scale = self.tensors[name], self.tensors.get(name + SCALE_SUFFIX)
+            if scale is None or len(stored.shape) < 2 or len(scale.shape) != len(stored.shape):
+                raise ConversionError(
+                    f"{self.where(name)} is FP8 without a {name + SCALE_SUFFIX} of one scale per 2-D block "
+                    f"(block-quantized FP8, as DeepSeek-V3's, is supported)"
+                )
+            if block is None:
+                raise ConversionError(f"{self.where(name)} is FP8 but config.json's quantization_config names no weight_block_size")
+            grid = tuple(-(-size // step) for size, step in zip(stored.shape[-2:], block))
+            if stored.shape[:-2] != scale.shape[:-2] or grid != scale.shape[-2:]:
+                raise ConversionError(
+                    f"{self.where(name + SCALE_SUFFIX)} has shape {list(scale.shape)}, not the grid of "
+                    f"{list(block)} blocks of {list(stored.shape)}"
+                )
+            scales[name] = (scale, block)
+            del self.tensors[name + SCALE_SUFFIX]
+        return scales
 
     def where(self, name: str) -> str:
         return f"tensor '{name}' in {self.tensors[name].file}"
@@ -144,7 +189,23 @@ class HFCheckpoint:
                 if not count:
                     raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
                 done += count
-        return buffer.view(stored.dtype).reshape(shape)
+        tensor = buffer.view(stored.dtype).reshape(shape)
+        if name in self.scales:
+            tensor = self._dequantize(name, index, tensor)
+        return tensor
+
+    def _dequantize(self, name: str, index: int | None, tensor: torch.Tensor) -> torch.Tensor:
+        """An FP8 weight (or its slice `index`) times its blocks' scales, in fp32: a tensor at a time, so that
+        memory stays at the tensors in hand."""
+        scale, (block_rows, block_cols) = self.scales[name]
+        with open(scale.file, "rb") as f:
+            f.seek(scale.begin)
+            scales = torch.frombuffer(bytearray(f.read(scale.end - scale.begin)), dtype=scale.dtype).reshape(scale.shape)
+        if index is not None:
+            scales = scales[index]
+        rows, cols = tensor.shape[-2:]
+        factors = scales.float().repeat_interleave(block_rows, -2)[..., :rows, :].repeat_interleave(block_cols, -1)[..., :cols]
+        return tensor.float() * factors
 
 
 _ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}

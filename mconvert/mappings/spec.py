@@ -22,6 +22,8 @@ class RopeScaling:
 
     kind "llama3": Megatron-Core's `--use-rope-scaling` (factor free; the other three numbers are fixed there).
     kind "linear": position interpolation, Megatron's `--rotary-seq-len-interpolation-factor`.
+    kind "yarn": YaRN, as multi-latent attention's `--rope-type yarn` (factor, mscale, mscale_all_dim; beta_fast,
+    beta_slow and the original positions are fixed by Megatron-LM, which has no flag for them under MLA).
     """
 
     kind: str
@@ -29,6 +31,10 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -42,8 +48,31 @@ class MoESpec:
     router_pre_softmax: bool
     shared_expert_ffn_hidden_size: int | None = None
     shared_expert_gate: bool = False
+    # "softmax" or "sigmoid" (DeepSeek-V3, GLM-4.5: sigmoid scores, top-k renormalised when k > 1).
+    score_function: str = "softmax"
+    # A learned per-expert bias added to the scores to choose experts, not to weigh them
+    # (DeepSeek-V3's e_score_correction_bias).
+    expert_bias: bool = False
+    # The routing weights' multiplier (routed_scaling_factor); None for none.
+    topk_scaling_factor: float | None = None
+    # Group-limited routing: experts in `num_groups` groups, tokens routed within the best `group_topk`.
+    num_groups: int | None = None
+    group_topk: int | None = None
     # The load-balancing loss's weight in training (HF `router_aux_loss_coef`); no effect on the weights.
     aux_loss_coeff: float = 0.0
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-latent attention (DeepSeek-V2/V3): queries through a rank-`q_lora_rank` bottleneck (or one
+    projection when None), keys and values from one compressed latent of rank `kv_lora_rank` plus a rope part
+    shared by all heads."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_head_dim: int  # the part of each query/key head without rope
+    qk_pos_emb_head_dim: int  # the rope part
+    v_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -66,6 +95,12 @@ class ModelSpec:
     qk_norm: bool
     dtype: torch.dtype
     moe: MoESpec | None = None
+    mla: MLASpec | None = None
+    # The fraction of each head's dimensions that rope rotates (GLM-4.5's partial_rotary_factor).
+    rotary_percent: float = 1.0
+    # Multi-token prediction layers the checkpoint holds (DeepSeek-V3's and GLM-4.5's extra layers after the
+    # decoder). What a checkpoint holds, not what its config says: transformers drops them when it saves.
+    mtp_layers: int = field(default=0, compare=False)
     # Tokens each position attends to, itself included (HF `sliding_window`); None for full attention.
     sliding_window: int | None = None
     # Dropout on attention probabilities in training (HF `attention_dropout`); no effect on the weights.
@@ -84,6 +119,20 @@ class ModelSpec:
 
     def layer_is_moe(self, layer: int) -> bool:
         return self.moe is not None and self.moe.moe_layers[layer]
+
+    @property
+    def q_low_rank(self) -> bool:
+        """Multi-latent attention with a query bottleneck (q_a_proj, q_b_proj)."""
+        return self.mla is not None and self.mla.q_lora_rank is not None
+
+    @property
+    def q_full_rank(self) -> bool:
+        """Multi-latent attention with one query projection (q_proj)."""
+        return self.mla is not None and self.mla.q_lora_rank is None
+
+    @property
+    def router_expert_bias(self) -> bool:
+        return self.moe is not None and self.moe.expert_bias
 
 
 def require(config: dict[str, Any], name: str, source: str) -> Any:
@@ -128,7 +177,32 @@ def read_rope(config: dict[str, Any], source: str, default_theta: float = 10000.
         return float(theta), rope
     if kind == "linear":
         return float(theta), RopeScaling(kind="linear", factor=float(scaling["factor"]))
-    raise ConversionError(f"{source}: rope scaling type '{kind}' is not supported (llama3 and linear are)")
+    if kind == "yarn":
+        return float(theta), read_yarn(scaling, source)
+    raise ConversionError(f"{source}: rope scaling type '{kind}' is not supported (llama3, linear and yarn are)")
+
+
+def read_yarn(scaling: dict[str, Any], source: str) -> RopeScaling:
+    """YaRN as transformers computes it. Its attention factor is mscale's over mscale_all_dim's when both are
+    set, else mscale 1's: a lone mscale is ignored there, so it must be 1 here to mean the same."""
+    if scaling.get("attention_factor") is not None:
+        raise ConversionError(f"{source}: yarn attention_factor {scaling['attention_factor']} cannot be expressed in Megatron")
+    if scaling.get("truncate", True) is False:
+        raise ConversionError(f"{source}: yarn with truncate false cannot be expressed in Megatron")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim") or 0.0
+    if not (mscale and mscale_all_dim):
+        if mscale not in (None, 1, 1.0):
+            raise ConversionError(f"{source}: yarn mscale {mscale} without mscale_all_dim is ignored by transformers; set it to 1")
+        mscale = 1.0
+    return RopeScaling(
+        kind="yarn",
+        factor=float(scaling["factor"]),
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 4096)),
+        beta_fast=float(scaling.get("beta_fast", 32.0)),
+        beta_slow=float(scaling.get("beta_slow", 1.0)),
+        mscale=float(mscale),
+        mscale_all_dim=float(mscale_all_dim),
+    )
 
 
 def read_dtype(config: dict[str, Any]) -> torch.dtype:
@@ -219,11 +293,24 @@ def write_dense_config(spec: ModelSpec, model_type: str, architecture: str) -> d
     """An HF config.json for `spec`, in the hub style that transformers v4 and v5 both read. Fields of the
     config the spec was read from that Megatron has no use for (token ids, ...) are kept."""
     dtype_name = next(name for name, dtype in DTYPES.items() if dtype == spec.dtype)
-    config = {k: v for k, v in spec.hf_config.items() if k not in ("rope_parameters", "dtype", "torch_dtype")}
+    # The weights written are never quantized: a source's quantization_config does not describe them.
+    dropped = ("rope_parameters", "dtype", "torch_dtype", "quantization_config")
+    config = {k: v for k, v in spec.hf_config.items() if k not in dropped}
     if spec.rope_scaling is None:
         rope_scaling = None
     elif spec.rope_scaling.kind == "linear":
         rope_scaling = {"rope_type": "linear", "factor": spec.rope_scaling.factor}
+    elif spec.rope_scaling.kind == "yarn":
+        rope = spec.rope_scaling
+        rope_scaling = {
+            "rope_type": "yarn",
+            "factor": rope.factor,
+            "original_max_position_embeddings": rope.original_max_position_embeddings,
+            "beta_fast": rope.beta_fast,
+            "beta_slow": rope.beta_slow,
+            "mscale": rope.mscale,
+            "mscale_all_dim": rope.mscale_all_dim,
+        }
     else:
         rope_scaling = {
             "rope_type": "llama3",

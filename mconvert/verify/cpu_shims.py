@@ -119,3 +119,30 @@ def install_megatron_lm_cpu_shims() -> None:
     from megatron.training import checkpointing
 
     checkpointing.torch = _TorchWithCudaTensorsOnCpu("torch")
+
+
+def local_mla_core_attention() -> type:
+    """megatron-core 0.16.1's local core attention for multi-latent attention, which passes it `k_channels`
+    and `v_channels` that DotProductAttention does not take. Queries and keys are as wide as the tensors
+    given; only the output's width (heads x value width, not x kv_channels) needs the value width."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args: object, k_channels: int | None = None, v_channels: int | None = None, **kwargs: object):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return MLADotProductAttention
+
+
+def mla_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's MLA module decides HAVE_TE by importing megatron's TE extension, which imports
+    without TE and leaves `TELinear` a placeholder that MLA then passes to isinstance: HAVE_TE must say
+    whether TE itself is installed."""
+    from megatron.core.transformer import multi_latent_attention
+
+    try:
+        import transformer_engine  # noqa: F401  (only probing whether it is installed)
+    except ImportError:
+        multi_latent_attention.HAVE_TE = False

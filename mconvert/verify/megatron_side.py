@@ -5,6 +5,7 @@ megatron-core process with `parallel_state` initialized) and must be called by a
 """
 
 import argparse
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.models.gpt import GPTModel
 
+from mconvert.converters.rank_export import model_sharded_state_dict
 from mconvert.converters.torch_dist import iteration_dir
 from mconvert.verify.megatron_model import TransformerImpl, build_gpt_model
 
@@ -46,7 +48,7 @@ def load_model(
     state_dict = dist_checkpointing.load(
         # Nested as Megatron-LM nests it: the checkpoint's common state (args, iteration, ...) comes
         # back beside "model". The tensors' checkpoint keys do not depend on the nesting.
-        {"model": model.sharded_state_dict()},
+        {"model": model_sharded_state_dict(model)},
         str(iteration_dir(Path(ckpt_dir))),
         # megatron's "unexpected" keys are those the model asks for and the checkpoint lacks.
         strict=StrictHandling.RAISE_UNEXPECTED,
@@ -71,6 +73,21 @@ def forward_logits_and_hidden_states(
     """As forward_logits, and each decoder layer's output [batch, seq, hidden] (fp32, global layer
     order), to locate the first layer where two models diverge. Valid on rank 0."""
     return _forward(model, tokens, record_hidden_states=True)
+
+
+@contextlib.contextmanager
+def _without_mtp(chunk: torch.nn.Module):
+    """The forward of the main model alone. Multi-token prediction layers predict later tokens from the main
+    model's hidden states and never change its logits; megatron-core 0.16.1 runs them only with labels."""
+    if not getattr(chunk, "mtp_process", False):
+        yield
+        return
+    mtp_process, mtp_num_layers = chunk.mtp_process, chunk.config.mtp_num_layers
+    chunk.mtp_process, chunk.config.mtp_num_layers = False, None
+    try:
+        yield
+    finally:
+        chunk.mtp_process, chunk.config.mtp_num_layers = mtp_process, mtp_num_layers
 
 
 def _forward(
@@ -104,7 +121,8 @@ def _forward(
                 dist.recv(received, src=parallel_state.get_pipeline_model_parallel_prev_rank())
                 chunk.set_input_tensor(received)
             # TP logits are gathered by the output layer itself.
-            output = chunk(tokens, position_ids, causal_mask, runtime_gather_output=True)
+            with _without_mtp(chunk):
+                output = chunk(tokens, position_ids, causal_mask, runtime_gather_output=True)
             if not is_last_stage:
                 dist.send(output, dst=parallel_state.get_pipeline_model_parallel_next_rank())
     finally:
@@ -174,7 +192,7 @@ def gather_global_state(model: ModelChunks) -> dict[str, torch.Tensor]:
     """
     shards = []
     for chunk in model:
-        sharded_state_dict = chunk.sharded_state_dict()
+        sharded_state_dict = model_sharded_state_dict(chunk)
         apply_factories(sharded_state_dict)
         shards += [
             _Shard(
