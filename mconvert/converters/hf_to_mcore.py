@@ -160,14 +160,16 @@ def convert_hf_to_mcore(
     dtype: torch.dtype | None = None,
     transformer_impl: str = "transformer_engine",
     overwrite: bool = False,
+    allow_nonfinite: bool = False,
     progress: Callable[[str], None] = lambda message: None,
 ) -> Conversion:
-    """Convert the HF checkpoint in `load_dir` into a torch_dist checkpoint in `save_dir` for `parallelism`."""
+    """Convert the HF checkpoint in `load_dir` into a torch_dist checkpoint in `save_dir` for `parallelism`.
+    A weight holding NaN or Inf is an error unless `allow_nonfinite`."""
     load_dir, save_dir = Path(load_dir), Path(save_dir)
     config = read_hf_config(load_dir, "--load-dir")
     family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
     check_target(save_dir, overwrite)
-    hf = HFCheckpoint(load_dir)
+    hf = HFCheckpoint(load_dir, check_finite=not allow_nonfinite)
     plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers(family, spec, hf))
     check_sources(plan, {name: stored.shape for name, stored in hf.tensors.items()}, hf.where)
     args = megatron.megatron_args(spec, parallelism, plan.dtype, transformer_impl)

@@ -32,6 +32,8 @@ ST_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+# Floating-point dtypes whose values are checked to be finite as they are read (float8 has no min/max kernels).
+_CHECKED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -63,16 +65,33 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in ST_DTYPES:
-            raise ConversionError(f"{path}: tensor '{name}' has unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        dtype, shape = ST_DTYPES[info["dtype"]], tuple(info["shape"])
-        if end - begin != math.prod(shape) * dtype.itemsize:
-            raise ConversionError(f"{path}: tensor '{name}' has {end - begin} bytes for shape {list(shape)}")
+        try:
+            dtype_name, (begin, end), shape = info["dtype"], info["data_offsets"], tuple(int(n) for n in info["shape"])
+        except (TypeError, KeyError, ValueError):
+            raise ConversionError(f"{path}: tensor '{name}' has a malformed header entry {info!r}") from None
+        if dtype_name not in ST_DTYPES:
+            raise ConversionError(f"{path}: tensor '{name}' has unsupported dtype {dtype_name}")
+        dtype = ST_DTYPES[dtype_name]
+        if not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
+            raise ConversionError(f"{path}: tensor '{name}' has data_offsets [{begin}, {end}] for shape {list(shape)} of {dtype_name}")
         if base + end > size:
             raise ConversionError(f"{path}: truncated (tensor '{name}' ends at byte {base + end}, file has {size})")
         tensors[name] = StoredTensor(path, dtype, shape, base + begin, base + end)
     return tensors
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor -> shard file map; every shard a plain file name in the index's directory."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConversionError(f"{index}: not a safetensors index (no readable 'weight_map': {e!r})") from None
+    if not isinstance(weight_map, dict):
+        raise ConversionError(f"{index}: 'weight_map' is not an object of tensor names to files")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+            raise ConversionError(f"{index}: tensor '{name}' names shard {file!r}, not a file beside the index")
+    return weight_map
 
 
 def read_hf_config(directory: Path, flag: str) -> dict:
@@ -87,13 +106,15 @@ def read_hf_config(directory: Path, flag: str) -> dict:
 
 
 class HFCheckpoint:
-    """The tensors of an HF checkpoint directory: `model.safetensors`, or shards listed by the index."""
+    """The tensors of an HF checkpoint directory: `model.safetensors`, or shards listed by the index.
+    With `check_finite`, reading a floating-point tensor that holds NaN or Inf is an error naming it."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, check_finite: bool = True):
         self.directory = Path(directory)
+        self.check_finite = check_finite
         index = self.directory / INDEX_FILE
         if index.exists():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = read_weight_map(index)
             files = sorted(set(weight_map.values()))
         elif (self.directory / SINGLE_FILE).exists():
             weight_map, files = {}, [SINGLE_FILE]
@@ -144,7 +165,16 @@ class HFCheckpoint:
                 if not count:
                     raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
                 done += count
-        return buffer.view(stored.dtype).reshape(shape)
+        tensor = buffer.view(stored.dtype).reshape(shape)
+        if self.check_finite and stored.dtype in _CHECKED_DTYPES and tensor.numel():
+            # One pass with no temporary (isfinite's bool tensor costs ten times more); NaN and Inf both show.
+            low, high = torch.aminmax(tensor)
+            if not (math.isfinite(low) and math.isfinite(high)):
+                which = name if index is None else f"{name}[{index}]"
+                raise ConversionError(
+                    f"{stored.file}: tensor '{which}' holds NaN or Inf values (pass --allow-nonfinite to convert it as is)"
+                )
+        return tensor
 
 
 _ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}

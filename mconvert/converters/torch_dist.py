@@ -152,6 +152,8 @@ def _load_common(path: Path) -> dict:
             common = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise ConversionError(f"{path}: holds objects other than args and tensors ({str(e).splitlines()[0]})") from None
+    except (RuntimeError, EOFError) as e:  # what torch.load raises for a file that is not its archive
+        raise ConversionError(f"{path}: not a torch.save file ({str(e).splitlines()[0]})") from None
     if not isinstance(common, dict):
         raise ConversionError(f"{path}: holds a {type(common).__name__}, not a dict")
     return common
@@ -242,6 +244,9 @@ class DCPCheckpoint:
             if isinstance(meta, TensorStorageMetadata)
         }
         self.object_keys = [k for k, m in metadata.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)]
+        for data_file in sorted({info.relative_path for info in metadata.storage_data.values()}):
+            if not (directory / data_file).is_file():
+                raise ConversionError(f"{directory / data_file}: data file named in {path.name} is missing")
 
     def _storage(self, index: MetadataIndex) -> _StorageInfo:
         info = self.metadata.storage_data[index]
@@ -267,7 +272,7 @@ class DCPCheckpoint:
             try:
                 window = io.BufferedReader(_FileWindow(f, info.offset, info.length), buffer_size=1 << 20)
                 tensor = torch.load(window, map_location="cpu", weights_only=True)
-            except RuntimeError as e:
+            except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
                 raise ConversionError(f"{self.directory / info.relative_path}: chunk {number} of '{key}' is unreadable ({e})") from None
         if tensor.numel() != math.prod(chunk.sizes):
             raise ConversionError(f"{self.directory}: chunk {number} of '{key}' holds {tensor.numel()} elements, metadata says {list(chunk.sizes)}")
