@@ -190,6 +190,22 @@ def test_a_config_that_is_not_json(hf, tmp_path):
     refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "config.json", "not valid JSON")
 
 
+def test_a_config_field_of_the_wrong_type(hf, tmp_path):
+    write_config(hf, num_hidden_layers="2")
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "config.json", "'num_hidden_layers' is '2'")
+
+
+def test_a_config_that_is_not_an_object(hf, tmp_path):
+    (hf / "config.json").write_text("[]")
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", hf / "config.json", "not an object")
+
+
+def test_weights_only_in_pickled_bin_files(hf, tmp_path):
+    torch.save(load_file(hf / "model.safetensors"), hf / "pytorch_model.bin")
+    (hf / "model.safetensors").unlink()
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", hf, "pytorch_model.bin", "save the model as safetensors")
+
+
 def test_a_directory_without_config(hf, tmp_path):
     (hf / "config.json").unlink()
     refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "--load-dir", "no config.json")

@@ -100,9 +100,12 @@ def read_hf_config(directory: Path, flag: str) -> dict:
     if not path.exists():
         raise ConversionError(f"{flag} {directory}: no config.json (not an HF model directory)")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except ValueError as e:
         raise ConversionError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path}: holds a JSON {type(config).__name__}, not an object of settings")
+    return config
 
 
 class HFCheckpoint:
@@ -121,7 +124,9 @@ class HFCheckpoint:
         else:
             files, weight_map = sorted(p.name for p in self.directory.glob("*.safetensors")), {}
             if not files:
-                raise ConversionError(f"{self.directory}: no {INDEX_FILE}, {SINGLE_FILE} or *.safetensors files")
+                pickled = sorted(p.name for p in self.directory.glob("*.bin"))
+                hint = f" ({pickled[0]} is pickled torch weights: save the model as safetensors first)" if pickled else ""
+                raise ConversionError(f"{self.directory}: no {INDEX_FILE}, {SINGLE_FILE} or *.safetensors files{hint}")
         self.tensors: dict[str, StoredTensor] = {}
         for file in files:
             path = self.directory / file
