@@ -347,3 +347,15 @@ def test_a_legacy_rank_file_that_is_not_torch_save(tmp_path):
     path = legacy_checkpoint(tmp_path / "legacy", {})
     path.write_bytes(os.urandom(64))
     refused(to_hf(tmp_path / "legacy", tmp_path / "out"), tmp_path / "out", path, "not a torch.save file")
+
+
+def test_the_troubleshooting_table_names_these_tests():
+    """docs/troubleshooting.md lists each message with the test that checks it: those tests exist."""
+    import re
+
+    from cli_runner import REPO
+
+    table = (REPO / "docs" / "troubleshooting.md").read_text()
+    named = set(re.findall(r"`(test_\w+)", table))
+    defined = set(re.findall(r"^def (test_\w+)", "\n".join(p.read_text() for p in (REPO / "tests").glob("test_*.py")), re.MULTILINE))
+    assert len(named) >= 25 and named <= defined, named - defined
