@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from cli_runner import assert_nothing_left, assert_one_line_error, run_cli
 from mconvert.converters import torch_dist
-from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+from test_mcore_to_hf_bad_input import checkpoint, private_checkpoint  # noqa: F401 (fixtures)
 
 LAYER_WEIGHT = "model.layers.1.mlp.down_proj.weight"
 
@@ -31,27 +31,12 @@ def hf(hf_model_factory, tmp_path):
     return copy
 
 
-@pytest.fixture(scope="module")
-def converted(hf_model_factory, tmp_path_factory):
-    out = tmp_path_factory.mktemp("mcore") / "ckpt"
-    convert_hf_to_mcore(hf_model_factory("qwen2.5-7b-instruct"), out)
-    return out
-
-
-@pytest.fixture
-def ckpt(converted, tmp_path):
-    """A private copy of that model converted to torch_dist, for a test to break."""
-    copy = tmp_path / "ckpt"
-    shutil.copytree(converted, copy)
-    return copy
-
-
 def to_mcore(hf, out, *flags, **run):
     return run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", out, *flags, **run)
 
 
-def to_hf(ckpt, out, *flags):
-    return run_cli("mcore-to-hf", "--load-dir", ckpt, "--save-dir", out, *flags)
+def to_hf(checkpoint, out, *flags):
+    return run_cli("mcore-to-hf", "--load-dir", checkpoint, "--save-dir", out, *flags)
 
 
 def refused(result, out, *names):
@@ -279,22 +264,22 @@ def test_a_file_size_limit_during_the_write(hf, tmp_path):
 # --- Megatron checkpoints -------------------------------------------------------------------------------
 
 
-def test_a_missing_distcp_file(ckpt, tmp_path):
-    data = ckpt / torch_dist.RELEASE / "__0_0.distcp"
+def test_a_missing_distcp_file(private_checkpoint, tmp_path):
+    data = private_checkpoint / torch_dist.RELEASE / "__0_0.distcp"
     data.unlink()
-    refused(to_hf(ckpt, tmp_path / "out"), tmp_path / "out", data, "missing")
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", data, "missing")
 
 
-def test_a_truncated_distcp_file(ckpt, tmp_path):
-    data = ckpt / torch_dist.RELEASE / "__0_0.distcp"
+def test_a_truncated_distcp_file(private_checkpoint, tmp_path):
+    data = private_checkpoint / torch_dist.RELEASE / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    refused(to_hf(ckpt, tmp_path / "out"), tmp_path / "out", data)
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", data)
 
 
-def test_a_corrupt_metadata_file(ckpt, tmp_path):
-    metadata = ckpt / torch_dist.RELEASE / ".metadata"
+def test_a_corrupt_metadata_file(private_checkpoint, tmp_path):
+    metadata = private_checkpoint / torch_dist.RELEASE / ".metadata"
     metadata.write_bytes(metadata.read_bytes()[:200])
-    refused(to_hf(ckpt, tmp_path / "out"), tmp_path / "out", metadata, "unreadable DCP metadata")
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", metadata, "unreadable DCP metadata")
 
 
 class _Marker:
@@ -307,23 +292,23 @@ class _Marker:
         return (open, (str(self.path), "w"))
 
 
-def test_metadata_that_would_run_code(ckpt, tmp_path):
+def test_metadata_that_would_run_code(private_checkpoint, tmp_path):
     marker = tmp_path / "ran"
-    metadata = ckpt / torch_dist.RELEASE / ".metadata"
+    metadata = private_checkpoint / torch_dist.RELEASE / ".metadata"
     metadata.write_bytes(pickle.dumps(_Marker(marker)))
-    refused(to_hf(ckpt, tmp_path / "out"), tmp_path / "out", metadata, "not allowed")
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", metadata, "not allowed")
     assert not marker.exists()
 
 
-def test_a_corrupt_common_pt(ckpt, tmp_path):
-    common = ckpt / torch_dist.RELEASE / "common.pt"
+def test_a_corrupt_common_pt(private_checkpoint, tmp_path):
+    common = private_checkpoint / torch_dist.RELEASE / "common.pt"
     common.write_bytes(b"PK\x03\x04 not really a zip")
-    refused(to_hf(ckpt, tmp_path / "out"), tmp_path / "out", common, "not a torch.save file")
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", common, "not a torch.save file")
 
 
-def test_a_tracker_holding_garbage(ckpt, tmp_path):
-    (ckpt / torch_dist.TRACKER_FILE).write_text("latest\n")
-    refused(to_hf(ckpt, tmp_path / "out"), tmp_path / "out", torch_dist.TRACKER_FILE, "'latest'")
+def test_a_tracker_holding_garbage(private_checkpoint, tmp_path):
+    (private_checkpoint / torch_dist.TRACKER_FILE).write_text("latest\n")
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", torch_dist.TRACKER_FILE, "'latest'")
 
 
 def legacy_checkpoint(directory, state):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import glob
 import os
 import shutil
 import socket
@@ -90,7 +91,8 @@ def target_lock(save_dir: Path) -> Iterator[None]:
 
 def _remove_leftovers(save_dir: Path) -> None:
     """Temporary directories of earlier runs into `save_dir` that were killed (the lock says none runs)."""
-    for pattern in (f".{save_dir.name}.tmp-*", f".{save_dir.name}.old-*"):
+    name = glob.escape(save_dir.name)
+    for pattern in (f".{name}.tmp-*", f".{name}.old-*"):
         for leftover in save_dir.parent.glob(pattern):
             shutil.rmtree(leftover, ignore_errors=True)
 
