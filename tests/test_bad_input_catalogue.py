@@ -300,9 +300,10 @@ def test_metadata_that_would_run_code(private_checkpoint, tmp_path):
     assert not marker.exists()
 
 
-def test_a_corrupt_common_pt(private_checkpoint, tmp_path):
+@pytest.mark.parametrize("content", [b"PK\x03\x04 not really a zip", b""], ids=["corrupt", "empty"])
+def test_a_corrupt_common_pt(private_checkpoint, tmp_path, content):
     common = private_checkpoint / torch_dist.RELEASE / "common.pt"
-    common.write_bytes(b"PK\x03\x04 not really a zip")
+    common.write_bytes(content)
     refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", common, "not a torch.save file")
 
 

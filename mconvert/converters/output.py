@@ -80,9 +80,10 @@ def target_lock(save_dir: Path) -> Iterator[None]:
         if current:
             break
         os.close(fd)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
     try:
+        with _writing_into(save_dir):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         yield
     finally:
         os.unlink(path)

@@ -153,7 +153,7 @@ def _load_common(path: Path) -> dict:
     except pickle.UnpicklingError as e:
         raise ConversionError(f"{path}: holds objects other than args and tensors ({str(e).splitlines()[0]})") from None
     except (RuntimeError, EOFError) as e:  # what torch.load raises for a file that is not its archive
-        raise ConversionError(f"{path}: not a torch.save file ({str(e).splitlines()[0]})") from None
+        raise ConversionError(f"{path}: not a torch.save file ({(str(e) or type(e).__name__).splitlines()[0]})") from None
     if not isinstance(common, dict):
         raise ConversionError(f"{path}: holds a {type(common).__name__}, not a dict")
     return common
@@ -273,7 +273,8 @@ class DCPCheckpoint:
                 window = io.BufferedReader(_FileWindow(f, info.offset, info.length), buffer_size=1 << 20)
                 tensor = torch.load(window, map_location="cpu", weights_only=True)
             except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
-                raise ConversionError(f"{self.directory / info.relative_path}: chunk {number} of '{key}' is unreadable ({e})") from None
+                reason = (str(e) or type(e).__name__).splitlines()[0]
+                raise ConversionError(f"{self.directory / info.relative_path}: chunk {number} of '{key}' is unreadable ({reason})") from None
         if tensor.numel() != math.prod(chunk.sizes):
             raise ConversionError(f"{self.directory}: chunk {number} of '{key}' holds {tensor.numel()} elements, metadata says {list(chunk.sizes)}")
         return tensor.reshape(tuple(chunk.sizes))
