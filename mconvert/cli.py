@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 
-from mconvert.errors import ConversionError
+from mconvert.errors import ConversionError, MissingDependency
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -49,6 +50,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
         transformer_impl=options.transformer_impl,
         overwrite=options.overwrite,
         mtp=not options.no_mtp,
+        allow_nonfinite=options.allow_nonfinite,
         progress=lambda message: print(message, file=sys.stderr),
     )
     plan = result.plan
@@ -148,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="leave out the multi-token prediction layers the checkpoint holds (DeepSeek-V3, GLM-4.5)",
     )
     to_mcore.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
+    to_mcore.add_argument(
+        "--allow-nonfinite", action="store_true", help="convert weights holding NaN or Inf (an error by default)"
+    )
     to_mcore.set_defaults(run=_hf_to_mcore)
 
     to_hf = commands.add_parser("mcore-to-hf", help="Megatron-Core torch_dist (or legacy torch) checkpoint -> HF safetensors")
@@ -186,13 +191,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     options = build_parser().parse_args(argv)
+    # SIGTERM (kill's, a scheduler's) unwinds as Ctrl-C does, so that what a conversion half wrote is removed.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return options.run(options)
+    except MissingDependency as error:
+        print(f"mconvert: error: {error}", file=sys.stderr)
+        return 2
     except ConversionError as error:
         print(f"mconvert: error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as interrupt:
+        signum = interrupt.args[0] if interrupt.args else signal.SIGINT
+        print(f"mconvert: interrupted by {signal.Signals(signum).name}; no output was kept", file=sys.stderr)
+        return 128 + signum
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

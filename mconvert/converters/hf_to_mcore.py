@@ -183,15 +183,17 @@ def convert_hf_to_mcore(
     transformer_impl: str = "transformer_engine",
     overwrite: bool = False,
     mtp: bool = True,
+    allow_nonfinite: bool = False,
     progress: Callable[[str], None] = lambda message: None,
 ) -> Conversion:
     """Convert the HF checkpoint in `load_dir` into a torch_dist checkpoint in `save_dir` for `parallelism`.
-    Multi-token prediction layers the checkpoint holds are converted, or left out with `mtp=False`."""
+    Multi-token prediction layers the checkpoint holds are converted, or left out with `mtp=False`. A weight
+    holding NaN or Inf is an error unless `allow_nonfinite`."""
     load_dir, save_dir = Path(load_dir), Path(save_dir)
     config = read_hf_config(load_dir, "--load-dir")
     family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
     check_target(save_dir, overwrite)
-    hf = HFCheckpoint(load_dir, fp8_block_size(config))
+    hf = HFCheckpoint(load_dir, fp8_block_size(config), check_finite=not allow_nonfinite)
     held = mtp_layers_held(family, spec, hf.tensors)
     spec = dataclasses.replace(spec, mtp_layers=held if mtp else 0)
     plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers(family, spec, hf))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 from typing import IO, Any
 
 import torch
@@ -84,5 +85,8 @@ def load_megatron_file(source: str | os.PathLike | IO[bytes], location: str, mma
         (_PERMITTED[name], name) if name in _PERMITTED else (_stand_in(name), name)
         for name in sorted(needed)
     ]
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:  # what torch.load raises for a damaged archive
+        raise ConversionError(f"{location}: not a readable torch.save file ({(str(e) or type(e).__name__).splitlines()[0]})") from None

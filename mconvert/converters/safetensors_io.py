@@ -36,6 +36,8 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Block-quantized FP8 (DeepSeek-V3's `quant_method: fp8` with `weight_block_size`): each FP8 weight `X` comes
 # with `X_scale_inv`, one fp32 factor per block, which multiplies the block back to its values.
 SCALE_SUFFIX = "_scale_inv"
+# Floating-point dtypes whose values are checked to be finite as they are read (float8 has no min/max kernels).
+_CHECKED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -67,12 +69,15 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in ST_DTYPES:
-            raise ConversionError(f"{path}: tensor '{name}' has unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        dtype, shape = ST_DTYPES[info["dtype"]], tuple(info["shape"])
-        if end - begin != math.prod(shape) * dtype.itemsize:
-            raise ConversionError(f"{path}: tensor '{name}' has {end - begin} bytes for shape {list(shape)}")
+        try:
+            dtype_name, (begin, end), shape = info["dtype"], info["data_offsets"], tuple(int(n) for n in info["shape"])
+        except (TypeError, KeyError, ValueError):
+            raise ConversionError(f"{path}: tensor '{name}' has a malformed header entry {info!r}") from None
+        if dtype_name not in ST_DTYPES:
+            raise ConversionError(f"{path}: tensor '{name}' has unsupported dtype {dtype_name}")
+        dtype = ST_DTYPES[dtype_name]
+        if not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
+            raise ConversionError(f"{path}: tensor '{name}' has data_offsets [{begin}, {end}] for shape {list(shape)} of {dtype_name}")
         if base + end > size:
             raise ConversionError(f"{path}: truncated (tensor '{name}' ends at byte {base + end}, file has {size})")
         tensors[name] = StoredTensor(path, dtype, shape, base + begin, base + end)
@@ -92,6 +97,18 @@ def fp8_block_size(config: dict) -> tuple[int, int] | None:
             f"2-D weight_block_size is)"
         )
     return int(block[0]), int(block[1])
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor -> shard file map; every shard a plain file name in the index's directory."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConversionError(f"{index}: not a safetensors index (no readable 'weight_map': {e!r})") from None
+    if not isinstance(weight_map, dict):
+        raise ConversionError(f"{index}: 'weight_map' is not an object of tensor names to files")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+            raise ConversionError(f"{index}: tensor '{name}' names shard {file!r}, not a file beside the index")
+    return weight_map
 
 
 def read_hf_config(directory: Path, flag: str) -> dict:
@@ -100,28 +117,36 @@ def read_hf_config(directory: Path, flag: str) -> dict:
     if not path.exists():
         raise ConversionError(f"{flag} {directory}: no config.json (not an HF model directory)")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except ValueError as e:
         raise ConversionError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path}: holds a JSON {type(config).__name__}, not an object of settings")
+    return config
 
 
 class HFCheckpoint:
-    """The tensors of an HF checkpoint directory: `model.safetensors`, or shards listed by the index."""
+    """The tensors of an HF checkpoint directory: `model.safetensors`, or shards listed by the index.
+    With `check_finite`, reading a floating-point tensor that holds NaN or Inf is an error naming it."""
 
-    def __init__(self, directory: str | os.PathLike, fp8_block: tuple[int, int] | None = None):
+    def __init__(self, directory: str | os.PathLike, fp8_block: tuple[int, int] | None = None, check_finite: bool = True):
         """`fp8_block`: the block size of FP8 weights' scales (config.json's quantization_config, see
-        fp8_block_size); FP8 weights are read dequantized."""
+        fp8_block_size); FP8 weights are read dequantized. `check_finite`: a weight holding NaN or Inf is an
+        error."""
         self.directory = Path(directory)
+        self.check_finite = check_finite
         index = self.directory / INDEX_FILE
         if index.exists():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = read_weight_map(index)
             files = sorted(set(weight_map.values()))
         elif (self.directory / SINGLE_FILE).exists():
             weight_map, files = {}, [SINGLE_FILE]
         else:
             files, weight_map = sorted(p.name for p in self.directory.glob("*.safetensors")), {}
             if not files:
-                raise ConversionError(f"{self.directory}: no {INDEX_FILE}, {SINGLE_FILE} or *.safetensors files")
+                pickled = sorted(p.name for p in self.directory.glob("*.bin"))
+                hint = f" ({pickled[0]} is pickled torch weights: save the model as safetensors first)" if pickled else ""
+                raise ConversionError(f"{self.directory}: no {INDEX_FILE}, {SINGLE_FILE} or *.safetensors files{hint}")
         self.tensors: dict[str, StoredTensor] = {}
         for file in files:
             path = self.directory / file
@@ -192,6 +217,14 @@ class HFCheckpoint:
         tensor = buffer.view(stored.dtype).reshape(shape)
         if name in self.scales:
             tensor = self._dequantize(name, index, tensor)
+        if self.check_finite and tensor.dtype in _CHECKED_DTYPES and tensor.numel():
+            # One pass with no temporary (isfinite's bool tensor costs ten times more); NaN and Inf both show.
+            low, high = torch.aminmax(tensor)
+            if not (math.isfinite(low) and math.isfinite(high)):
+                which = name if index is None else f"{name}[{index}]"
+                raise ConversionError(
+                    f"{stored.file}: tensor '{which}' holds NaN or Inf values (pass --allow-nonfinite to convert it as is)"
+                )
         return tensor
 
     def _dequantize(self, name: str, index: int | None, tensor: torch.Tensor) -> torch.Tensor:

@@ -236,6 +236,9 @@ class DCPCheckpoint:
             if isinstance(meta, TensorStorageMetadata)
         }
         self.object_keys = [k for k, m in metadata.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)]
+        for data_file in sorted({info.relative_path for info in metadata.storage_data.values()}):
+            if not (directory / data_file).is_file():
+                raise ConversionError(f"{directory / data_file}: data file named in {path.name} is missing")
 
     def _storage(self, index: MetadataIndex) -> _StorageInfo:
         info = self.metadata.storage_data[index]
@@ -261,8 +264,9 @@ class DCPCheckpoint:
             try:
                 window = io.BufferedReader(_FileWindow(f, info.offset, info.length), buffer_size=1 << 20)
                 tensor = torch.load(window, map_location="cpu", weights_only=True)
-            except RuntimeError as e:
-                raise ConversionError(f"{self.directory / info.relative_path}: chunk {number} of '{key}' is unreadable ({e})") from None
+            except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+                reason = (str(e) or type(e).__name__).splitlines()[0]
+                raise ConversionError(f"{self.directory / info.relative_path}: chunk {number} of '{key}' is unreadable ({reason})") from None
         if tensor.numel() != math.prod(chunk.sizes):
             raise ConversionError(f"{self.directory}: chunk {number} of '{key}' holds {tensor.numel()} elements, metadata says {list(chunk.sizes)}")
         return tensor.reshape(tuple(chunk.sizes))

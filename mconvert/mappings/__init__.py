@@ -28,6 +28,11 @@ def family_for_config(config: dict[str, Any], source: str = "config.json") -> Fa
         if model_type in family.model_types:
             return family
     known = sorted(t for family in FAMILIES.values() for t in family.model_types)
+    if "auto_map" in config:  # the model's code ships with the checkpoint (transformers' trust_remote_code)
+        raise ConversionError(
+            f"{source}: model_type '{model_type}' needs the checkpoint's own code (auto_map), which mconvert neither "
+            f"runs nor maps (supported: {', '.join(known)})"
+        )
     raise ConversionError(f"{source}: model_type '{model_type}' is not supported (supported: {', '.join(known)})")
 
 

@@ -136,9 +136,13 @@ class ModelSpec:
 
 
 def require(config: dict[str, Any], name: str, source: str) -> Any:
-    if config.get(name) is None:
+    """A size or count the config must give: a positive integer."""
+    value = config.get(name)
+    if value is None:
         raise ConversionError(f"{source}: required field '{name}' is missing")
-    return config[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConversionError(f"{source}: field '{name}' is {value!r}, not a positive integer")
+    return value
 
 
 def read_rope(config: dict[str, Any], source: str, default_theta: float = 10000.0) -> tuple[float, RopeScaling | None]:

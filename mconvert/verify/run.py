@@ -20,6 +20,7 @@ from mconvert.converters import megatron
 from mconvert.converters.safetensors_io import read_hf_config
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.torch_dist import iteration_dir, read_args
+from mconvert.dependencies import VERIFY, VERIFY_INSTALL, require
 from mconvert.errors import ConversionError
 from mconvert.mappings import get_mapping
 from mconvert.verify.compare import (
@@ -132,7 +133,8 @@ class VerifyRequest:
 
 def verify(request: VerifyRequest) -> Report:
     """Compare the two models; raises ConversionError for unusable input, ArchitectureMismatch for
-    different models."""
+    different models; MissingDependency (a ConversionError) without megatron-core or transformers."""
+    require(VERIFY, "mconvert verify", VERIFY_INSTALL)
     from mconvert.verify.distributed import ParallelLayout, run_ranks
 
     par = request.parallelism
