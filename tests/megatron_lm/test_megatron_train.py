@@ -63,8 +63,11 @@ def driver_loss_on_cpu(argv: list[str]) -> tuple[float, int]:
     # device="cuda"; the same mask on the CPU.
     fused_softmax.get_default_causal_mask = lambda sq: torch.ones(sq, sq, dtype=torch.bool).triu(1)
     driver = _script("megatron_train")
-    # Megatron-LM reads the world from torchrun's environment.
-    os.environ.update(RANK=str(torch.distributed.get_rank()), WORLD_SIZE=str(torch.distributed.get_world_size()))
+    # Megatron-LM reads the world from torchrun's environment, and its CUDA_DEVICE_MAX_CONNECTIONS rule from it
+    # too (set here: ranks come from a fork server, whose environment predates this test's).
+    os.environ.update(
+        RANK=str(torch.distributed.get_rank()), WORLD_SIZE=str(torch.distributed.get_world_size()), CUDA_DEVICE_MAX_CONNECTIONS="1"
+    )
     sys.argv = ["megatron_train.py", *argv]
     args = parse_and_validate_args(extra_args_provider=driver.add_driver_args)
     Path(args.loss_log).mkdir(parents=True, exist_ok=True)
