@@ -12,11 +12,9 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
 import torch
 
-from mconvert.converters import megatron, torch_dist
+from mconvert.converters import launch, megatron, torch_dist
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
@@ -25,6 +23,7 @@ from mconvert.errors import ConversionError
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
+from mconvert.progress import NoProgress, Progress
 
 ARGS_SCRIPT = "megatron_args.sh"
 # How much of the pieces that follow the one being written may be read and built in advance: about a layer
@@ -124,11 +123,12 @@ def write_piece(writer: torch_dist.DCPWriter, piece: Piece, parts: list[torch.Te
             writer.write_chunk(key, (*piece.offsets, *offsets), chunk)
 
 
-def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, progress: Callable[[str], None]) -> None:
+def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, progress: Progress) -> None:
     """Build and write every piece of the plan. A thread reads and builds the pieces ahead of the one being
     written, so that reading overlaps writing, as far as READ_AHEAD_BYTES of pieces allow (the next piece
     always): one piece slower to build than to write (fc1) then does not stall the writes."""
     sizes = [math.prod(piece.layout.shape) * plan.dtype.itemsize for piece in plan.pieces]
+    progress.start(len(plan.pieces), sum(sizes))
     buffers = ReadBuffers()
     builder = ThreadPoolExecutor(max_workers=1)
     try:
@@ -145,8 +145,7 @@ def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, pro
             del parts  # may be views of the buffers, which later reads overwrite
             buffers.give_back(taken)
             queued_bytes -= sizes[index]
-            if (index + 1) % 100 == 0:
-                progress(f"{index + 1}/{len(plan.pieces)} tensors written")
+            progress.advance(1, sizes[index])
     finally:
         builder.shutdown(cancel_futures=True)  # after a failure, read no further
 
@@ -160,7 +159,7 @@ def convert_hf_to_mcore(
     dtype: torch.dtype | None = None,
     transformer_impl: str = "transformer_engine",
     overwrite: bool = False,
-    progress: Callable[[str], None] = lambda message: None,
+    progress: Progress = NoProgress(),
 ) -> Conversion:
     """Convert the HF checkpoint in `load_dir` into a torch_dist checkpoint in `save_dir` for `parallelism`."""
     load_dir, save_dir = Path(load_dir), Path(save_dir)
@@ -189,5 +188,6 @@ def convert_hf_to_mcore(
             raise
         torch_dist.write_common(release, args)
         (work / ARGS_SCRIPT).write_text("MODEL_ARGS=(\n" + "".join(f"    {flag}\n" for flag in flags) + ")\n")
+        launch.write_launch(work, save_dir, parallelism)
         torch_dist.write_tracker(work)
     return Conversion(plan, args, flags)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Iterator
 
 from mconvert.errors import ConversionError
+from mconvert.manifest import write_manifest
 
 
 def check_target(save_dir: Path, overwrite: bool) -> None:
@@ -19,8 +20,9 @@ def check_target(save_dir: Path, overwrite: bool) -> None:
 
 @contextmanager
 def atomic_directory(save_dir: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary sibling of `save_dir` to fill; on success it is renamed to `save_dir` (replacing an
-    old one when `overwrite`), on failure removed. A crash leaves only a `.tmp-` directory behind."""
+    """Yield a temporary sibling of `save_dir` to fill; on success its manifest is written and it is renamed
+    to `save_dir` (replacing an old one when `overwrite`), on failure removed. A crash leaves only a `.tmp-`
+    directory behind."""
     save_dir = save_dir.absolute()
     check_target(save_dir, overwrite)
     save_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -30,6 +32,7 @@ def atomic_directory(save_dir: Path, overwrite: bool) -> Iterator[Path]:
     os.chmod(work, 0o777 & ~umask)  # mkdtemp makes it private; the checkpoint should not be
     try:
         yield work
+        write_manifest(work)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
