@@ -64,18 +64,19 @@ def resolve_hf_dir(
             raise ConversionError(f"--revision {revision}: {flag} {reference} is a local directory, not a hub id")
         return path
     repo_id = str(reference)
-    import huggingface_hub
+    from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.utils import validate_repo_id
 
     try:
-        huggingface_hub.utils.validate_repo_id(repo_id)
+        validate_repo_id(repo_id)
     except HFValidationError:
         raise ConversionError(f"{flag} {reference}: no such directory (nor a hub id)") from None
     patterns = list(CONFIG_FILES + (WEIGHT_FILES if weights else ()))
-    cache = cache_dir if cache_dir is not None else huggingface_hub.constants.HF_HUB_CACHE
+    cache = cache_dir if cache_dir is not None else constants.HF_HUB_CACHE
     at = f" at revision {revision}" if revision else ""
     try:
-        cached = Path(huggingface_hub.snapshot_download(
+        cached = Path(snapshot_download(
             repo_id, revision=revision, cache_dir=cache, allow_patterns=patterns, local_files_only=True
         ))
     except LocalEntryNotFoundError:
@@ -87,10 +88,10 @@ def resolve_hf_dir(
     if _offline():
         raise ConversionError(
             f"{flag} {reference}: not a local directory, and HF_HUB_OFFLINE is set while the hub cache {cache} "
-            f"lacks {', '.join(missing)} of {repo_id}{at} (download it with `hf download {repo_id}` where online)"
+            f"lacks {', '.join(missing)} of {repo_id}{at} (download it with `hf download {repo_id}{' --revision ' + revision if revision else ''}` where online)"
         )
     try:
-        downloaded = Path(huggingface_hub.snapshot_download(
+        downloaded = Path(snapshot_download(
             repo_id, revision=revision, cache_dir=cache, allow_patterns=patterns
         ))
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as e:

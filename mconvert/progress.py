@@ -10,6 +10,8 @@ from typing import Protocol, TextIO
 
 # Longest gap between two plain progress lines, for logs of slow conversions.
 PLAIN_INTERVAL_S = 60.0
+# Shortest: a conversion of a few seconds logs no progress at all, only its summary (or its one-line error).
+PLAIN_MIN_GAP_S = 2.0
 
 
 class Progress(Protocol):
@@ -50,10 +52,10 @@ def human_seconds(seconds: float) -> str:
 
 class PlainProgress:
     """A line `label: 40% (80/199 tensors, 6.1 GB of 15.2 GB), 310.2 MB/s, ETA 0:29` at every tenth of the
-    bytes, and at least every PLAIN_INTERVAL_S."""
+    bytes (`min_gap_s` apart at least), and at least every PLAIN_INTERVAL_S."""
 
-    def __init__(self, label: str, stream: TextIO):
-        self.label, self.stream = label, stream
+    def __init__(self, label: str, stream: TextIO, min_gap_s: float = PLAIN_MIN_GAP_S):
+        self.label, self.stream, self.min_gap_s = label, stream, min_gap_s
         self.tensors = self.nbytes = self.done_tensors = self.done_bytes = 0
         self.started = self.last_time = time.perf_counter()
         self.last_tenth = 0
@@ -67,7 +69,8 @@ class PlainProgress:
         self.done_bytes += nbytes
         now = time.perf_counter()
         tenth = self.done_bytes * 10 // max(self.nbytes, 1)
-        if tenth > self.last_tenth or now - self.last_time >= PLAIN_INTERVAL_S:
+        since = now - self.last_time
+        if (tenth > self.last_tenth and since >= self.min_gap_s) or since >= PLAIN_INTERVAL_S:
             self.last_tenth, self.last_time = tenth, now
             rate = self.done_bytes / max(now - self.started, 1e-9)
             eta = (self.nbytes - self.done_bytes) / rate if rate else 0.0
