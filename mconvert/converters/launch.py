@@ -52,7 +52,8 @@ if (( TP > 1 || CP > 1 )) && (( ${{major:-0}} < 10 )) \
     export CUDA_DEVICE_MAX_CONNECTIONS=1
 fi
 
-has_flag() {{ [[ " ${{MODEL_ARGS[*]}} $* " == *" $1 "* ]]; }}
+SCRIPT_ARGS=("$@")
+has_flag() {{ [[ " ${{MODEL_ARGS[*]}} ${{SCRIPT_ARGS[*]}} " == *" $1 "* ]]; }}  # given by megatron_args.sh or to this script
 LOAD_ARGS=(--load "$CHECKPOINT_DIR" --ckpt-format torch_dist --finetune --no-load-optim --no-load-rng)
 MICRO_BATCH_SIZE=${{MICRO_BATCH_SIZE:-1}}
 TRAIN_ARGS=(
