@@ -20,6 +20,7 @@ from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
 from mconvert.converters.safetensors_io import HFCheckpoint, read_hf_config
 from mconvert.errors import ConversionError
+from mconvert.manifest import hashed_while_written
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
@@ -177,12 +178,13 @@ def convert_hf_to_mcore(
         release.mkdir()
         writer = torch_dist.DCPWriter(release)
         try:
-            for key, shape in plan.shapes.items():
-                writer.declare(key, shape, plan.dtype)
-            write_pieces(plan, hf, writer, progress)
-            for key in plan.extra_state_keys:
-                writer.write_object(key, torch_dist.EMPTY_EXTRA_STATE)
-            writer.finish()
+            with hashed_while_written(release / writer.DATA_FILE):  # for the manifest
+                for key, shape in plan.shapes.items():
+                    writer.declare(key, shape, plan.dtype)
+                write_pieces(plan, hf, writer, progress)
+                for key in plan.extra_state_keys:
+                    writer.write_object(key, torch_dist.EMPTY_EXTRA_STATE)
+                writer.finish()
         except BaseException:
             writer.abort()
             raise
