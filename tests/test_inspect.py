@@ -113,3 +113,28 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"mconvert {__version__}"
+
+
+def test_a_file_hashed_while_written_has_the_digest_of_its_bytes(tmp_path):
+    import hashlib
+    import os
+    import time
+
+    from mconvert import manifest
+
+    path = tmp_path / "out" / "data"
+    path.parent.mkdir()
+    written = b""
+    with open(path, "wb") as f, manifest.hashed_while_written(path):
+        for n in range(20):  # appended in bursts, the hasher catching up between them
+            block = os.urandom(100_000 + n)
+            f.write(block)
+            f.flush()
+            written += block
+            time.sleep(0.01)
+    # The digest taken while writing is the one of the bytes, and the manifest takes it from there.
+    size, _, digest = manifest._hashed_while_written[path.absolute()]
+    assert (size, digest) == (len(written), hashlib.sha256(written).hexdigest())
+    manifest.write_manifest(path.parent)
+    assert (path.parent / MANIFEST).read_text() == f"{digest}  data\n"
+    assert path.absolute() not in manifest._hashed_while_written
