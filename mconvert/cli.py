@@ -124,7 +124,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
         + _summary(started, torch_dist.iteration_dir(Path(options.load_dir), options.iteration), save_dir)
     )
     print("next:")
-    print(f"  mconvert verify --hf {save_dir} --mcore {options.load_dir} --device cpu")
+    print(f"  mconvert verify --hf {save_dir} --mcore {options.load_dir}")
     print(f"  mconvert inspect --check {save_dir}")
     return 0
 

@@ -12,7 +12,7 @@ from mconvert.cli import main
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.megatron import Parallelism
 from mconvert.manifest import MANIFEST
-from mconvert.progress import PlainProgress
+from mconvert.progress import PlainProgress, progress_for
 
 
 @pytest.fixture(scope="module")
@@ -97,6 +97,20 @@ def test_progress_lines_and_summary(hf_model_factory, tmp_path, capsys):
     assert 5 <= len(lines) <= 11
     assert lines[-1].startswith("hf-to-mcore: 100% (17/17 tensors, 821.5 KB of 821.5 KB), ")
     assert all("/s, ETA " in line for line in lines)
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    bar = progress_for("hf-to-mcore", quiet=False, stream=terminal)
+    try:
+        convert_hf_to_mcore(hf_model_factory("qwen2.5-7b-instruct"), tmp_path / "bar", progress=bar)
+    finally:
+        bar.close()
+    final = terminal.getvalue().split("\r")[-1]
+    assert final.startswith("hf-to-mcore: 100%") and "17/17 tensors" in final and "B/s" in final
+    assert progress_for("hf-to-mcore", quiet=True, stream=terminal).__class__.__name__ == "NoProgress"
 
     capsys.readouterr()
     assert main(["hf-to-mcore", "--load-dir", str(hf_model_factory("qwen2.5-7b-instruct")), "--save-dir", str(tmp_path / "o2"), "--quiet"]) == 0
