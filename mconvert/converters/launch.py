@@ -120,7 +120,8 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'exec python -m torch.dist
 
 def write_launch(directory: Path, final_dir: Path, par: Parallelism) -> None:
     """Write train.sh and train.sbatch into `directory`, for the checkpoint that will live at `final_dir`."""
-    body = _BODY.format(checkpoint=final_dir.absolute(), tp=par.tp, pp=par.pp, ep=par.ep, etp=par.expert_tp)
+    final_dir = final_dir.absolute()
+    body = _BODY.format(checkpoint=final_dir, tp=par.tp, pp=par.pp, ep=par.ep, etp=par.expert_tp)
     expert_rule = f" and of ETP x EP x PP = {par.expert_tp * par.ep * par.pp}" if par.ep > 1 else ""
     common = dict(gpus=GPUS_PER_NODE, port=MASTER_PORT, body=body)
     torchrun = directory / TORCHRUN_SCRIPT
