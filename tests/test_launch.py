@@ -39,7 +39,7 @@ def checkpoint(hf_model_factory, tmp_path_factory):
     return out
 
 
-def launch(checkpoint: Path, tmp_path: Path, script: str, *args: str, nodes: int = 2, gpus: int = 4, compute_cap: str = "9.0", **env_extra: str):
+def launch(checkpoint: Path, tmp_path: Path, script: str, *args: str, nodes: int = 2, gpus: int = 4, compute_cap: str | None = "9.0", **env_extra: str):
     """Run `script` as sbatch (or a user) would; per node, the argv its torchrun got and CUDA_DEVICE_MAX_CONNECTIONS."""
     bin_dir, record = tmp_path / "bin", tmp_path / "record"
     bin_dir.mkdir(exist_ok=True)
@@ -47,8 +47,10 @@ def launch(checkpoint: Path, tmp_path: Path, script: str, *args: str, nodes: int
     for name, body in STAND_INS.items():
         (bin_dir / name).write_text("#!/bin/bash\n" + body + "\n")
         (bin_dir / name).chmod(0o755)
+    if compute_cap is None:  # no nvidia-smi at all
+        (bin_dir / "nvidia-smi").unlink()
     env = {
-        "PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "RECORD": str(record), "COMPUTE_CAP": compute_cap,
+        "PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "RECORD": str(record), "COMPUTE_CAP": compute_cap or "",
         "MEGATRON_LM": "/opt/Megatron-LM", "GPUS_PER_NODE": str(gpus),
         "SLURM_NNODES": str(nodes), "SLURM_JOB_NODELIST": "node-[a-c]", **env_extra,
     }
@@ -117,7 +119,8 @@ def test_torchrun_line_on_one_node(checkpoint, tmp_path):
 
 @pytest.mark.parametrize(
     "args, compute_cap, expected",
-    [((), "9.0", "1"), ((), "8.0", "1"), ((), "10.0", "unset"), ((), "", "1"), (("--use-torch-fsdp2",), "9.0", "unset")],
+    [((), "9.0", "1"), ((), "8.0", "1"), ((), "10.0", "unset"), ((), "12.0", "unset"), ((), None, "1"),
+     (("--use-torch-fsdp2",), "9.0", "unset"), (("--use-megatron-fsdp",), "8.0", "unset")],
 )
 def test_cuda_device_max_connections_exactly_where_megatron_requires_it(checkpoint, tmp_path, args, compute_cap, expected):
     run, nodes = launch(checkpoint, tmp_path, "train.sh", *args, gpus=2, compute_cap=compute_cap)

@@ -45,9 +45,9 @@ DATA_PARALLEL=$((WORLD_SIZE / (TP * PP * CP)))
 
 # Megatron-LM (validate_args) requires CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1 or CP > 1 on GPUs before
 # Blackwell (compute capability 10), unless FSDP runs, which wants it unset.
-compute_capability=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 || true)
-major=${{compute_capability%%.*}}
-if (( TP > 1 || CP > 1 )) && (( ${{major:-0}} < 10 )) \
+mapfile -t capabilities < <(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null)
+major=${{capabilities[0]:-0}}  # none known: taken as before Blackwell
+if (( TP > 1 || CP > 1 )) && (( ${{major%%.*}} < 10 )) \
     && [[ " $* " != *" --use-torch-fsdp2 "* && " $* " != *" --use-megatron-fsdp "* ]]; then
     export CUDA_DEVICE_MAX_CONNECTIONS=1
 fi
@@ -107,7 +107,9 @@ _SBATCH = r"""#!/bin/bash
 set -euo pipefail
 NNODES=${{SLURM_NNODES:?run under Slurm: sbatch {script}}}
 GPUS_PER_NODE=${{GPUS_PER_NODE:-{gpus}}}
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# All of scontrol's output is read (`| head` could kill it with SIGPIPE, which pipefail turns into a failure).
+mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+MASTER_ADDR=${{hosts[0]:?scontrol show hostnames gave no host}}
 MASTER_PORT=${{MASTER_PORT:-{port}}}
 {body}
 export MASTER_ADDR MASTER_PORT
