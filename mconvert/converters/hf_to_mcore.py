@@ -13,19 +13,19 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
-
 import torch
 
-from mconvert.converters import megatron, torch_dist
+from mconvert.converters import launch, megatron, torch_dist
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
 from mconvert.converters.safetensors_io import HFCheckpoint, fp8_block_size, read_hf_config
 from mconvert.errors import ConversionError
+from mconvert.manifest import hashed_while_written
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
+from mconvert.progress import NoProgress, Progress
 
 ARGS_SCRIPT = "megatron_args.sh"
 # How much of the pieces that follow the one being written may be read and built in advance: about a layer
@@ -145,12 +145,13 @@ def write_piece(writer: torch_dist.DCPWriter, piece: Piece, parts: list[torch.Te
             writer.write_chunk(key, (*piece.offsets, *offsets), chunk)
 
 
-def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, progress: Callable[[str], None]) -> None:
+def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, progress: Progress) -> None:
     """Build and write every piece of the plan. A thread reads and builds the pieces ahead of the one being
     written, so that reading overlaps writing, as far as READ_AHEAD_BYTES of pieces allow (the next piece
     always): one piece slower to build than to write (fc1) then does not stall the writes."""
     pieces = [piece for piece in plan.pieces if not piece.copy]
     sizes = [math.prod(piece.layout.shape) * plan.dtype.itemsize for piece in pieces]
+    progress.start(len(pieces), sum(sizes))
     buffers = ReadBuffers()
     builder = ThreadPoolExecutor(max_workers=1)
     try:
@@ -167,8 +168,7 @@ def write_pieces(plan: Plan, hf: HFCheckpoint, writer: torch_dist.DCPWriter, pro
             del parts  # may be views of the buffers, which later reads overwrite
             buffers.give_back(taken)
             queued_bytes -= sizes[index]
-            if (index + 1) % 100 == 0:
-                progress(f"{index + 1}/{len(pieces)} tensors written")
+            progress.advance(1, sizes[index])
     finally:
         builder.shutdown(cancel_futures=True)  # after a failure, read no further
 
@@ -184,7 +184,7 @@ def convert_hf_to_mcore(
     overwrite: bool = False,
     mtp: bool = True,
     allow_nonfinite: bool = False,
-    progress: Callable[[str], None] = lambda message: None,
+    progress: Progress = NoProgress(),
 ) -> Conversion:
     """Convert the HF checkpoint in `load_dir` into a torch_dist checkpoint in `save_dir` for `parallelism`.
     Multi-token prediction layers the checkpoint holds are converted, or left out with `mtp=False`. A weight
@@ -207,17 +207,19 @@ def convert_hf_to_mcore(
         release.mkdir()
         writer = torch_dist.DCPWriter(release)
         try:
-            dtypes = plan.key_dtypes()
-            for key, shape in plan.shapes.items():
-                writer.declare(key, shape, dtypes[key])
-            write_pieces(plan, hf, writer, progress)
-            for key in plan.extra_state_keys:
-                writer.write_object(key, torch_dist.EMPTY_EXTRA_STATE)
-            writer.finish()
+            with hashed_while_written(release / writer.DATA_FILE):  # for the manifest
+                dtypes = plan.key_dtypes()
+                for key, shape in plan.shapes.items():
+                    writer.declare(key, shape, dtypes[key])
+                write_pieces(plan, hf, writer, progress)
+                for key in plan.extra_state_keys:
+                    writer.write_object(key, torch_dist.EMPTY_EXTRA_STATE)
+                writer.finish()
         except BaseException:
             writer.abort()
             raise
         torch_dist.write_common(release, args)
         (work / ARGS_SCRIPT).write_text(megatron.args_script(args, save_dir))
+        launch.write_launch(work, save_dir, parallelism)
         torch_dist.write_tracker(work)
     return Conversion(plan, args, flags, dropped_mtp_layers=0 if mtp else held)

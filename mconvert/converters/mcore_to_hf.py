@@ -13,7 +13,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch
 
@@ -23,27 +23,14 @@ from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
 from mconvert.converters.safetensors_io import SafetensorsWriter, parse_size, read_hf_config
 from mconvert.errors import ConversionError
+from mconvert.hub import HF_SIDE_FILES
 from mconvert.mappings import family_for_model_size, family_for_spec, get_mapping, write_hf_config
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
+from mconvert.progress import NoProgress, Progress
 
 Shape = tuple[int, ...]
 
-# Files of an HF model directory besides its weights and config.json that describe how to use it.
-HF_SIDE_FILES = (
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",
-    "*.tiktoken",
-    "chat_template.json",
-    "chat_template.jinja",
-)
 
 
 class MegatronTensors(Protocol):
@@ -256,7 +243,7 @@ def convert_mcore_to_hf(
     dtype: torch.dtype | None = None,
     max_shard_size: str = "5GB",
     overwrite: bool = False,
-    progress: Callable[[str], None] = lambda message: None,
+    progress: Progress = NoProgress(),
 ) -> HFExport:
     """Convert the Megatron checkpoint in `load_dir` (torch_dist or legacy torch, any TP/PP/EP) into an HF
     model directory `save_dir`: sharded safetensors, their index and config.json, plus the generation config
@@ -273,11 +260,11 @@ def convert_mcore_to_hf(
         hf_shapes = plan.hf_shapes()
         dtypes = {ref.name: plan.dtype_of(piece) for piece in plan.pieces for ref in piece.sources}
         writer = SafetensorsWriter(work, {name: (dtypes[name], shape) for name, shape in hf_shapes.items()}, shard_bytes)
+        progress.start(sum(len(piece.sources) for piece in plan.pieces), writer.total_bytes)
         try:
-            for number, (ref, tensor) in enumerate(hf_tensors(plan, source), 1):
+            for ref, tensor in hf_tensors(plan, source):
                 writer.write(ref.name, tensor, ref.index)
-                if number % 100 == 0:
-                    progress(f"{number}/{len(hf_shapes)} tensors written")
+                progress.advance(1, tensor.nbytes)
             writer.finish()
         finally:
             writer.close()

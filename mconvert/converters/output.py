@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from mconvert.errors import ConversionError
+from mconvert.manifest import write_manifest
 
 # Write failures that mean the target's file system is full (or the process may write no more), not bad input.
 _OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -100,8 +101,8 @@ def _remove_leftovers(save_dir: Path) -> None:
 
 @contextmanager
 def atomic_directory(save_dir: Path, overwrite: bool) -> Iterator[Path]:
-    """Yield a temporary sibling of `save_dir` to fill; on success it is renamed to `save_dir` (replacing an
-    old one when `overwrite`), on failure removed. A crash leaves only a `.tmp-` directory behind, which the
+    """Yield a temporary sibling of `save_dir` to fill; on success its manifest is written and it is renamed
+    to `save_dir` (replacing an old one when `overwrite`), on failure removed. A crash leaves only a `.tmp-` directory behind, which the
     next run into `save_dir` removes."""
     save_dir = save_dir.absolute()
     check_target(save_dir, overwrite)
@@ -117,6 +118,7 @@ def atomic_directory(save_dir: Path, overwrite: bool) -> Iterator[Path]:
             os.chmod(work, 0o777 & ~umask)  # mkdtemp makes it private; the checkpoint should not be
         try:
             yield work
+            write_manifest(work)
         except BaseException as error:
             shutil.rmtree(work, ignore_errors=True)
             full = _out_of_space(error)
