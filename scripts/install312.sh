@@ -23,4 +23,4 @@ fi
 # torch 2.13 from PyPI is the CUDA build on 3.12 (about 5 GB); it runs on the CPU here.
 "$VENV312/bin/pip" install -q --disable-pip-version-check torch==2.13.0 >&2
 "$VENV312/bin/pip" install -q --disable-pip-version-check -e '.[test]' 'megatron-core==0.19.2' >&2
-echo "$VENV312/bin/python"
+echo "$(cd "$VENV312" && pwd)/bin/python"

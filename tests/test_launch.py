@@ -17,8 +17,9 @@ from mconvert.cli import main
 from mconvert.converters.launch import default_nodes, min_world_size
 from mconvert.converters.megatron import Parallelism
 
-# A Python whose megatron-core ships megatron.training (0.19 does; 0.16 does not).
-MEGATRON_PYTHON = Path(os.environ.get("MEGATRON_TRAINING_PYTHON", "/tmp/v312/venv/bin/python"))
+# A Python whose megatron-core ships megatron.training (0.19 does; 0.16 does not): scripts/test.sh names the one
+# scripts/install312.sh makes.
+MEGATRON_PYTHON = Path(os.environ.get("MEGATRON_TRAINING_PYTHON", Path(__file__).resolve().parents[1] / ".venv312/bin/python"))
 
 STAND_INS = {
     # The first node of the allocation is the rendezvous host.
@@ -71,6 +72,7 @@ def torchrun_args(argv: list[str]):
 def megatron_args(training_args: list[str]) -> dict:
     """What Megatron-LM's own argument parser makes of pretrain_gpt.py's arguments."""
     if not MEGATRON_PYTHON.exists():
+        assert "MEGATRON_TRAINING_PYTHON" not in os.environ, f"MEGATRON_TRAINING_PYTHON: no {MEGATRON_PYTHON}"
         pytest.skip(f"no {MEGATRON_PYTHON} with megatron.training (set MEGATRON_TRAINING_PYTHON)")
     code = (
         "import json, sys\n"
