@@ -134,7 +134,7 @@ def main() -> int:
                 "--dist-ckpt-strictness", "raise_unexpected", "--tokenizer-type", "NullTokenizer",
                 "--token-file", str(work / "tokens.npy"), "--seq-length", str(options.seq_length),
                 "--micro-batch-size", str(options.micro_batch_size), "--global-batch-size", str(options.rows),
-                "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "0", "--log-interval", "1",
+                "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
                 "--lr-decay-style", "constant",
             ]
             lr0 = [*common, "--lr", "0", "--train-iters", "2", "--save", str(work / "save0"), "--save-interval", "1000",
