@@ -1,12 +1,15 @@
-"""mconvert's command line: `mconvert hf-to-mcore`, `mconvert mcore-to-hf`, `mconvert verify`."""
+"""mconvert's command line: `mconvert hf-to-mcore`, `mconvert mcore-to-hf`, `mconvert verify`, `mconvert inspect`."""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
+from pathlib import Path
 
-from mconvert.errors import ConversionError
+from mconvert import __version__
+from mconvert.errors import ConversionError, MissingDependency
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -42,87 +45,145 @@ def _workers(options: argparse.Namespace) -> int:
     return default_workers() if options.workers is None else options.workers
 
 
+def _directory_bytes(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
+def _summary(started: float, source: Path, save_dir: Path) -> str:
+    """Time, sizes and throughput of a finished conversion."""
+    from mconvert.progress import human_bytes, human_seconds
+
+    seconds = time.perf_counter() - started
+    written = _directory_bytes(save_dir)
+    return (
+        f"{human_seconds(seconds)} ({seconds:.1f}s): {human_bytes(_directory_bytes(source))} in, {human_bytes(written)} out "
+        f"({human_bytes(written / max(seconds, 1e-9))}/s)"
+    )
+
+
 def _hf_to_mcore(options: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from mconvert.converters import megatron
     from mconvert.converters.hf_to_mcore import ARGS_SCRIPT, convert_hf_to_mcore
+    from mconvert.converters.launch import SBATCH_SCRIPT, TORCHRUN_SCRIPT
     from mconvert.converters.megatron import Parallelism
+    from mconvert.hub import resolve_hf_dir
+    from mconvert.progress import progress_for
 
     started = time.perf_counter()
+    load_dir = resolve_hf_dir(options.load_dir, "--load-dir", revision=options.revision)
+    save_dir = Path(options.save_dir)
     parallelism = Parallelism(
         options.tp, options.pp, options.ep, options.etp, options.make_vocab_size_divisible_by
     )
-    result = convert_hf_to_mcore(
-        options.load_dir,
-        options.save_dir,
-        parallelism=parallelism,
-        model_size=options.model_size,
-        dtype=_dtype(options.dtype),
-        transformer_impl=options.transformer_impl,
-        overwrite=options.overwrite,
-        workers=_workers(options),
-        progress=lambda message: print(message, file=sys.stderr),
-    )
+    progress = progress_for("hf-to-mcore", options.quiet)
+    try:
+        result = convert_hf_to_mcore(
+            load_dir,
+            save_dir,
+            parallelism=parallelism,
+            model_size=options.model_size,
+            dtype=_dtype(options.dtype),
+            transformer_impl=options.transformer_impl,
+            overwrite=options.overwrite,
+            mtp=not options.no_mtp,
+            allow_nonfinite=options.allow_nonfinite,
+            workers=_workers(options),
+            progress=progress,
+        )
+    finally:
+        progress.close()
     plan = result.plan
+    if result.dropped_mtp_layers:
+        print(f"left out {result.dropped_mtp_layers} multi-token prediction layer(s) of {options.load_dir} (--no-mtp)")
+    elif plan.spec.mtp_layers:
+        print(f"converted {plan.spec.mtp_layers} multi-token prediction layer(s) (--mtp-num-layers; --no-mtp leaves them out)")
     print(
-        f"wrote {options.save_dir}: {plan.family.name}, {len(plan.shapes)} tensors, "
+        f"wrote {save_dir}: {plan.family.name}, {len(plan.shapes)} tensors, "
         f"TP={parallelism.tp} PP={parallelism.pp} EP={parallelism.ep}, {str(plan.dtype).removeprefix('torch.')}, "
-        f"{time.perf_counter() - started:.1f}s"
+        + _summary(started, load_dir, save_dir)
     )
-    print(f"Megatron-LM flags for this model (also in {options.save_dir}/{ARGS_SCRIPT}):")
-    print("  " + " \\\n  ".join(result.flags))
-    print(
-        f"load with: --load {options.save_dir} --ckpt-format torch_dist --finetune --no-load-optim --no-load-rng"
-    )
+    # The same text as the file, so that what is printed and what is sourced never differ.
+    print(f"Megatron-LM flags (also in {save_dir}/{ARGS_SCRIPT}):")
+    print(megatron.args_script(result.args, Path(save_dir)), end="")
+    print("next:")
+    print(f"  mconvert verify --hf {options.load_dir} --mcore {save_dir} --tp {parallelism.tp} --pp {parallelism.pp} --ep {parallelism.ep}")
+    print(f"  MEGATRON_LM=/path/to/Megatron-LM bash {save_dir}/{TORCHRUN_SCRIPT}      # train on this node")
+    print(f"  MEGATRON_LM=/path/to/Megatron-LM sbatch {save_dir}/{SBATCH_SCRIPT}  # or on a Slurm cluster")
     return 0
 
 
 def _mcore_to_hf(options: argparse.Namespace) -> int:
+    from mconvert.converters import torch_dist
     from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+    from mconvert.hub import resolve_hf_dir
+    from mconvert.progress import progress_for
 
     started = time.perf_counter()
-    result = convert_mcore_to_hf(
-        options.load_dir,
-        options.save_dir,
-        iteration=options.iteration,
-        hf_config_dir=options.hf_config,
-        model_size=options.model_size,
-        dtype=_dtype(options.dtype),
-        max_shard_size=options.max_shard_size,
-        overwrite=options.overwrite,
-        workers=_workers(options),
-        progress=lambda message: print(message, file=sys.stderr),
+    hf_config = (
+        resolve_hf_dir(options.hf_config, "--hf-config", weights=False, revision=options.revision)
+        if options.hf_config is not None else None
     )
+    save_dir = Path(options.save_dir)
+    progress = progress_for("mcore-to-hf", options.quiet)
+    try:
+        result = convert_mcore_to_hf(
+            options.load_dir,
+            save_dir,
+            iteration=options.iteration,
+            hf_config_dir=hf_config,
+            model_size=options.model_size,
+            dtype=_dtype(options.dtype),
+            max_shard_size=options.max_shard_size,
+            overwrite=options.overwrite,
+            workers=_workers(options),
+            progress=progress,
+        )
+    finally:
+        progress.close()
     plan = result.plan
     print(
-        f"wrote {options.save_dir}: {plan.family.name} ({result.config['architectures'][0]}), "
+        f"wrote {save_dir}: {plan.family.name} ({result.config['architectures'][0]}), "
         f"{len(plan.hf_shapes())} tensors, {str(plan.dtype).removeprefix('torch.')}, "
-        f"{time.perf_counter() - started:.1f}s"
+        + _summary(started, torch_dist.iteration_dir(Path(options.load_dir), options.iteration), save_dir)
     )
+    print("next:")
+    print(f"  mconvert verify --hf {save_dir} --mcore {options.load_dir}")
+    print(f"  mconvert inspect --check {save_dir}")
     return 0
+
+
+def _inspect(options: argparse.Namespace) -> int:
+    from mconvert.inspection import run_inspect
+
+    return run_inspect(Path(options.path), options.json, options.check)
 
 
 def _verify(options: argparse.Namespace) -> int:
     import json
     import os
     import warnings
-    from pathlib import Path
 
     # megatron-core and torch warn about optional kernels they fall back from, in every rank: noise here.
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     warnings.simplefilter("ignore")
 
     from mconvert.converters.megatron import Parallelism
+    from mconvert.hub import resolve_hf_dir
     from mconvert.verify.run import ArchitectureMismatch, VerifyRequest, verify
 
-    request = VerifyRequest(
-        hf_dir=Path(options.hf),
-        mcore_dir=Path(options.mcore),
-        parallelism=Parallelism(options.tp, options.pp, options.ep, options.etp),
-        device=options.device,
-        dtype=options.dtype,
-        prompts_file=Path(options.prompts) if options.prompts else None,
-        timeout_s=options.timeout,
-    )
     try:
+        request = VerifyRequest(
+            hf_dir=resolve_hf_dir(options.hf, "--hf", revision=options.revision),
+            mcore_dir=Path(options.mcore),
+            parallelism=Parallelism(options.tp, options.pp, options.ep, options.etp),
+            device=options.device,
+            dtype=options.dtype,
+            prompts_file=Path(options.prompts) if options.prompts else None,
+            timeout_s=options.timeout,
+            spec=options.spec,
+        )
         report = verify(request)
     except ConversionError as error:
         print(f"mconvert verify: error: {error}", file=sys.stderr)
@@ -138,10 +199,12 @@ def _verify(options: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mconvert", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"mconvert {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     to_mcore = commands.add_parser("hf-to-mcore", help="HF safetensors -> Megatron-Core torch_dist checkpoint")
-    to_mcore.add_argument("--load-dir", required=True, help="HF checkpoint directory (config.json + safetensors)")
+    to_mcore.add_argument("--load-dir", required=True, help="HF checkpoint directory (config.json + safetensors), or a hub id (Qwen/Qwen2.5-7B) found in the hub cache or downloaded")
+    to_mcore.add_argument("--revision", default=None, help="branch, tag or commit of a hub id (default: main)")
     to_mcore.add_argument("--save-dir", required=True, help="where to write the torch_dist checkpoint")
     to_mcore.add_argument("--model-size", default=None, help="Megatron-LM's --model-size (llama2-7B, llama3, mistral, qwen2.5, ...) or a family name (qwen3, ...); read from config.json when absent")
     _add_parallel_flags(to_mcore)
@@ -151,8 +214,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--transformer-impl", choices=("transformer_engine", "local"), default="transformer_engine",
         help="the layer spec the checkpoint is meant for (recorded in its args; both specs load it)",
     )
+    to_mcore.add_argument(
+        "--no-mtp", action="store_true",
+        help="leave out the multi-token prediction layers the checkpoint holds (DeepSeek-V3, GLM-4.5)",
+    )
     to_mcore.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
     _add_workers_flag(to_mcore)
+    to_mcore.add_argument(
+        "--allow-nonfinite", action="store_true", help="convert weights holding NaN or Inf (an error by default)"
+    )
+    to_mcore.add_argument("--quiet", action="store_true", help="no progress, only the summary")
     to_mcore.set_defaults(run=_hf_to_mcore)
 
     to_hf = commands.add_parser("mcore-to-hf", help="Megatron-Core torch_dist (or legacy torch) checkpoint -> HF safetensors")
@@ -161,9 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--iteration", type=int, default=None, help="the iter_NNNNNNN to convert (default: the tracker file's)")
     to_hf.add_argument(
         "--hf-config", default=None, metavar="REF_DIR",
-        help="an HF model directory of this architecture: its config.json is the base of the written one, its "
-        "generation config and tokenizer files are copied (needed when the checkpoint stores no args)",
+        help="an HF model directory (or hub id) of this architecture: its config.json is the base of the written "
+        "one, its generation config and tokenizer files are copied (needed when the checkpoint stores no args)",
     )
+    to_hf.add_argument("--revision", default=None, help="branch, tag or commit of a --hf-config hub id")
     to_hf.add_argument(
         "--model-size", default=None,
         help="the family, as hf-to-mcore's --model-size names it; must agree with the checkpoint (default: told from its args)",
@@ -172,28 +244,56 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
     to_hf.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
     _add_workers_flag(to_hf)
+    to_hf.add_argument("--quiet", action="store_true", help="no progress, only the summary")
     to_hf.set_defaults(run=_mcore_to_hf)
 
+    show = commands.add_parser("inspect", help="what a checkpoint holds (HF, torch_dist or legacy torch), or --check it against its manifest")
+    show.add_argument("path", help="checkpoint directory")
+    show.add_argument("--json", action="store_true", help="print JSON")
+    show.add_argument("--check", action="store_true", help="re-read every file against the sha256 manifest a conversion wrote")
+    show.set_defaults(run=_inspect)
+
     check = commands.add_parser("verify", help="compare the HF model's logits with the converted Megatron-Core model's")
-    check.add_argument("--hf", required=True, help="HF checkpoint directory")
+    check.add_argument("--hf", required=True, help="HF checkpoint directory, or a hub id")
+    check.add_argument("--revision", default=None, help="branch, tag or commit of a --hf hub id")
     check.add_argument("--mcore", required=True, help="torch_dist checkpoint directory")
     _add_parallel_flags(check)
     check.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="GPUs through NCCL, or CPU gloo ranks")
     check.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="dtype both models run in")
     check.add_argument("--prompts", default=None, help="text file, one prompt a line (needs a tokenizer in --hf)")
+    check.add_argument(
+        "--spec", choices=("te", "local"), default=None,
+        help="megatron-core layer spec: te (Transformer Engine, grouped-GEMM experts for MoE; GPUs only) or local "
+        "(default: te when transformer_engine imports, else local)",
+    )
     check.add_argument("--json", default=None, help="write the report as JSON here")
     check.add_argument("--timeout", type=float, default=1800.0, help="seconds before ranks are stopped (never hang)")
     check.set_defaults(run=_verify)
     return parser
 
 
+def _interrupt(signum: int, frame) -> None:
+    raise KeyboardInterrupt(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     options = build_parser().parse_args(argv)
+    # SIGTERM (kill's, a scheduler's) unwinds as Ctrl-C does, so that what a conversion half wrote is removed.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         return options.run(options)
+    except MissingDependency as error:
+        print(f"mconvert: error: {error}", file=sys.stderr)
+        return 2
     except ConversionError as error:
         print(f"mconvert: error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as interrupt:
+        signum = interrupt.args[0] if interrupt.args else signal.SIGINT
+        print(f"mconvert: interrupted by {signal.Signals(signum).name}; no output was kept", file=sys.stderr)
+        return 128 + signum
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

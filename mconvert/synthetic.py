@@ -12,7 +12,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-CONFIGS = ("llama-2-7b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b-instruct", "qwen3-8b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b-v0.1")
+CONFIGS = (
+    "llama-2-7b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b-instruct", "qwen3-8b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b",
+    "mixtral-8x7b-v0.1", "deepseek-v2-lite", "deepseek-v3", "glm-4.5-air",
+)
 
 
 def real_config(name: str) -> dict[str, Any]:
@@ -36,11 +39,13 @@ def shrink(config: dict[str, Any], layers: int = 2, **overrides: Any) -> dict[st
         bos_token_id=1,
         eos_token_id=2,
     )
+    if config.get("pad_token_id") is not None:
+        small["pad_token_id"] = 0
     if "head_dim" in config and config["head_dim"] != config["hidden_size"] // config["num_attention_heads"]:
         small["head_dim"] = 32  # hidden/heads is 16: keeps the two different, as in Qwen3
     elif "head_dim" in config:
         small["head_dim"] = 16
-    experts_key = next((k for k in ("num_experts", "num_local_experts") if k in config), None)
+    experts_key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config), None)
     if experts_key:
         small[experts_key] = 8
         small["num_experts_per_tok"] = 2
@@ -48,6 +53,17 @@ def shrink(config: dict[str, Any], layers: int = 2, **overrides: Any) -> dict[st
         small["moe_intermediate_size"] = 32
     if config.get("shared_expert_intermediate_size"):
         small["shared_expert_intermediate_size"] = 96
+    if config.get("first_k_dense_replace"):
+        small["first_k_dense_replace"] = 1  # one dense layer, then experts
+    if config.get("n_group", 1) > 1:
+        small.update(n_group=4, topk_group=2, num_experts_per_tok=4)  # groups scored by their best 2, as the hub's
+    if "kv_lora_rank" in config:
+        # Multi-latent attention: ranks and head parts all distinct, so that a swapped one shows.
+        small.update(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+        if config.get("q_lora_rank"):
+            small["q_lora_rank"] = 40
+    # The test weights are made in full precision; FP8 checkpoints are made by quantizing them.
+    small.pop("quantization_config", None)
     small.update(overrides)
     return small
 
@@ -73,15 +89,69 @@ def make_hf_checkpoint(
         for parameter in model.parameters():
             # Norm weights of ones and zero biases would hide mistakes in their mapping.
             parameter.normal_(0.0, 0.05 if parameter.dim() > 1 else 0.5).add_(1.0 if parameter.dim() == 1 else 0.0)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # A router's expert bias is zero at init: a dropped one would go unseen. Large enough to
+                # change which experts are chosen. In fp32 whatever the weights' dtype, as the hub stores it.
+                buffer.data = buffer.data.float().normal_(0.0, 0.1)
     out_dir = Path(out_dir)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, save_original_format=not fused_experts, **kwargs)
     return out_dir
 
 
+def add_mtp_layers(hf_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Give a checkpoint made by `make_hf_checkpoint` the multi-token prediction layers its config names
+    (`num_nextn_predict_layers`), as the hub's DeepSeek-V3 and GLM-4.5 hold them and transformers never builds
+    them: HF layer num_hidden_layers + m, with a decoder layer like the last one (random values), its own
+    enorm, hnorm, eh_proj and shared_head.norm, and copies of the embedding and output head. Written to
+    `mtp.safetensors` beside `model.safetensors`, with an index of both."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = Path(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    model = load_file(hf_dir / "model.safetensors")
+    generator = torch.Generator().manual_seed(seed)
+
+    def random_like(tensor):
+        values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
+        return (values * 0.05 if tensor.dim() > 1 else values * 0.5 + 1.0).to(tensor.dtype)
+
+    last = f"model.layers.{layers - 1}."
+    mtp = {}
+    for m in range(config.get("num_nextn_predict_layers") or 0):
+        prefix = f"model.layers.{layers + m}."
+        dtype = model["model.norm.weight"].dtype
+        mtp.update({prefix + name[len(last) :]: random_like(t) for name, t in model.items() if name.startswith(last)})
+        for name, shape in (("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)), ("eh_proj.weight", (hidden, 2 * hidden)), ("shared_head.norm.weight", (hidden,))):
+            mtp[prefix + name] = random_like(torch.empty(shape, dtype=dtype))
+        mtp[prefix + "embed_tokens.weight"] = model["model.embed_tokens.weight"].clone()
+        mtp[prefix + "shared_head.head.weight"] = model["lm_head.weight"].clone()
+    save_file(mtp, hf_dir / "mtp.safetensors", metadata={"format": "pt"})
+    # Two files: an index says which holds what, as the hub's shards are listed.
+    weight_map = {name: "model.safetensors" for name in model} | {name: "mtp.safetensors" for name in mtp}
+    index = {"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return hf_dir
+
+
 SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 # Elements generated at a time while writing a random tensor: bounds memory for the largest embeddings.
 RANDOM_BLOCK = 1 << 24
+
+
+def write_word_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A word-level tokenizer of `vocab_size` tokens (`w0` ... and `[UNK]` last) in HF's files, made offline:
+    what transformers' AutoTokenizer and Megatron-LM's HuggingFaceTokenizer load from a model directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab_size - 1)} | {"[UNK]": vocab_size - 1}
+    tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(directory)
 
 
 def _shards(parameters: list[tuple[str, Any]], max_shard_bytes: int) -> list[list[tuple[str, Any]]]:
@@ -178,12 +248,16 @@ def write_random_hf_checkpoint(
     import torch
     import transformers
 
+    # Random weights are written unquantized (a quantization_config would have transformers quantize the model).
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
     hf_config = transformers.AutoConfig.for_model(**config)
     dtype = getattr(torch, config.get("torch_dtype", "float32"))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     # named_parameters() lists a tied output layer once, under the embedding's name, as save_pretrained stores it.
-    parameters = list(model.named_parameters())
+    # Persistent buffers (a router's expert bias) are stored too.
+    stored = model.state_dict()
+    parameters = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in stored]
     shards = _shards(parameters if fused_experts else _per_expert(parameters, config), max_shard_bytes)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

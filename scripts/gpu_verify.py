@@ -4,7 +4,7 @@
 
 A job is CONFIG[@LAYERS]:LAYOUT[:DTYPE]: CONFIG one of mconvert/configs (or qwen2.5-0.5b), LAYERS to cut the
 model to its first few layers (all if absent), LAYOUT like tp1, tp2, pp2, ep2, tp2pp2, tp2ep2etp1, DTYPE fp32 (default)
-or bf16. For each job it writes the HF model once (bf16, tensor by tensor), converts it with `mconvert hf-to-mcore`
+or bf16. --spec te|local is passed to verify. For each job it writes the HF model once (bf16, tensor by tensor), converts it with `mconvert hf-to-mcore`
 and runs `mconvert verify --device cuda`, timing both; each result is appended to OUT/results.jsonl as it comes,
 so a run stopped at its time limit keeps what it finished. Jobs not started before --deadline-s are skipped.
 Jobs of one model should be adjacent: the HF model is deleted after its last adjacent job, each checkpoint
@@ -51,6 +51,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--deadline-s", type=float, default=540)
     parser.add_argument("--device", default="cuda", help="cpu to try the script on a small model")
+    parser.add_argument("--spec", choices=("te", "local"), default=None, help="verify's --spec (default: verify's default)")
     options = parser.parse_args()
     options.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -80,7 +81,7 @@ def main() -> int:
             report = options.work / "report.json"
             code, verify_s, verify_out = run(
                 [*MCONVERT, "verify", "--hf", str(hf), "--mcore", str(mcore), "--device", options.device, "--dtype", dtype,
-                 "--json", str(report), *flags]
+                 "--json", str(report), *flags, *(["--spec", options.spec] if options.spec else [])]
             )
             result.update(verify_s=round(verify_s, 1), verify_exit=code, verify_output=verify_out[-3000:])
             if report.exists():

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# The whole test suite on a fresh machine: installs what it needs (scripts/install.sh), then pytest.
+# The whole test suite on a fresh machine: installs what it needs, then runs pytest in both environments:
+#   .venv    (Python 3.11, megatron-core 0.16.1): everything but tests/megatron_lm, which skips itself there;
+#   .venv312 (Python 3.12, megatron-core 0.19.2 with Megatron-LM's megatron.training): tests/megatron_lm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-. "${VENV:-.venv}/bin/activate"
-python -m pytest -q -p no:cacheprovider "$@"
+python312=$(bash scripts/install312.sh)
+MEGATRON_TRAINING_PYTHON="$python312" "${VENV:-.venv}/bin/python" -m pytest -q -p no:cacheprovider "$@"
+MCONVERT_REQUIRE_MEGATRON_LM=1 "$python312" -m pytest -q -p no:cacheprovider tests/megatron_lm
+bash scripts/mcore_versions.sh  # the CPU load check against each supported megatron-core (docs/verification.md)

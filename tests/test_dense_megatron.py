@@ -91,6 +91,8 @@ def hf_logits_and_inv_freq(hf_dir, tokens):
         return model(tokens).logits, model.model.rotary_emb.inv_freq
 
 
+MISTRAL = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 5, "num_key_value_heads": 2}
+
 CASES = {
     # name: (config, layers, config overrides, HF shard size, parallelism)
     "llama3.1-gqa-rope-scaling-tp2": ("llama-3.1-8b", 2, {}, None, Parallelism(tp=2)),
@@ -98,6 +100,8 @@ CASES = {
     "qwen3-head-dim-pp2": ("qwen3-8b", 4, {}, None, Parallelism(pp=2)),
     "qwen2.5-tied-pp2": ("qwen2.5-7b-instruct", 2, {"tie_word_embeddings": True}, None, Parallelism(pp=2)),
     "llama2-mha-multi-shard-tp1": ("llama-2-7b", 2, {}, "60KB", Parallelism()),
+    # A window shorter than the prompts, so that the window itself moves the logits.
+    "mistral-sliding-window-tp2": ("llama-2-7b", 2, MISTRAL, None, Parallelism(tp=2)),
 }
 
 

@@ -21,7 +21,7 @@ from mconvert.converters.safetensors_io import INDEX_FILE, HFCheckpoint, Safeten
 from mconvert.converters.state_dict import hf_to_mcore_state_dict, mcore_to_hf_state_dict
 from mconvert.errors import ConversionError
 from mconvert.mappings import family_for_spec, get_mapping
-from mconvert.synthetic import real_config, shrink
+from mconvert.synthetic import add_mtp_layers, make_hf_checkpoint, real_config, shrink
 
 # id: (real config, overrides)
 MODELS = {
@@ -35,8 +35,12 @@ MODELS = {
     "qwen3_moe-mixed": ("qwen3-30b-a3b", {"layers": 4, "mlp_only_layers": [0, 3]}),
     "qwen2_moe": ("qwen1.5-moe-a2.7b", {}),
     "mixtral": ("mixtral-8x7b-v0.1", {}),
+    # Multi-latent attention with and without the query bottleneck, sigmoid and softmax routing; GLM-4.5.
+    "deepseek-v3": ("deepseek-v3", {}),
+    "deepseek-v2-lite": ("deepseek-v2-lite", {}),
+    "glm-4.5-air": ("glm-4.5-air", {"use_qk_norm": True}),
 }
-MOE = ("qwen3_moe-mixed", "qwen2_moe", "mixtral")
+MOE = ("qwen3_moe-mixed", "qwen2_moe", "mixtral", "deepseek-v3", "deepseek-v2-lite", "glm-4.5-air")
 
 
 def hf_dir(factory, name):
@@ -123,7 +127,7 @@ def test_state_dicts_convert_both_ways_as_the_files_do(hf_model_factory, tmp_pat
     assert all(torch.equal(from_args[k], hf_state[k]) for k in hf_state)
 
 
-@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-7b-instruct", "qwen3-8b", "qwen3_moe-mixed", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen2.5-7b-instruct", "qwen3-8b", *MOE])
 def test_args_read_back_into_the_same_model_of_the_same_family(name):
     config_name, overrides = MODELS[name]
     family, spec = get_mapping(shrink(real_config(config_name), **overrides))
@@ -152,15 +156,17 @@ def test_moe_layer_freq_reads_as_megatron_lm_stores_it():
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(moe_router_score_function="sigmoid"), "score function 'sigmoid'"),
-        (dict(moe_router_enable_expert_bias=True), "expert bias"),
+        # Sigmoid routing is GLM-4.5's, whose shared experts have no gate.
+        (dict(moe_router_score_function="sigmoid"), "glm4_moe family has ungated shared experts"),
+        (dict(moe_router_enable_expert_bias=True), "qwen2_moe family cannot express this model: moe.expert_bias would read back as False"),
+        (dict(moe_router_score_function="sqrtsoftplus"), "score function 'sqrtsoftplus'"),
         # No shared expert: a Mixtral, whose config has no biases on q, k, v to say.
         (
             dict(moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False, moe_router_pre_softmax=False, moe_ffn_hidden_size=128),
             "mixtral family cannot express this model: qkv_bias would read back as False, not True",
         ),
     ],
-    ids=["sigmoid-routing", "expert-bias", "mixtral-with-qkv-bias"],
+    ids=["sigmoid-routing-gated-shared-expert", "expert-bias-softmax", "sqrtsoftplus", "mixtral-with-qkv-bias"],
 )
 def test_args_of_models_no_family_has_are_refused(changes, message):
     with pytest.raises(ConversionError, match=message):
@@ -251,3 +257,41 @@ def test_each_stored_chunk_is_read_once_straight_from_its_record(hf_model_factor
     assert len(list(hf_tensors(plan, source))) == len(plan.hf_shapes())
     stored = [(key, n) for key in dcp.shapes for n in range(len(dcp.metadata.state_dict_metadata[key].chunks))]
     assert sorted(dcp.reads) == sorted(stored) and len(stored) > len(plan.pieces)
+
+
+def test_expert_bias_stays_fp32_in_a_bf16_round_trip(hf_model_factory, tmp_path, capsys):
+    """Megatron keeps the router's expert bias in fp32, as the hub's bf16 DeepSeek-V3 stores it: a bf16
+    conversion must not round it, either way."""
+    hf = tmp_path / "hf"
+    make_hf_checkpoint(shrink(real_config("deepseek-v3")), hf, dtype="bfloat16")
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, ep=2))
+    dcp = torch_dist.DCPCheckpoint(tmp_path / "mcore" / torch_dist.RELEASE)
+    assert dcp.dtypes["decoder.layers.1.mlp.router.expert_bias"] == torch.float32
+    assert dcp.dtypes["decoder.layers.1.mlp.router.weight"] == torch.bfloat16
+    export(capsys, tmp_path / "mcore", tmp_path / "back")
+    original, back = read_hf(hf), read_hf(tmp_path / "back")
+    assert original["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(original[k], back[k]) and original[k].dtype == back[k].dtype for k in original)
+
+
+def test_mtp_layers_convert_both_ways_or_are_left_out(tmp_path, capsys):
+    """The hub's multi-token prediction layer (HF layer num_hidden_layers, with copies of the embedding and
+    head) becomes megatron-core's mtp.layers.0 and comes back bit for bit; --no-mtp leaves it out and says so."""
+    hf = add_mtp_layers(make_hf_checkpoint(shrink(real_config("deepseek-v3")), tmp_path / "hf"))
+    assert main(["hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(tmp_path / "mcore"), "--tp", "2", "--pp", "2", "--ep", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "converted 1 multi-token prediction layer" in out and "--mtp-num-layers 1" in out
+    shapes = torch_dist.DCPCheckpoint(tmp_path / "mcore" / torch_dist.RELEASE).shapes
+    assert shapes["mtp.layers.0.eh_proj.weight"] == (64, 128)
+    assert "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight" in shapes
+    config = export(capsys, tmp_path / "mcore", tmp_path / "back")
+    assert config["num_nextn_predict_layers"] == 1
+    original, back = read_hf(hf), read_hf(tmp_path / "back")
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(original[k], back[k]) for k in original)
+
+    assert main(["hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(tmp_path / "no-mtp"), "--no-mtp"]) == 0
+    out = capsys.readouterr().out
+    assert "left out 1 multi-token prediction layer" in out and "--mtp-num-layers" not in out
+    assert not any(key.startswith("mtp.") for key in torch_dist.DCPCheckpoint(tmp_path / "no-mtp" / torch_dist.RELEASE).shapes)

@@ -136,6 +136,14 @@ def test_dense_checkpoints_megatron_core_saved_export_bit_exact(hf_model_factory
         for fmt, back in export_both_formats(tmp_path, name, hf, capsys).items():
             assert sorted(back) == sorted(original), (name, fmt)
             assert all(torch.equal(back[k], original[k]) for k in original), (name, fmt)
+    # inspect reads the legacy per-rank files Megatron-LM wrote: their layout, and that they suit only it.
+    capsys.readouterr()
+    assert main(["inspect", "--json", str(tmp_path / "llama-legacy")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["format"], report["family"]) == ("torch (legacy)", "llama")
+    assert report["written_for"] == {"tp": 2, "pp": 2, "ep": 1, "etp": 2}
+    assert report["suits"] == {"tp": [2], "pp": [2], "ep": [1]}
+    assert report["vocab"]["stored_rows"] % (128 * 2) == 0 and report["vocab"]["stored_rows"] - report["vocab"]["size"] < 256
 
 
 MOE_LAYOUTS = {

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from mconvert.errors import ConversionError
 from mconvert.verify.distributed import ParallelLayout, RankFailed, run_ranks
 
 TOKENS = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -172,6 +173,12 @@ def fail_on_rank_1() -> None:
     dist.barrier()  # rank 0 would wait here forever: the parent must kill it
 
 
+def refuse_on_rank_1() -> None:
+    if dist.get_rank() == 1:
+        raise ConversionError("rank 1 cannot use this checkpoint")
+    dist.barrier()
+
+
 # ---- tests ----
 
 
@@ -303,6 +310,12 @@ def test_a_failing_rank_is_reported_and_the_others_killed() -> None:
     with pytest.raises(RankFailed, match="rank 1 failed:(.|\n)*rank 1 gives up"):
         run_ranks(fail_on_rank_1, tp=2, timeout_s=120)
     assert time.monotonic() - started < 60
+
+
+def test_a_rank_refusing_the_input_is_a_one_line_error() -> None:
+    """A ConversionError in a rank reaches the caller as itself (the CLI prints it as one line)."""
+    with pytest.raises(ConversionError, match="^rank 1 cannot use this checkpoint$"):
+        run_ranks(refuse_on_rank_1, tp=2, timeout_s=120)
 
 
 @pytest.mark.parametrize(

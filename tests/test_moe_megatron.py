@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.megatron import Parallelism
+from mconvert.converters.rank_export import model_sharded_state_dict
 from mconvert.converters.torch_dist import iteration_dir, read_args
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 from mconvert.verify.distributed import run_ranks
@@ -49,7 +50,7 @@ def megatron_view(ckpt_dirs: dict[str, str], tokens: torch.Tensor):
     for name, ckpt_dir in ckpt_dirs.items():
         args = read_args(iteration_dir(Path(ckpt_dir)))
         model = load_model(ckpt_dir, args, torch.float32, transformer_impl="local")
-        sharded_state_dict = model[0].sharded_state_dict()
+        sharded_state_dict = model_sharded_state_dict(model[0])
         apply_factories(sharded_state_dict)
         asked = {
             value.unique_key if isinstance(value, ShardedObject) else value.key

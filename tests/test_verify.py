@@ -19,6 +19,9 @@ FAMILIES = {
     "qwen3_moe": ("qwen3-30b-a3b", Parallelism(ep=2)),
     "qwen2_moe": ("qwen1.5-moe-a2.7b", Parallelism(tp=2, ep=2, etp=1)),
     "mixtral": ("mixtral-8x7b-v0.1", Parallelism(pp=2, ep=2)),
+    "deepseek_v3": ("deepseek-v3", Parallelism(tp=2, pp=2)),
+    "deepseek_v2": ("deepseek-v2-lite", Parallelism(ep=2)),
+    "glm4_moe": ("glm-4.5-air", Parallelism(tp=2, ep=2)),
     # The layouts of 4 and 8 GPUs, on 4 CPU ranks.
     "llama-mha-tp4": ("llama-2-7b", Parallelism(tp=4)),
     "qwen3-tp2-pp2": ("qwen3-8b", Parallelism(tp=2, pp=2)),
@@ -47,6 +50,8 @@ def test_verify_passes_for_a_faithful_conversion(family, hf_model_factory, tmp_p
     result = json.loads(report.read_text())
     assert result["passed"] and len(result["prompts"]) == 4
     assert all(p["top1_agreement"] == 1.0 and p["kl"] < 1e-8 for p in result["prompts"])
+    # On CPU the local spec runs (Transformer Engine needs GPUs), and the report says so.
+    assert result["spec"] == "local" and "megatron-core layer spec: local" in out
 
 
 def test_verify_fails_for_another_model(hf_model_factory, tmp_path, capsys):
@@ -74,19 +79,29 @@ def test_verify_usage_errors(hf_model_factory, tmp_path, capsys):
         assert code == 2 and "--device cuda" in err
 
 
+def test_verify_spec_flag(hf_model_factory, tmp_path, capsys):
+    """--spec local runs the local spec; --spec te without Transformer Engine, or on CPU, is a usage error."""
+    from mconvert.verify.megatron_model import HAVE_TRANSFORMER_ENGINE
+
+    hf = hf_model_factory("qwen3-8b")
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism())
+    report = tmp_path / "report.json"
+    code, out, _ = verify(capsys, hf, tmp_path / "mcore", "--spec", "local", "--json", str(report))
+    assert code == 0 and json.loads(report.read_text())["spec"] == "local", out
+    code, out, err = verify(capsys, hf, tmp_path / "mcore", "--spec", "te")
+    expected = "--spec te needs --device cuda" if HAVE_TRANSFORMER_ENGINE else "--spec te: transformer_engine is not installed"
+    assert code == 2 and not out and err.startswith("mconvert verify: error: " + expected) and len(err.splitlines()) == 1
+
+
 def test_verify_text_prompts_with_the_models_tokenizer(hf_model_factory, tmp_path, capsys):
     """--prompts: text, tokenized by the tokenizer in the HF directory (one is built here: no network)."""
     import shutil
 
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from mconvert.synthetic import write_word_tokenizer
 
     hf = tmp_path / "hf"
     shutil.copytree(hf_model_factory("qwen3-8b"), hf)
-    words = {f"w{i}": i for i in range(999)} | {"[UNK]": 999}
-    tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]").save_pretrained(hf)
+    write_word_tokenizer(hf, 1000)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("w1 w2 w3 w500 w998\n\nw7 unknown w42\n")
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism())
@@ -118,3 +133,14 @@ def test_verify_bf16_is_calibrated_on_the_hf_models_own_bf16_error(hf_model_fact
     convert_hf_to_mcore(hf_model_factory("qwen3-8b", layers=4, seed=1), tmp_path / "other", parallelism=Parallelism())
     code, out, _ = verify(capsys, hf, tmp_path / "other", "--dtype", "bf16")
     assert code == 1 and "first diverge at decoder layer 0" in out
+
+
+def test_verify_compares_a_sliding_window_model_within_its_window(hf_model_factory, tmp_path, capsys):
+    hf = hf_model_factory("llama-2-7b", model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=8)
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2))
+    code, out, _ = verify(capsys, hf, tmp_path / "mcore", "--tp", "2", "--json", str(tmp_path / "report.json"))
+    assert code == 0, out
+    assert "note: sliding window of 8 tokens: prompts cut to the window" in out
+    result = json.loads((tmp_path / "report.json").read_text())
+    assert [p["tokens"] for p in result["prompts"]] == [7, 8, 8, 8]
+    assert result["notes"] == ["sliding window of 8 tokens: prompts cut to the window"]

@@ -5,29 +5,29 @@ model."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from mconvert.converters import megatron, torch_dist
+from mconvert.converters import launch, megatron, torch_dist
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces
 from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
-from mconvert.converters.safetensors_io import HFCheckpoint, read_hf_config
+from mconvert.converters.safetensors_io import HFCheckpoint, fp8_block_size, read_hf_config
 from mconvert.errors import ConversionError
+from mconvert.manifest import hashed_while_written
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
+from mconvert.progress import NoProgress, Progress
 
 ARGS_SCRIPT = "megatron_args.sh"
-# How much of the pieces that follow the one being written may be read and built in advance: about a layer
-# of a 7B model, small next to what its largest tensors take anyway.
-READ_AHEAD_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,26 @@ class Conversion:
     plan: Plan
     args: argparse.Namespace
     flags: list[str]
+    # Multi-token prediction layers the HF checkpoint held and the conversion left out (--no-mtp).
+    dropped_mtp_layers: int = 0
+
+
+def mtp_layers_held(family: Family, spec: ModelSpec, names) -> int:
+    """How many multi-token prediction layers (HF layers num_hidden_layers, num_hidden_layers + 1, ...) the
+    checkpoint holds, told by their first own tensor. transformers drops them when it saves a model."""
+    if not family.table.mtp:
+        return 0
+    first = family.table.mtp[0].hf_names[0]
+    count = 0
+    while family.table.layer_prefix.format(layer=spec.num_layers + count) + first in names:
+        count += 1
+    return count
+
+
+def without_mtp_layers(family: Family, spec: ModelSpec, names, count: int) -> set[str]:
+    """`names` less those of the first `count` multi-token prediction layers."""
+    prefixes = tuple(family.table.layer_prefix.format(layer=spec.num_layers + m) for m in range(count))
+    return {name for name in names if not name.startswith(prefixes)}
 
 
 def fused_expert_layers(family: Family, spec: ModelSpec, hf: HFCheckpoint) -> frozenset[int]:
@@ -45,8 +65,8 @@ def fused_expert_layers(family: Family, spec: ModelSpec, hf: HFCheckpoint) -> fr
     fused_name = table.fused_experts[0].hf_names[0].split("[")[0]
     return frozenset(
         layer
-        for layer in range(spec.num_layers)
-        if spec.layer_is_moe(layer) and table.layer_prefix.format(layer=layer) + fused_name in hf.tensors
+        for layer in range(spec.num_layers + spec.mtp_layers)
+        if table.layer_prefix.format(layer=layer) + fused_name in hf.tensors
     )
 
 
@@ -104,30 +124,28 @@ def write_pieces(
     writer: torch_dist.DCPWriter,
     workers: int,
     ranks: Ranks,
-    progress: Callable[[str], None],
+    progress: Progress,
 ) -> None:
     """Build and write this rank's share of the pieces on `workers` threads, each writing its own data file.
     Pieces are read and built ahead of their writing (see parallel.run_pieces), so that reading overlaps
     writing even with one worker: one piece slower to build than to write (fc1) then does not stall the
-    writes."""
-    sizes = [math.prod(piece.layout.shape) * plan.dtype.itemsize for piece in plan.pieces]
+    writes. Pieces that are copies of others (`piece.copy`) are not written."""
+    pieces = [piece for piece in plan.pieces if not piece.copy]
+    sizes = [math.prod(piece.layout.shape) * plan.dtype_of(piece).itemsize for piece in pieces]
     mine = ranks.mine(sizes)
+    progress.start(len(mine), sum(sizes[i] for i in mine))
     buffers = Buffers()
 
     def load(index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return build_piece(plan.pieces[index], hf, plan.spec, plan.dtype, buffers)
+        return build_piece(pieces[index], hf, plan.spec, plan.dtype_of(pieces[index]), buffers)
 
     def store(worker: int, index: int, built: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
         parts, taken = built
-        write_piece(writer, plan.pieces[index], parts, worker)
+        write_piece(writer, pieces[index], parts, worker)
         del parts, built  # may be views of the buffers, which later reads overwrite
         buffers.give_back(taken)
 
-    def report(done: int) -> None:
-        if done % 100 == 0:
-            progress(f"{done}/{len(mine)} tensors written" + (f" by rank {ranks.rank}" if ranks.world > 1 else ""))
-
-    run_pieces(mine, [sizes[i] for i in mine], load, store, workers, report)
+    run_pieces(mine, [sizes[i] for i in mine], load, store, workers, lambda index: progress.advance(1, sizes[index]))
 
 
 def convert_hf_to_mcore(
@@ -140,9 +158,13 @@ def convert_hf_to_mcore(
     transformer_impl: str = "transformer_engine",
     overwrite: bool = False,
     workers: int = 1,
-    progress: Callable[[str], None] = lambda message: None,
+    mtp: bool = True,
+    allow_nonfinite: bool = False,
+    progress: Progress = NoProgress(),
 ) -> Conversion:
     """Convert the HF checkpoint in `load_dir` into a torch_dist checkpoint in `save_dir` for `parallelism`.
+    Multi-token prediction layers the checkpoint holds are converted, or left out with `mtp=False`. A weight
+    holding NaN or Inf is an error unless `allow_nonfinite`.
 
     `workers` threads convert pieces at once, each into its own data file. Started by torchrun, every rank
     runs this with the same arguments: each writes its share of the pieces into data files of its own, and
@@ -152,10 +174,13 @@ def convert_hf_to_mcore(
     config = read_hf_config(load_dir, "--load-dir")
     family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
     check_target(save_dir, overwrite)
-    hf = HFCheckpoint(load_dir)
+    hf = HFCheckpoint(load_dir, fp8_block_size(config), check_finite=not allow_nonfinite)
+    held = mtp_layers_held(family, spec, hf.tensors)
+    spec = dataclasses.replace(spec, mtp_layers=held if mtp else 0)
     plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers(family, spec, hf))
-    check_sources(plan, {name: stored.shape for name, stored in hf.tensors.items()}, hf.where)
-    args = megatron.megatron_args(spec, parallelism, plan.dtype, transformer_impl)
+    read = without_mtp_layers(family, spec, hf.tensors, held) if not mtp else hf.tensors
+    check_sources(plan, {name: hf.tensors[name].shape for name in read}, hf.where)
+    args = megatron.megatron_args(spec, parallelism, plan.dtype, transformer_impl, tokenizer_dir=load_dir)
     flags = megatron.megatron_flags(args)
 
     ranks = Ranks()
@@ -165,20 +190,25 @@ def convert_hf_to_mcore(
             release.mkdir()
         ranks.barrier()
         writer = torch_dist.DCPWriter(release, workers, ranks.rank)
-        try:
-            for key, shape in plan.shapes.items():
-                writer.declare(key, shape, plan.dtype)
-            write_pieces(plan, hf, writer, workers, ranks, progress)
-            if ranks.is_first:
-                for key in plan.extra_state_keys:
-                    writer.write_object(key, torch_dist.EMPTY_EXTRA_STATE)
-        finally:
-            writer.abort()
+        with contextlib.ExitStack() as hashing:
+            for path in writer.data_files:  # each written front to back by one thread: hashed for the manifest
+                hashing.enter_context(hashed_while_written(path))
+            try:
+                dtypes = plan.key_dtypes()
+                for key, shape in plan.shapes.items():
+                    writer.declare(key, shape, dtypes[key])
+                write_pieces(plan, hf, writer, workers, ranks, progress)
+                if ranks.is_first:
+                    for key in plan.extra_state_keys:
+                        writer.write_object(key, torch_dist.EMPTY_EXTRA_STATE)
+            finally:
+                writer.abort()  # flushed and closed before the hashing's last pass
         ranks.settle()  # every rank's chunks are on disk
         parts = ranks.gather(writer.local_part())
         if ranks.is_first:
             writer.finish(parts)
             torch_dist.write_common(release, args)
-            (work / ARGS_SCRIPT).write_text("MODEL_ARGS=(\n" + "".join(f"    {flag}\n" for flag in flags) + ")\n")
+            (work / ARGS_SCRIPT).write_text(megatron.args_script(args, save_dir))
+            launch.write_launch(work, save_dir, parallelism)
             torch_dist.write_tracker(work)
-    return Conversion(plan, args, flags)
+    return Conversion(plan, args, flags, dropped_mtp_layers=0 if mtp else held)

@@ -11,13 +11,13 @@ experts are numbered within their expert-parallel rank (`mlp.experts.local_exper
 
 from __future__ import annotations
 
-import argparse
 import re
 from pathlib import Path
 
 import torch
 
 from mconvert.converters import megatron
+from mconvert.converters.pickles import load_megatron_file
 from mconvert.converters.plan import Piece, Plan
 from mconvert.errors import ConversionError
 
@@ -28,25 +28,6 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 
-# Globals a Megatron-LM checkpoint's pickle may name besides tensors and containers: the args, and numpy's
-# RNG state (a uint32 array). Each file is loaded allowing only those of them that it names.
-_PERMITTED_GLOBALS: dict[str, object] = {"argparse.Namespace": argparse.Namespace}
-try:
-    import numpy
-
-    _multiarray = numpy._core.multiarray if hasattr(numpy, "_core") else numpy.core.multiarray
-    _PERMITTED_GLOBALS.update(
-        {
-            "numpy.ndarray": numpy.ndarray,
-            "numpy.dtype": numpy.dtype,
-            f"{_multiarray.__name__}._reconstruct": _multiarray._reconstruct,
-        }
-    )
-    if hasattr(numpy, "dtypes"):
-        _PERMITTED_GLOBALS["numpy.dtypes.UInt32DType"] = numpy.dtypes.UInt32DType
-except ImportError:
-    pass
-
 # Region index: (name within its scope, global layer or None, global expert or None).
 Where = tuple[str, int | None, int | None]
 
@@ -56,18 +37,8 @@ def is_legacy_checkpoint(directory: Path) -> bool:
 
 
 def load_rank_file(path: Path) -> dict:
-    """One rank's file, memory-mapped (tensors are read only when touched), unpickling only the permitted
-    globals that this file names."""
-    try:
-        needed = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
-    except Exception as e:  # noqa: BLE001 (any failure to read the archive means the same to the user)
-        raise ConversionError(f"{path}: not a torch.save file ({e})") from None
-    refused = needed - set(_PERMITTED_GLOBALS)
-    if refused:
-        raise ConversionError(f"{path}: holds objects of {', '.join(sorted(refused))}, which are not loaded (not weights)")
-    allowed = [_PERMITTED_GLOBALS[name] for name in needed if _PERMITTED_GLOBALS[name] not in torch.serialization.get_safe_globals()]
-    with torch.serialization.safe_globals(allowed):
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    """One rank's file, memory-mapped (tensors are read only when touched), running nothing it names."""
+    return load_megatron_file(path, str(path), mmap=True)
 
 
 class LegacyCheckpoint:

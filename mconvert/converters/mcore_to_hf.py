@@ -14,7 +14,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch
 
@@ -25,29 +25,14 @@ from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_piec
 from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
 from mconvert.converters.safetensors_io import SafetensorsWriter, parse_size, read_hf_config
 from mconvert.errors import ConversionError
+from mconvert.hub import HF_SIDE_FILES
 from mconvert.mappings import family_for_model_size, family_for_spec, get_mapping, write_hf_config
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
+from mconvert.progress import NoProgress, Progress
 
 Shape = tuple[int, ...]
 
-# Files of an HF model directory besides its weights and config.json that describe how to use it.
-HF_SIDE_FILES = (
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",
-    "*.tiktoken",
-    "chat_template.json",
-    "chat_template.jinja",
-)
-# Checkpoint keys that hold model weights; others (optimizer state, RNG state, `_extra_state`) are not read.
-MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.")
 
 
 class MegatronTensors(Protocol):
@@ -101,7 +86,7 @@ class TorchDistTensors:
         return self.dcp.dtypes.get("embedding.word_embeddings.weight")
 
     def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
-        return {k: v for k, v in self.dcp.shapes.items() if k.startswith(MODEL_KEY_PREFIXES)}
+        return {k: v for k, v in self.dcp.shapes.items() if k.startswith(megatron.MODEL_KEY_PREFIXES)}
 
     def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
         key = stored_key(piece, self.dcp.shapes)
@@ -123,7 +108,7 @@ class StateDictTensors:
         return None if embedding is None else embedding.dtype
 
     def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
-        return {k: tuple(v.shape) for k, v in self.state_dict.items() if k.startswith(MODEL_KEY_PREFIXES)}
+        return {k: tuple(v.shape) for k, v in self.state_dict.items() if k.startswith(megatron.MODEL_KEY_PREFIXES)}
 
     def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
         return self.state_dict[stored_key(piece, self.state_dict)][piece.offsets]
@@ -216,7 +201,7 @@ def piece_hf_tensors(plan: Plan, piece: Piece, region: torch.Tensor) -> list[tup
     """The HF tensors (or slices `ref.index` of them) of one piece, from its stored region."""
     if piece.layout.real_rows is not None:
         region = region[: piece.layout.real_rows]  # vocabulary padding
-    return list(zip(piece.sources, piece.entry.to_hf(region.to(plan.dtype), plan.spec)))
+    return list(zip(piece.sources, piece.entry.to_hf(region.to(plan.dtype_of(piece)), plan.spec)))
 
 
 def hf_tensors(plan: Plan, source: MegatronTensors) -> Iterator[tuple[HFRef, torch.Tensor]]:
@@ -253,10 +238,11 @@ def file_copies(plan: Plan, piece: Piece, source: MegatronTensors, shapes: dict[
         return None
     key = stored_key(piece, shapes)
     offsets, shape = piece_region(piece, shapes[key])
-    if source.dcp.dtypes[key] != plan.dtype:
+    dtype = plan.dtype_of(piece)
+    if source.dcp.dtypes[key] != dtype:
         return None
     leading = len(piece.offsets)
-    whole = torch.empty(shape[leading:], dtype=plan.dtype, device="meta")
+    whole = torch.empty(shape[leading:], dtype=dtype, device="meta")
     region = whole[: piece.layout.real_rows] if piece.layout.real_rows is not None else whole
     row = math.prod(whole.shape[1:])
     copies = []
@@ -278,10 +264,11 @@ def write_hf_pieces(
     writer: SafetensorsWriter,
     workers: int,
     ranks: Ranks,
-    progress: Callable[[str], None],
+    progress: Progress,
 ) -> None:
     """Read, transform and write this rank's share of the pieces on `workers` threads; each region is read
-    into a buffer reused once its HF tensors are written (at their places: no order among the writers)."""
+    into a buffer reused once its HF tensors are written (at their places: no order among the writers).
+    `progress` counts this rank's HF tensors and bytes."""
     # In the plan's order: the order in which the HF files are laid out, and the order in which hf-to-mcore
     # writes the chunks, so that both the reads and the writes go through the files front to back.
     pieces = plan.pieces
@@ -291,6 +278,7 @@ def write_hf_pieces(
         for piece in pieces
     ]
     mine = ranks.mine(sizes)
+    progress.start(sum(len(pieces[i].sources) for i in mine), sum(writer.nbytes(ref.name, ref.index) for i in mine for ref in pieces[i].sources))
     buffers = Buffers()
 
     def load(index: int) -> tuple[torch.Tensor | None, list[tuple[HFRef, torch.Tensor | tuple[Path, int]]]]:
@@ -310,11 +298,10 @@ def write_hf_pieces(
         if into is not None:
             buffers.give_back([into])
 
-    def report(done: int) -> None:
-        if done % 100 == 0:
-            progress(f"{done}/{len(mine)} pieces written" + (f" by rank {ranks.rank}" if ranks.world > 1 else ""))
+    def done(index: int) -> None:
+        progress.advance(len(pieces[index].sources), sum(writer.nbytes(ref.name, ref.index) for ref in pieces[index].sources))
 
-    run_pieces(mine, [sizes[i] for i in mine], load, store, workers, report)
+    run_pieces(mine, [sizes[i] for i in mine], load, store, workers, done)
 
 
 @dataclass(frozen=True)
@@ -335,7 +322,7 @@ def convert_mcore_to_hf(
     max_shard_size: str = "5GB",
     overwrite: bool = False,
     workers: int = 1,
-    progress: Callable[[str], None] = lambda message: None,
+    progress: Progress = NoProgress(),
 ) -> HFExport:
     """Convert the Megatron checkpoint in `load_dir` (torch_dist or legacy torch, any TP/PP/EP) into an HF
     model directory `save_dir`: sharded safetensors, their index and config.json, plus the generation config
@@ -355,8 +342,8 @@ def convert_mcore_to_hf(
     ranks = Ranks()
     with atomic_directory(save_dir, overwrite, ranks) as work:
         hf_shapes = plan.hf_shapes()
-        layout = {name: (plan.dtype, shape) for name, shape in hf_shapes.items()}
-        writer = SafetensorsWriter(work, layout, shard_bytes, create=ranks.is_first)
+        dtypes = {ref.name: plan.dtype_of(piece) for piece in plan.pieces for ref in piece.sources}
+        writer = SafetensorsWriter(work, {name: (dtypes[name], shape) for name, shape in hf_shapes.items()}, shard_bytes, create=ranks.is_first)
         ranks.barrier()  # the files exist, at their full size, before any rank writes into them
         try:
             write_hf_pieces(plan, source, writer, workers, ranks, progress)

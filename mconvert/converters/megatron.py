@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import argparse
 import math
+import shlex
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from mconvert.errors import ConversionError
-from mconvert.mappings.spec import ModelSpec, MoESpec, RopeScaling
+from mconvert.mappings.spec import MLASpec, ModelSpec, MoESpec, RopeScaling
 
 Shape = tuple[int, ...]
 
+# Checkpoint keys that hold model weights; others (optimizer state, RNG state, `_extra_state`) are not read.
+# `mtp.` holds the multi-token prediction layers.
+MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 # Megatron-Core's module path of routed experts: the MoE layer's `experts` module holds its own `experts`.
 EXPERTS_PREFIX = "mlp.experts.experts."
 # The MoE post-attention norm: a module of its own under the Transformer Engine spec; the local spec stores it
@@ -28,6 +33,14 @@ MOE_NORM_LOCAL = "mlp.linear_fc1.layer_norm_weight"
 # How the local (non-TE) spec's module names map to checkpoint names (its `sharded_state_dict_keys_map`): its
 # norms are modules of their own, stored under the names of the TE layers they are fused into.
 LOCAL_SPEC_RENAMES = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+# Multi-latent attention: the latent norms are fused into the up projections under the Transformer Engine spec
+# and modules of their own under the local spec, whose MLA layers have no key map at all (so a dense layer's
+# post-attention norm is `pre_mlp_layernorm` there). Written under both names, as MOE_NORM.
+MLA_LOCAL_SPEC_NAMES = {
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
 # Modules with `_extra_state` that own no tensor we write: attention's core (asked for by megatron-core 0.13/0.14).
 EXTRA_STATE_ONLY_MODULES = ("self_attention.core_attention",)
 
@@ -71,6 +84,16 @@ class Parallelism:
                 raise ConversionError(f"{flag} {size} does not divide {what} ({value})")
 
 
+def checkpoint_names(name: str, spec: ModelSpec, is_moe_layer: bool) -> tuple[str, ...]:
+    """The names a layer's tensor `name` is written under: its Transformer Engine spec name first, then the
+    local spec's where that differs."""
+    if is_moe_layer and name == MOE_NORM:
+        return (name, MOE_NORM_LOCAL)
+    if spec.mla is not None and name in MLA_LOCAL_SPEC_NAMES:
+        return (name, MLA_LOCAL_SPEC_NAMES[name])
+    return (name,)
+
+
 def padded_vocab_size(vocab_size: int, par: Parallelism) -> int:
     """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by x TP (extra rows are zero)."""
     multiple = par.make_vocab_size_divisible_by * par.tp
@@ -90,6 +113,9 @@ class TensorLayout:
     fragments: int = 1
     # Rows that hold real data; the rest up to shape[0] is zero padding (the vocabulary).
     real_rows: int | None = None
+    # The dtype the tensor has whatever the weights' dtype: Megatron keeps the router's expert bias in fp32
+    # (as transformers keeps e_score_correction_bias), since bf16 steps are coarser than its updates.
+    dtype: torch.dtype | None = None
 
 
 def tensor_layout(name: str, spec: ModelSpec, par: Parallelism, expert: bool = False) -> TensorLayout:
@@ -99,6 +125,12 @@ def tensor_layout(name: str, spec: ModelSpec, par: Parallelism, expert: bool = F
     moe: MoESpec | None = spec.moe
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return TensorLayout((padded_vocab_size(spec.vocab_size, par), H), 0, par.tp, real_rows=spec.vocab_size)
+    if spec.mla is not None and name.startswith("self_attention."):
+        return _mla_layout(name, spec, par)
+    if name == "eh_proj.weight":
+        return TensorLayout((H, 2 * H), 0, par.tp)
+    if name == "mlp.router.expert_bias":
+        return TensorLayout((moe.num_experts,), dtype=torch.float32)
     if name.endswith("norm.weight") or name.endswith("layer_norm_weight"):
         norm_size = d if name.startswith("self_attention.q_") or name.startswith("self_attention.k_") else H
         return TensorLayout((norm_size,))
@@ -125,9 +157,39 @@ def tensor_layout(name: str, spec: ModelSpec, par: Parallelism, expert: bool = F
     raise ConversionError(f"no Megatron layout known for tensor '{name}'")
 
 
+def _mla_layout(name: str, spec: ModelSpec, par: Parallelism) -> TensorLayout:
+    """Multi-latent attention's tensors. The down projections are replicated across TP ranks (Transformer
+    Engine's duplicated linears); the up projections split whole heads; linear_proj splits its input."""
+    mla, heads, H = spec.mla, spec.num_attention_heads, spec.hidden_size
+    q_head = mla.qk_head_dim + mla.qk_pos_emb_head_dim
+    layouts = {
+        "self_attention.linear_q_down_proj.weight": TensorLayout((mla.q_lora_rank, H)),
+        "self_attention.linear_q_up_proj.layer_norm_weight": TensorLayout((mla.q_lora_rank,)),
+        "self_attention.linear_q_up_proj.weight": TensorLayout((heads * q_head, mla.q_lora_rank), 0, par.tp),
+        "self_attention.linear_q_proj.weight": TensorLayout((heads * q_head, H), 0, par.tp),
+        "self_attention.linear_kv_down_proj.weight": TensorLayout((mla.kv_lora_rank + mla.qk_pos_emb_head_dim, H)),
+        "self_attention.linear_kv_up_proj.layer_norm_weight": TensorLayout((mla.kv_lora_rank,)),
+        "self_attention.linear_kv_up_proj.weight": TensorLayout(
+            (heads * (mla.qk_head_dim + mla.v_head_dim), mla.kv_lora_rank), 0, par.tp
+        ),
+        "self_attention.linear_proj.weight": TensorLayout((H, heads * mla.v_head_dim), 1, par.tp),
+    }
+    if name not in layouts:
+        raise ConversionError(f"no Megatron layout known for multi-latent attention tensor '{name}'")
+    return layouts[name]
+
+
+def mtp_key(name: str, mtp_layer: int) -> str:
+    """A multi-token prediction layer's key (megatron-core 0.16.1's MultiTokenPredictionBlock: never stacked)."""
+    return f"mtp.layers.{mtp_layer}.{name}"
+
+
 def layer_key(name: str, layer: int, spec: ModelSpec) -> tuple[str, tuple[int, ...]]:
     """Checkpoint key and leading offsets of a layer's tensor: stacked along a layer axis when all layers are
-    alike, else one key per layer."""
+    alike, else one key per layer. Layers from num_layers on are the decoder layers of the multi-token
+    prediction layers."""
+    if layer >= spec.num_layers:
+        return mtp_key(f"transformer_layer.{name}", layer - spec.num_layers), ()
     if spec.uniform_layers:
         return f"decoder.layers.{name}", (layer,)
     return f"decoder.layers.{layer}.{name}", ()
@@ -144,6 +206,57 @@ def extra_state_key(module_key: str, offsets: tuple[int, ...], leading_shape: Sh
     return f"{module_key}._extra_state/shard_{'.'.join(map(str, offsets))}_{'.'.join(map(str, leading_shape))}"
 
 
+# Args that Megatron-LM's `--use-checkpoint-args` copies from a checkpoint's stored args
+# (megatron.training.checkpointing.load_args_from_checkpoint, Megatron-LM 0.19.2; tests/megatron_lm reads
+# the installed function to keep this in step). Everything else that shapes the model must be passed.
+RESTORED_BY_CHECKPOINT_ARGS = frozenset({
+    "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads", "num_query_groups",
+    "group_query_attention", "kv_channels", "max_position_embeddings", "position_embedding_type",
+    "add_position_embedding", "use_rotary_position_embeddings", "rotary_base", "rotary_percent",
+    "rotary_interleaved", "add_bias_linear", "add_qkv_bias", "squared_relu", "swiglu",
+    "untie_embeddings_and_output_weights", "apply_layernorm_1p", "normalization", "apply_query_key_layer_scaling",
+    "attention_dropout", "hidden_dropout", "mtp_hybrid_override_pattern", "mtp_num_layers", "mtp_use_repeated_layer",
+    "spec", "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_token_dispatcher_type",
+    "moe_router_pre_softmax", "moe_grouped_gemm", "moe_single_grouped_weight", "moe_single_grouped_bias",
+    "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads",
+    "hybrid_layer_pattern", "heterogeneous_layers_config_path", "heterogeneous_layers_config_encoded_json",
+    "moe_latent_size", "tokenizer_model", "tokenizer_type", "tiktoken_pattern", "padded_vocab_size", "ckpt_format",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage", "expert_model_parallel_size",
+})
+# Megatron-LM's defaults (its argument parser, 0.19.2; tests/megatron_lm checks them) of the args that shape
+# the model or how it trains: the model a run builds from a flag left out.
+MEGATRON_LM_DEFAULTS: dict[str, Any] = {
+    "num_layers": None, "hidden_size": None, "ffn_hidden_size": None, "num_attention_heads": None,
+    "kv_channels": None, "group_query_attention": False, "num_query_groups": 1, "max_position_embeddings": None,
+    "position_embedding_type": "learned_absolute", "rotary_base": 10000, "rotary_percent": 1.0,
+    "rotary_interleaved": False, "use_rope_scaling": False, "rope_scaling_factor": 8.0,
+    "rotary_seq_len_interpolation_factor": None, "normalization": "LayerNorm", "layernorm_epsilon": 1e-5,
+    "swiglu": False, "add_bias_linear": True, "add_qkv_bias": False, "qk_layernorm": False,
+    "untie_embeddings_and_output_weights": False, "attention_dropout": 0.1, "hidden_dropout": 0.1,
+    "window_size": None, "num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None,
+    "moe_router_pre_softmax": False, "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None,
+    "moe_shared_expert_gate": False, "moe_aux_loss_coeff": 0.0,
+}
+# Args whose name in Megatron-LM 0.19 (its parser's dest, after TransformerConfig's field) differs from the
+# flag's, and from the name earlier Megatron-LM versions store: both names are written, either is read.
+RENAMED_ARGS = {"layernorm_epsilon": "norm_epsilon", "layernorm_zero_centered_gamma": "apply_layernorm_1p"}
+FLAG_OF_ARG = {
+    "layernorm_epsilon": "--norm-epsilon", "layernorm_zero_centered_gamma": "--apply-layernorm-1p", "add_bias_linear": "--disable-bias-linear",
+}
+# Files that make an HF directory usable as Megatron-LM's `--tokenizer-model` for HuggingFaceTokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def stored_arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
+    """An arg as stored by any Megatron-LM version (by its 0.19 name, or the earlier one), else `default`."""
+    value = getattr(args, name, None)
+    if value is None and name in RENAMED_ARGS:
+        value = getattr(args, RENAMED_ARGS[name], None)
+    return default if value is None else value
+
+
 def _integral(value: float, flag: str, field: str) -> int:
     """`value` as the int Megatron-LM's parser declares `flag` to be; a fraction would be rounded there, so it
     is an error here."""
@@ -152,12 +265,16 @@ def _integral(value: float, flag: str, field: str) -> int:
     return int(value)
 
 
-def megatron_args(spec: ModelSpec, par: Parallelism, dtype: torch.dtype, transformer_impl: str) -> argparse.Namespace:
-    """The Megatron-LM arguments that describe the model, as `--use-checkpoint-args` reads them from common.pt."""
+def megatron_args(
+    spec: ModelSpec, par: Parallelism, dtype: torch.dtype, transformer_impl: str, tokenizer_dir: Path | None = None
+) -> argparse.Namespace:
+    """The Megatron-LM arguments that describe the model, as `--use-checkpoint-args` reads them from common.pt.
+    `tokenizer_dir`: the HF directory, recorded as the tokenizer when it has tokenizer files."""
     rope: RopeScaling | None = spec.rope_scaling
     linear_factor = None
     if rope is not None and rope.kind == "linear":
         linear_factor = _integral(rope.factor, "--rotary-seq-len-interpolation-factor", "rope_scaling factor")
+    has_tokenizer = tokenizer_dir is not None and any((tokenizer_dir / name).exists() for name in TOKENIZER_FILES)
     args: dict[str, Any] = dict(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -172,19 +289,23 @@ def megatron_args(spec: ModelSpec, par: Parallelism, dtype: torch.dtype, transfo
         add_position_embedding=False,
         use_rotary_position_embeddings=True,
         rotary_base=_integral(spec.rope_theta, "--rotary-base", "rope_theta"),
-        rotary_percent=1.0,
+        rotary_percent=spec.rotary_percent,
         rotary_interleaved=False,
         use_rope_scaling=rope is not None and rope.kind == "llama3",
         rope_scaling_factor=rope.factor if rope is not None and rope.kind == "llama3" else 8.0,
         rotary_seq_len_interpolation_factor=linear_factor,
         normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
         norm_epsilon=spec.norm_eps,
+        layernorm_zero_centered_gamma=False,
         apply_layernorm_1p=False,
         swiglu=True,
         add_bias_linear=spec.linear_bias,
         add_qkv_bias=spec.qkv_bias,
         qk_layernorm=spec.qk_norm,
         untie_embeddings_and_output_weights=spec.untie_embeddings,
+        # Megatron-LM's (left, right) window excludes the position itself; HF's `sliding_window` counts it.
+        window_size=(spec.sliding_window - 1, 0) if spec.sliding_window is not None else None,
         vocab_size=spec.vocab_size,
         padded_vocab_size=padded_vocab_size(spec.vocab_size, par),
         make_vocab_size_divisible_by=par.make_vocab_size_divisible_by,
@@ -196,10 +317,14 @@ def megatron_args(spec: ModelSpec, par: Parallelism, dtype: torch.dtype, transfo
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         params_dtype=dtype,
-        attention_dropout=0.0,
+        # HF models train with the config's attention dropout and no hidden dropout; Megatron-LM's default is 0.1.
+        attention_dropout=spec.attention_dropout,
         hidden_dropout=0.0,
         transformer_impl=transformer_impl,
+        tokenizer_type="HuggingFaceTokenizer" if has_tokenizer else None,
+        tokenizer_model=str(tokenizer_dir.absolute()) if has_tokenizer else None,
         num_experts=None,
+        mtp_num_layers=spec.mtp_layers or None,
     )
     if spec.moe is not None:
         moe = spec.moe
@@ -215,13 +340,65 @@ def megatron_args(spec: ModelSpec, par: Parallelism, dtype: torch.dtype, transfo
             # legacy GroupedMLP (CUDA-only grouped_gemm package), so it gets SequentialMLP. Same checkpoint keys.
             moe_grouped_gemm=transformer_impl == "transformer_engine",
             moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=moe.aux_loss_coeff,
             moe_token_dispatcher_type="alltoall",
         )
+        args.update(_router_args(moe))
+    if rope is not None and rope.kind == "yarn" and spec.mla is None:
+        raise ConversionError("yarn rope scaling is supported with multi-latent attention only")
+    if spec.mla is not None:
+        args.update(_mla_args(spec))
     return argparse.Namespace(**args)
 
 
+def _router_args(moe: MoESpec) -> dict[str, Any]:
+    """DeepSeek-V3 and GLM-4.5 routing: sigmoid scores, an expert bias that only chooses experts, scaled
+    weights, group-limited choice."""
+    return dict(
+        moe_router_score_function=moe.score_function,
+        moe_router_enable_expert_bias=moe.expert_bias,
+        moe_router_topk_scaling_factor=moe.topk_scaling_factor,
+        moe_router_num_groups=moe.num_groups,
+        moe_router_group_topk=moe.group_topk,
+    )
+
+
+# Megatron-LM has no flags for these YaRN settings under multi-latent attention: MLATransformerConfig's
+# defaults, which megatron-core 0.16.1 and Megatron-LM 0.19.2 share, are the only values it can take.
+MLA_YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def _mla_args(spec: ModelSpec) -> dict[str, Any]:
+    """Multi-latent attention. Its latent norms exist only with qk_layernorm; rope is MLA's own (YaRN when the
+    model scales it, plain otherwise: an unscaled YaRN needs rotary_scaling_factor 1, not MLA's default 40)."""
+    mla, rope = spec.mla, spec.rope_scaling
+    if rope is not None and rope.kind != "yarn":
+        raise ConversionError(f"rope scaling '{rope.kind}' cannot be expressed with multi-latent attention (yarn can)")
+    if rope is not None:
+        for field, fixed in MLA_YARN_FIXED.items():
+            if getattr(rope, field) != fixed:
+                raise ConversionError(
+                    f"yarn {field} {getattr(rope, field):g}: Megatron-LM's multi-latent attention fixes it at {fixed:g}"
+                )
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_head_dim,
+        qk_pos_emb_head_dim=mla.qk_pos_emb_head_dim,
+        v_head_dim=mla.v_head_dim,
+        qk_layernorm=True,
+        rope_type="yarn" if rope is not None else "rope",
+        rotary_scaling_factor=rope.factor if rope is not None else 1.0,
+        mscale=rope.mscale if rope is not None else 1.0,
+        mscale_all_dim=rope.mscale_all_dim if rope is not None else 0.0,
+        **MLA_YARN_FIXED,
+    )
+
+
 def megatron_flags(args: argparse.Namespace) -> list[str]:
-    """Megatron-LM command-line flags for the model that `args` describes (a MODEL_ARGS block)."""
+    """Megatron-LM command-line flags for the model that `args` describe (a MODEL_ARGS block), each value in
+    the form Megatron-LM's parser takes."""
     a = args
     flags = [
         f"--num-layers {a.num_layers}",
@@ -230,23 +407,30 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         f"--num-attention-heads {a.num_attention_heads}",
         f"--kv-channels {a.kv_channels}",
         f"--max-position-embeddings {a.max_position_embeddings}",
+        f"--seq-length {a.seq_length}",
         "--position-embedding-type rope",
         f"--rotary-base {a.rotary_base}",
         "--normalization RMSNorm",
-        f"--norm-epsilon {a.norm_epsilon:g}",
+        f"--norm-epsilon {a.layernorm_epsilon:g}",
         "--swiglu",
+        f"--attention-dropout {a.attention_dropout:g}",
+        f"--hidden-dropout {a.hidden_dropout:g}",
         f"--vocab-size {a.vocab_size}",
         f"--make-vocab-size-divisible-by {a.make_vocab_size_divisible_by}",
         f"--tensor-model-parallel-size {a.tensor_model_parallel_size}",
         f"--pipeline-model-parallel-size {a.pipeline_model_parallel_size}",
         f"--transformer-impl {a.transformer_impl}",
     ]
+    if a.rotary_percent != 1.0:
+        flags.append(f"--rotary-percent {a.rotary_percent:g}")
     if a.group_query_attention:
         flags += ["--group-query-attention", f"--num-query-groups {a.num_query_groups}"]
     if a.use_rope_scaling:
         flags += ["--use-rope-scaling", f"--rope-scaling-factor {a.rope_scaling_factor:g}"]
     if a.rotary_seq_len_interpolation_factor is not None:
         flags.append(f"--rotary-seq-len-interpolation-factor {a.rotary_seq_len_interpolation_factor}")
+    if a.window_size is not None:
+        flags.append(f"--window-size {a.window_size[0]},{a.window_size[1]}")
     flags.append("--add-bias-linear" if a.add_bias_linear else "--disable-bias-linear")
     if a.add_qkv_bias and not a.add_bias_linear:
         flags.append("--add-qkv-bias")
@@ -258,6 +442,8 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--bf16")
     elif a.fp16:
         flags.append("--fp16")
+    if a.tokenizer_type is not None:
+        flags += [f"--tokenizer-type {a.tokenizer_type}", f"--tokenizer-model {shlex.quote(a.tokenizer_model)}"]
     if a.num_experts:
         flags += [
             f"--num-experts {a.num_experts}",
@@ -266,6 +452,7 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
             f"--expert-model-parallel-size {a.expert_model_parallel_size}",
             f"--expert-tensor-parallel-size {a.expert_tensor_parallel_size}",
             f"--moe-router-load-balancing-type {a.moe_router_load_balancing_type}",
+            f"--moe-aux-loss-coeff {a.moe_aux_loss_coeff:g}",
             f"--moe-token-dispatcher-type {a.moe_token_dispatcher_type}",
         ]
         if a.moe_grouped_gemm:
@@ -278,7 +465,90 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
             flags.append(f"--moe-shared-expert-intermediate-size {a.moe_shared_expert_intermediate_size}")
         if a.moe_shared_expert_gate:
             flags.append("--moe-shared-expert-gate")
+        flags += _router_flags(a)
+    if getattr(a, "multi_latent_attention", False):
+        flags += _mla_flags(a)
+    if getattr(a, "mtp_num_layers", None):
+        flags.append(f"--mtp-num-layers {a.mtp_num_layers}")
     return flags
+
+
+def _router_flags(a: argparse.Namespace) -> list[str]:
+    flags = []
+    if a.moe_router_score_function != "softmax":
+        flags.append(f"--moe-router-score-function {a.moe_router_score_function}")
+    if a.moe_router_enable_expert_bias:
+        flags.append("--moe-router-enable-expert-bias")
+    if a.moe_router_topk_scaling_factor is not None:
+        flags.append(f"--moe-router-topk-scaling-factor {a.moe_router_topk_scaling_factor:g}")
+    if a.moe_router_num_groups is not None:
+        flags += [f"--moe-router-num-groups {a.moe_router_num_groups}", f"--moe-router-group-topk {a.moe_router_group_topk}"]
+    return flags
+
+
+def _mla_flags(a: argparse.Namespace) -> list[str]:
+    flags = ["--multi-latent-attention"]
+    if a.q_lora_rank is not None:
+        flags.append(f"--q-lora-rank {a.q_lora_rank}")
+    flags += [
+        f"--kv-lora-rank {a.kv_lora_rank}",
+        f"--qk-head-dim {a.qk_head_dim}",
+        f"--qk-pos-emb-head-dim {a.qk_pos_emb_head_dim}",
+        f"--v-head-dim {a.v_head_dim}",
+        f"--rope-type {a.rope_type}",
+        f"--rotary-scaling-factor {a.rotary_scaling_factor:g}",
+        f"--mscale {a.mscale:g}",
+        f"--mscale-all-dim {a.mscale_all_dim:g}",
+    ]
+    return flags
+
+
+def load_flags(checkpoint_dir: Path) -> list[str]:
+    """The flags that start training from a converted checkpoint: its weights only, no optimizer or RNG state."""
+    return [f"--load {shlex.quote(str(checkpoint_dir.absolute()))}", "--ckpt-format torch_dist", "--finetune", "--no-load-optim", "--no-load-rng"]
+
+
+def not_restored_by_checkpoint_args(args: argparse.Namespace) -> list[str]:
+    """The flags of this model whose args Megatron-LM's `--use-checkpoint-args` would leave at defaults other
+    than the model's values: what a run relying on it alone would silently get wrong."""
+    return [
+        FLAG_OF_ARG.get(name, "--" + name.replace("_", "-"))
+        for name, default in MEGATRON_LM_DEFAULTS.items()
+        if name not in RESTORED_BY_CHECKPOINT_ARGS and getattr(args, name, default) != default
+    ]
+
+
+def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
+    """What Megatron-LM's pretrain_gpt.py would build differently from these args: its model builder
+    (gpt_builders.gpt_builder) passes GPTModel neither --rope-scaling-factor nor
+    --rotary-seq-len-interpolation-factor, so GPTModel's defaults (8, none) apply."""
+    caveats = []
+    if args.use_rope_scaling and args.rope_scaling_factor != 8.0:
+        caveats.append(
+            f"pretrain_gpt.py builds GPTModel without --rope-scaling-factor, so with factor 8, not "
+            f"{args.rope_scaling_factor:g}: pass rope_scaling_factor=args.rope_scaling_factor in its gpt_builder"
+        )
+    if args.rotary_seq_len_interpolation_factor is not None:
+        caveats.append(
+            "pretrain_gpt.py builds GPTModel without --rotary-seq-len-interpolation-factor, so without position "
+            "interpolation: pass seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor in its gpt_builder"
+        )
+    return caveats
+
+
+def args_script(args: argparse.Namespace, checkpoint_dir: Path) -> str:
+    """megatron_args.sh: MODEL_ARGS (the model) and LOAD_ARGS (start from this checkpoint), for bash."""
+    missed = not_restored_by_checkpoint_args(args)
+    lines = ["# Megatron-LM flags for the converted model: pass \"${MODEL_ARGS[@]}\" \"${LOAD_ARGS[@]}\" to pretrain_gpt.py."]
+    lines += [f"# Caveat: {caveat}." for caveat in pretrain_gpt_caveats(args)]
+    if missed:
+        lines.append(
+            "# Pass MODEL_ARGS even with --use-checkpoint-args: Megatron-LM does not restore "
+            + ", ".join(missed) + " from a checkpoint."
+        )
+    lines += ["MODEL_ARGS=("] + [f"    {flag}" for flag in megatron_flags(args)] + [")"]
+    lines += ["LOAD_ARGS=("] + [f"    {flag}" for flag in load_flags(checkpoint_dir)] + [")"]
+    return "\n".join(lines) + "\n"
 
 
 def parallelism_from_args(args: argparse.Namespace) -> Parallelism:
@@ -316,22 +586,15 @@ def spec_from_args(
     takes it from the tokenizer and may store only the padded size). Features no family has are errors."""
 
     def arg(name: str, default: Any = None) -> Any:
-        value = getattr(args, name, None)
-        return default if value is None else value
+        return stored_arg(args, name, default)
 
     unsupported = [
         (arg("normalization", "LayerNorm") != "RMSNorm", f"normalization {arg('normalization', 'LayerNorm')} (RMSNorm is supported)"),
         (not arg("swiglu", False), "an MLP without SwiGLU"),
         (arg("position_embedding_type", "learned_absolute") != "rope", f"position embeddings '{arg('position_embedding_type', 'learned_absolute')}' (rope is supported)"),
-        (arg("apply_layernorm_1p", False), "layernorm_1p"),
-        (arg("rotary_percent", 1.0) != 1.0, f"rotary_percent {arg('rotary_percent')}"),
+        (arg("layernorm_zero_centered_gamma", False), "layernorm_1p"),
         (arg("rotary_interleaved", False), "interleaved rotary embeddings"),
-        (arg("multi_latent_attention", False), "multi-latent attention"),
-        # Routing other than softmax over the expert logits (DeepSeek-V3's) computes other expert weights.
-        (arg("moe_router_score_function", "softmax") != "softmax", f"router score function '{arg('moe_router_score_function')}' (softmax is supported)"),
-        (arg("moe_router_topk_scaling_factor", 1.0) != 1.0, f"routing weights scaled by {arg('moe_router_topk_scaling_factor')}"),
-        (arg("moe_router_enable_expert_bias", False), "expert bias in the router"),
-        (arg("moe_router_num_groups") is not None, "group-limited routing"),
+        (arg("moe_router_score_function", "softmax") not in ("softmax", "sigmoid"), f"router score function '{arg('moe_router_score_function')}' (softmax and sigmoid are supported)"),
     ]
     for bad, what in unsupported:
         if bad:
@@ -356,14 +619,40 @@ def spec_from_args(
             router_pre_softmax=arg("moe_router_pre_softmax", False),
             shared_expert_ffn_hidden_size=arg("moe_shared_expert_intermediate_size"),
             shared_expert_gate=arg("moe_shared_expert_gate", False),
+            score_function=arg("moe_router_score_function", "softmax"),
+            expert_bias=arg("moe_router_enable_expert_bias", False),
+            topk_scaling_factor=arg("moe_router_topk_scaling_factor"),
+            num_groups=arg("moe_router_num_groups"),
+            group_topk=arg("moe_router_group_topk"),
+            aux_loss_coeff=float(arg("moe_aux_loss_coeff", 0.0)),
         )
-    if arg("use_rope_scaling", False):
-        rope: RopeScaling | None = RopeScaling(kind="llama3", factor=float(arg("rope_scaling_factor", 8.0)))
+    mla: MLASpec | None = None
+    if arg("multi_latent_attention", False):
+        mla = MLASpec(
+            q_lora_rank=arg("q_lora_rank"),
+            kv_lora_rank=arg("kv_lora_rank", 32),
+            qk_head_dim=arg("qk_head_dim", 128),
+            qk_pos_emb_head_dim=arg("qk_pos_emb_head_dim", 64),
+            v_head_dim=arg("v_head_dim", 128),
+        )
+    if mla is not None and arg("rope_type", "yarn") == "yarn" and float(arg("rotary_scaling_factor", 1.0)) != 1.0:
+        rope: RopeScaling | None = RopeScaling(
+            kind="yarn",
+            factor=float(args.rotary_scaling_factor),
+            mscale=float(arg("mscale", 1.0)),
+            mscale_all_dim=float(arg("mscale_all_dim", 0.0)),
+            **{field: type(fixed)(arg(field, fixed)) for field, fixed in MLA_YARN_FIXED.items()},
+        )
+    elif arg("use_rope_scaling", False):
+        rope = RopeScaling(kind="llama3", factor=float(arg("rope_scaling_factor", 8.0)))
     elif arg("rotary_seq_len_interpolation_factor") is not None:
         rope = RopeScaling(kind="linear", factor=float(args.rotary_seq_len_interpolation_factor))
     else:
         rope = None
     linear_bias = bool(arg("add_bias_linear", True))
+    window = arg("window_size")
+    if window is not None and (window[1] != 0 or arg("window_attn_skip_freq") is not None):
+        raise ConversionError(f"args: window_size {window} with window_attn_skip_freq {arg('window_attn_skip_freq')}: only a causal window on every layer is supported")
     return ModelSpec(
         family=family,
         num_layers=args.num_layers,
@@ -372,17 +661,23 @@ def spec_from_args(
         num_attention_heads=heads,
         # Megatron-LM ignores --num-query-groups unless --group-query-attention is given.
         num_query_groups=arg("num_query_groups", heads) if arg("group_query_attention", False) else heads,
-        head_dim=arg("kv_channels", args.hidden_size // heads),
+        head_dim=mla.qk_head_dim + mla.qk_pos_emb_head_dim if mla else arg("kv_channels", args.hidden_size // heads),
         vocab_size=vocab,
         max_position_embeddings=args.max_position_embeddings,
-        norm_eps=float(arg("norm_epsilon", 1e-5)),
+        norm_eps=float(arg("layernorm_epsilon", 1e-5)),
         rope_theta=float(arg("rotary_base", 10000)),
         rope_scaling=rope,
         untie_embeddings=bool(arg("untie_embeddings_and_output_weights", False)),
         qkv_bias=linear_bias or bool(arg("add_qkv_bias", False)),
         linear_bias=linear_bias,
-        qk_norm=bool(arg("qk_layernorm", False)),
+        # MLA's qk_layernorm is its latent norms, not q/k norms.
+        qk_norm=bool(arg("qk_layernorm", False)) and mla is None,
         dtype=params_dtype,
         moe=moe,
+        mla=mla,
+        rotary_percent=float(arg("rotary_percent", 1.0)),
+        mtp_layers=arg("mtp_num_layers", 0),
+        sliding_window=window[0] + 1 if window is not None else None,
+        attention_dropout=float(arg("attention_dropout", 0.1)),
         hf_config=dict(hf_config or {}),
     )

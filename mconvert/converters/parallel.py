@@ -91,10 +91,11 @@ def run_pieces(
     load: Callable[[Item], Loaded],
     store: Callable[[int, Item, Loaded], None],
     workers: int = 1,
-    progress: Callable[[int], None] = lambda done: None,
+    done: Callable[[Item], None] = lambda item: None,
 ) -> None:
     """`store(worker, item, load(item))` for every item, on `workers` writer threads (`worker` is the
-    writer's number, 0 to workers - 1, e.g. to pick its own output file) fed by `workers` loading threads.
+    writer's number, 0 to workers - 1, e.g. to pick its own output file) fed by `workers` loading threads;
+    `done(item)` after each store, one at a time (e.g. to report progress).
 
     Items are loaded in order, ahead of their store, while the loaded and unstored ones take at most
     `workers` x max(largest item, READ_AHEAD_BYTES) bytes (`sizes`); each writer always has one item coming.
@@ -104,7 +105,7 @@ def run_pieces(
     budget = workers * max(max(sizes), READ_AHEAD_BYTES)
     lock = threading.Condition()
     pending: deque[tuple[int, Future[Loaded]]] = deque()
-    state = {"queued": 0, "in_flight": 0, "done": 0, "failed": None}
+    state = {"queued": 0, "in_flight": 0, "failed": None}
     loader = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mconvert-load")
 
     def refill() -> None:
@@ -135,9 +136,7 @@ def run_pieces(
                 return
             with lock:
                 state["in_flight"] -= sizes[index]
-                state["done"] += 1
-                done = state["done"]
-            progress(done)
+                done(items[index])
 
     writers = [threading.Thread(target=write, args=(w,), name=f"mconvert-write-{w}") for w in range(workers)]
     try:

@@ -45,6 +45,8 @@ class Piece:
     layout: TensorLayout
     entry: Entry
     sources: tuple[HFRef, ...]
+    # HF copies of a tensor another piece writes (an MTP layer's embedding): read back, never written.
+    copy: bool = False
 
     @property
     def key(self) -> str:
@@ -71,6 +73,13 @@ class Plan:
     shapes: dict[str, tuple[int, ...]]  # every checkpoint key's global shape
     pieces: tuple[Piece, ...]
     extra_state_keys: tuple[str, ...]
+
+    def dtype_of(self, piece: Piece) -> torch.dtype:
+        """The dtype of a piece's tensors, on both sides: the conversion's, unless the tensor has its own."""
+        return piece.layout.dtype or self.dtype
+
+    def key_dtypes(self) -> dict[str, torch.dtype]:
+        return {key: self.dtype_of(piece) for piece in self.pieces for key in piece.keys}
 
     def hf_names(self) -> set[str]:
         return {ref.name for piece in self.pieces for ref in piece.sources}
@@ -110,25 +119,33 @@ def build_plan(
     # Modules that own a `_extra_state`: (module key, offsets) -> leading shape of its stacked tensors.
     modules: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
 
-    def add(keys: tuple[str, ...], offsets, leading, layout: TensorLayout, entry: Entry, sources: list[str]):
-        for key in keys:
-            shapes.setdefault(key, (*leading, *layout.shape))
-            modules[key.rsplit(".", 1)[0], offsets] = leading
-        pieces.append(Piece(keys, offsets, layout, entry, tuple(HFRef.parse(s) for s in sources)))
+    def add(keys: tuple[str, ...], offsets, leading, layout: TensorLayout, entry: Entry, sources: list[str], copy=False):
+        if not copy:
+            for key in keys:
+                shapes.setdefault(key, (*leading, *layout.shape))
+                modules[key.rsplit(".", 1)[0], offsets] = leading
+        pieces.append(Piece(keys, offsets, layout, entry, tuple(HFRef.parse(s) for s in sources), copy))
 
     for entry in _active(table.model, spec):
         add((entry.mcore,), (), (), megatron.tensor_layout(entry.mcore, spec, parallelism), entry, list(entry.hf_names))
 
-    layers = megatron.layer_axis(spec)
-    for layer in range(spec.num_layers):
+    # Multi-token prediction layers follow the decoder's, in HF's numbering and here; each is built like the
+    # decoder's last layer.
+    for layer in range(spec.num_layers + spec.mtp_layers):
+        layers = megatron.layer_axis(spec) if layer < spec.num_layers else ()
         prefix = table.layer_prefix.format(layer=layer)
-        is_moe = spec.layer_is_moe(layer)
+        is_moe = spec.layer_is_moe(min(layer, spec.num_layers - 1))
+        if layer >= spec.num_layers:
+            for entry in _active(table.mtp, spec):
+                key = megatron.mtp_key(entry.mcore, layer - spec.num_layers)
+                add((key,), (), (), megatron.tensor_layout(entry.mcore, spec, parallelism), entry, [prefix + n for n in entry.hf_names])
+            for entry in _active(table.mtp_copies, spec):
+                layout = megatron.tensor_layout(entry.mcore, spec, parallelism)
+                add((entry.mcore,), (), (), layout, entry, [prefix + n for n in entry.hf_names], copy=True)
         fused = layer in fused_expert_layers
         moe_mlp = table.fused_moe_mlp if fused and table.fused_moe_mlp is not None else table.moe_mlp
         for entry in _active(table.attention + (moe_mlp if is_moe else table.dense_mlp), spec):
-            names = [entry.mcore]
-            if is_moe and entry.mcore == megatron.MOE_NORM:
-                names.append(megatron.MOE_NORM_LOCAL)
+            names = megatron.checkpoint_names(entry.mcore, spec, is_moe)
             located = [megatron.layer_key(name, layer, spec) for name in names]
             layout = megatron.tensor_layout(entry.mcore, spec, parallelism)
             add(tuple(k for k, _ in located), located[0][1], layers, layout, entry, [prefix + n for n in entry.hf_names])

@@ -37,12 +37,21 @@ class ShardInfo:
     global_shape: Shape
 
 
+def model_sharded_state_dict(model: torch.nn.Module) -> dict:
+    """megatron-core's sharded state dict of `model` with the metadata Megatron-LM gives it: a pipeline stage
+    with multi-token prediction layers but no embedding ties its copy of the embedding over the data-parallel
+    group named there (megatron-core 0.16.1 fails without it)."""
+    from megatron.core import parallel_state
+
+    return model.sharded_state_dict(metadata={"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)})
+
+
 def local_shards(model: torch.nn.Module) -> dict[tuple[str, Shape], tuple[ShardInfo, torch.Tensor]]:
     """This rank's parameter shards, by (checkpoint key, global offsets), as megatron-core shards them."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    sharded_state_dict = model.sharded_state_dict()
+    sharded_state_dict = model_sharded_state_dict(model)
     apply_factories(sharded_state_dict)  # e.g. a swiglu fc1 becomes its gate and up fragments
     shards = {}
     for sharded in nested_values(sharded_state_dict):
@@ -126,5 +135,5 @@ def gather_hf_weights(
         region = region.reshape(region_shape[len(piece.offsets) :])
         if piece.layout.real_rows is not None:
             region = region[: piece.layout.real_rows]
-        for ref, tensor in zip(piece.sources, piece.entry.to_hf(region.to(dtype or region.dtype), spec)):
+        for ref, tensor in zip(piece.sources, piece.entry.to_hf(region.to(piece.layout.dtype or dtype or region.dtype), spec)):
             yield ref.name, tensor

@@ -33,6 +33,12 @@ ST_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Block-quantized FP8 (DeepSeek-V3's `quant_method: fp8` with `weight_block_size`): each FP8 weight `X` comes
+# with `X_scale_inv`, one fp32 factor per block, which multiplies the block back to its values.
+SCALE_SUFFIX = "_scale_inv"
+# Floating-point dtypes whose values are checked to be finite as they are read (float8 has no min/max kernels).
+_CHECKED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -64,16 +70,46 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in ST_DTYPES:
-            raise ConversionError(f"{path}: tensor '{name}' has unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        dtype, shape = ST_DTYPES[info["dtype"]], tuple(info["shape"])
-        if end - begin != math.prod(shape) * dtype.itemsize:
-            raise ConversionError(f"{path}: tensor '{name}' has {end - begin} bytes for shape {list(shape)}")
+        try:
+            dtype_name, (begin, end), shape = info["dtype"], info["data_offsets"], tuple(int(n) for n in info["shape"])
+        except (TypeError, KeyError, ValueError):
+            raise ConversionError(f"{path}: tensor '{name}' has a malformed header entry {info!r}") from None
+        if dtype_name not in ST_DTYPES:
+            raise ConversionError(f"{path}: tensor '{name}' has unsupported dtype {dtype_name}")
+        dtype = ST_DTYPES[dtype_name]
+        if not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
+            raise ConversionError(f"{path}: tensor '{name}' has data_offsets [{begin}, {end}] for shape {list(shape)} of {dtype_name}")
         if base + end > size:
             raise ConversionError(f"{path}: truncated (tensor '{name}' ends at byte {base + end}, file has {size})")
         tensors[name] = StoredTensor(path, dtype, shape, base + begin, base + end)
     return tensors
+
+
+def fp8_block_size(config: dict) -> tuple[int, int] | None:
+    """The block size of block-quantized FP8 weights that config.json's quantization_config names
+    (DeepSeek-V3: `quant_method: fp8`, `weight_block_size: [128, 128]`), None when it names none."""
+    quantization = config.get("quantization_config") or {}
+    block = quantization.get("weight_block_size")
+    if not quantization:
+        return None
+    if quantization.get("quant_method") != "fp8" or not block or len(block) != 2:
+        raise ConversionError(
+            f"config.json: quantization_config {quantization} is not supported (block-quantized fp8 with a "
+            f"2-D weight_block_size is)"
+        )
+    return int(block[0]), int(block[1])
+def read_weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor -> shard file map; every shard a plain file name in the index's directory."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConversionError(f"{index}: not a safetensors index (no readable 'weight_map': {e!r})") from None
+    if not isinstance(weight_map, dict):
+        raise ConversionError(f"{index}: 'weight_map' is not an object of tensor names to files")
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+            raise ConversionError(f"{index}: tensor '{name}' names shard {file!r}, not a file beside the index")
+    return weight_map
 
 
 def read_hf_config(directory: Path, flag: str) -> dict:
@@ -82,26 +118,36 @@ def read_hf_config(directory: Path, flag: str) -> dict:
     if not path.exists():
         raise ConversionError(f"{flag} {directory}: no config.json (not an HF model directory)")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except ValueError as e:
         raise ConversionError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path}: holds a JSON {type(config).__name__}, not an object of settings")
+    return config
 
 
 class HFCheckpoint:
-    """The tensors of an HF checkpoint directory: `model.safetensors`, or shards listed by the index."""
+    """The tensors of an HF checkpoint directory: `model.safetensors`, or shards listed by the index.
+    With `check_finite`, reading a floating-point tensor that holds NaN or Inf is an error naming it."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, fp8_block: tuple[int, int] | None = None, check_finite: bool = True):
+        """`fp8_block`: the block size of FP8 weights' scales (config.json's quantization_config, see
+        fp8_block_size); FP8 weights are read dequantized. `check_finite`: a weight holding NaN or Inf is an
+        error."""
         self.directory = Path(directory)
+        self.check_finite = check_finite
         index = self.directory / INDEX_FILE
         if index.exists():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            weight_map = read_weight_map(index)
             files = sorted(set(weight_map.values()))
         elif (self.directory / SINGLE_FILE).exists():
             weight_map, files = {}, [SINGLE_FILE]
         else:
             files, weight_map = sorted(p.name for p in self.directory.glob("*.safetensors")), {}
             if not files:
-                raise ConversionError(f"{self.directory}: no {INDEX_FILE}, {SINGLE_FILE} or *.safetensors files")
+                pickled = sorted(p.name for p in self.directory.glob("*.bin"))
+                hint = f" ({pickled[0]} is pickled torch weights: save the model as safetensors first)" if pickled else ""
+                raise ConversionError(f"{self.directory}: no {INDEX_FILE}, {SINGLE_FILE} or *.safetensors files{hint}")
         self.tensors: dict[str, StoredTensor] = {}
         for file in files:
             path = self.directory / file
@@ -114,6 +160,30 @@ class HFCheckpoint:
         for name, file in weight_map.items():
             if name not in self.tensors or self.tensors[name].file.name != file:
                 raise ConversionError(f"{self.directory / file}: tensor '{name}' listed in {INDEX_FILE} is not there")
+        self.scales = self._take_block_scales(fp8_block)
+
+    def _take_block_scales(self, block: tuple[int, int] | None) -> dict[str, tuple[StoredTensor, tuple[int, int]]]:
+        """FP8 weights' block scales, by weight name, with the block size, taken out of `tensors`: FP8 weights
+        read as their dequantized values, so the checkpoint's tensors are what an unquantized one holds."""
+        scales = {}
+        for name in [n for n, stored in self.tensors.items() if stored.dtype in FP8_DTYPES]:
+            stored, scale = self.tensors[name], self.tensors.get(name + SCALE_SUFFIX)
+            if scale is None or len(stored.shape) < 2 or len(scale.shape) != len(stored.shape):
+                raise ConversionError(
+                    f"{self.where(name)} is FP8 without a {name + SCALE_SUFFIX} of one scale per 2-D block "
+                    f"(block-quantized FP8, as DeepSeek-V3's, is supported)"
+                )
+            if block is None:
+                raise ConversionError(f"{self.where(name)} is FP8 but config.json's quantization_config names no weight_block_size")
+            grid = tuple(-(-size // step) for size, step in zip(stored.shape[-2:], block))
+            if stored.shape[:-2] != scale.shape[:-2] or grid != scale.shape[-2:]:
+                raise ConversionError(
+                    f"{self.where(name + SCALE_SUFFIX)} has shape {list(scale.shape)}, not the grid of "
+                    f"{list(block)} blocks of {list(stored.shape)}"
+                )
+            scales[name] = (scale, block)
+            del self.tensors[name + SCALE_SUFFIX]
+        return scales
 
     def where(self, name: str) -> str:
         return f"tensor '{name}' in {self.tensors[name].file}"
@@ -145,7 +215,31 @@ class HFCheckpoint:
                 if not count:
                     raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
                 done += count
-        return buffer.view(stored.dtype).reshape(shape)
+        tensor = buffer.view(stored.dtype).reshape(shape)
+        if name in self.scales:
+            tensor = self._dequantize(name, index, tensor)
+        if self.check_finite and tensor.dtype in _CHECKED_DTYPES and tensor.numel():
+            # One pass with no temporary (isfinite's bool tensor costs ten times more); NaN and Inf both show.
+            low, high = torch.aminmax(tensor)
+            if not (math.isfinite(low) and math.isfinite(high)):
+                which = name if index is None else f"{name}[{index}]"
+                raise ConversionError(
+                    f"{stored.file}: tensor '{which}' holds NaN or Inf values (pass --allow-nonfinite to convert it as is)"
+                )
+        return tensor
+
+    def _dequantize(self, name: str, index: int | None, tensor: torch.Tensor) -> torch.Tensor:
+        """An FP8 weight (or its slice `index`) times its blocks' scales, in fp32: a tensor at a time, so that
+        memory stays at the tensors in hand."""
+        scale, (block_rows, block_cols) = self.scales[name]
+        with open(scale.file, "rb") as f:
+            f.seek(scale.begin)
+            scales = torch.frombuffer(bytearray(f.read(scale.end - scale.begin)), dtype=scale.dtype).reshape(scale.shape)
+        if index is not None:
+            scales = scales[index]
+        rows, cols = tensor.shape[-2:]
+        factors = scales.float().repeat_interleave(block_rows, -2)[..., :rows, :].repeat_interleave(block_cols, -1)[..., :cols]
+        return tensor.float() * factors
 
 
 _ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}
@@ -235,6 +329,11 @@ class SafetensorsWriter:
             if path not in self._files:
                 self._files[path] = os.open(path, os.O_WRONLY)
             return self._files[path]
+
+    def nbytes(self, name: str, index: int | None = None) -> int:
+        """The bytes of tensor `name`, or of its slice `index` along the first axis."""
+        shape = self.places[name][3]
+        return self.sizes[name] // shape[0] if index is not None else self.sizes[name]
 
     def write(self, name: str, tensor: torch.Tensor, index: int | None = None) -> None:
         """Write tensor `name`, or its slice `index` along the first axis."""

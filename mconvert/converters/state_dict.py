@@ -6,11 +6,12 @@ describes once gathered)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any, Mapping
 
 import torch
 
-from mconvert.converters.hf_to_mcore import fused_expert_layers, piece_tensor
+from mconvert.converters.hf_to_mcore import fused_expert_layers, mtp_layers_held, piece_tensor
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.mcore_to_hf import StateDictTensors, hf_tensors, plan_export
 from mconvert.converters.plan import build_plan, check_sources
@@ -43,11 +44,13 @@ def hf_to_mcore_state_dict(
     matters only for the vocabulary padding, which Megatron makes a multiple of 128 x TP."""
     family, spec = get_mapping(config)
     hf = StateDictHF(hf_state_dict)
+    spec = dataclasses.replace(spec, mtp_layers=mtp_layers_held(family, spec, hf_state_dict))
     plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers=fused_expert_layers(family, spec, hf))
     check_sources(plan, {name: tuple(t.shape) for name, t in hf_state_dict.items()}, hf.where)
-    state_dict = {key: torch.zeros(shape, dtype=plan.dtype) for key, shape in plan.shapes.items()}
-    for piece in plan.pieces:
-        tensor = piece_tensor(piece, [hf.read(ref.name, ref.index) for ref in piece.sources], spec, plan.dtype)
+    dtypes = plan.key_dtypes()
+    state_dict = {key: torch.zeros(shape, dtype=dtypes[key]) for key, shape in plan.shapes.items()}
+    for piece in filter(lambda piece: not piece.copy, plan.pieces):
+        tensor = piece_tensor(piece, [hf.read(ref.name, ref.index) for ref in piece.sources], spec, plan.dtype_of(piece))
         for key in piece.keys:
             state_dict[key][piece.offsets] = tensor
     return state_dict

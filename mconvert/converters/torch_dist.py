@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.utils.serialization import config as serialization_config
 
+from mconvert.converters.pickles import load_megatron_file
 from mconvert.errors import ConversionError
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -75,6 +76,10 @@ class DCPWriter:
         self._items: list[WriteItem] = []
         self._storage: dict[MetadataIndex, _StorageInfo] = {}
         self._staging = [torch.empty(0, dtype=torch.uint8) for _ in range(files)]
+
+    @property
+    def data_files(self) -> list[Path]:
+        return [self.directory / name for name in self._names]
 
     def declare(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self._declared[key] = (TensorProperties(dtype=dtype), torch.Size(shape))
@@ -173,15 +178,8 @@ def write_tracker(checkpoint_dir: Path) -> None:
 
 
 def _load_common(path: Path) -> dict:
-    """common.pt's dict, unpickling only tensors and argparse.Namespace."""
-    # The context manager removes on exit what it added, even if it was allowed before (megatron-core allows
-    # Namespace process-wide on import): add only what is missing.
-    missing = [cls for cls in (argparse.Namespace,) if cls not in torch.serialization.get_safe_globals()]
-    try:
-        with torch.serialization.safe_globals(missing):
-            common = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise ConversionError(f"{path}: holds objects other than args and tensors ({str(e).splitlines()[0]})") from None
+    """common.pt's dict, running nothing it names (see mconvert.converters.pickles)."""
+    common = load_megatron_file(path, str(path))
     if not isinstance(common, dict):
         raise ConversionError(f"{path}: holds a {type(common).__name__}, not a dict")
     return common
@@ -275,6 +273,9 @@ class DCPCheckpoint:
         self._chunk_index: dict[str, tuple[dict[int, list[int]], list[int]]] = {}
         self._records: dict[tuple[str, int], int | None] = {}
         self._threads = threading.local()
+        for data_file in sorted({info.relative_path for info in metadata.storage_data.values()}):
+            if not (directory / data_file).is_file():
+                raise ConversionError(f"{directory / data_file}: data file named in {path.name} is missing")
 
     def _storage(self, index: MetadataIndex) -> _StorageInfo:
         info = self.metadata.storage_data[index]
@@ -300,17 +301,16 @@ class DCPCheckpoint:
             try:
                 window = io.BufferedReader(_FileWindow(f, info.offset, info.length), buffer_size=1 << 20)
                 tensor = torch.load(window, map_location="cpu", weights_only=True)
-            except (RuntimeError, pickle.UnpicklingError) as e:
-                raise ConversionError(f"{self.directory / info.relative_path}: chunk {number} of '{key}' is unreadable ({e})") from None
+            except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+                reason = (str(e) or type(e).__name__).splitlines()[0]
+                raise ConversionError(f"{self.directory / info.relative_path}: chunk {number} of '{key}' is unreadable ({reason})") from None
         if tensor.numel() != math.prod(chunk.sizes):
             raise ConversionError(f"{self.directory}: chunk {number} of '{key}' holds {tensor.numel()} elements, metadata says {list(chunk.sizes)}")
         return tensor.reshape(tuple(chunk.sizes))
 
-    def read_object(self, key: str, allowed: tuple[type, ...] = ()) -> Any:
-        """An object stored with `torch.save` under `key`, unpickling only tensors and `allowed` classes."""
-        missing = [cls for cls in allowed if cls not in torch.serialization.get_safe_globals()]
-        with torch.serialization.safe_globals(missing):
-            return torch.load(io.BytesIO(self._read_bytes(MetadataIndex(key))), map_location="cpu", weights_only=True)
+    def read_object(self, key: str) -> Any:
+        """An object stored with `torch.save` under `key`, running nothing it names."""
+        return load_megatron_file(io.BytesIO(self._read_bytes(MetadataIndex(key))), f"{self.directory}: '{key}'")
 
     def chunks_of(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> list[int]:
         """Numbers of the stored chunks of `key` that the region (offsets, shape) intersects."""
@@ -551,10 +551,9 @@ def read_common_args(release_dir: Path, dcp: DCPCheckpoint | None = None) -> arg
     for key in dcp.object_keys:
         if key.split("/")[0] != "common_state":
             continue
-        try:
-            common = dcp.read_object(key, (argparse.Namespace,))
-        except pickle.UnpicklingError as e:
-            raise ConversionError(f"{release_dir}: common state '{key}' holds more than args ({e})") from None
+        common = dcp.read_object(key)
+        if isinstance(common, list) and common:
+            common = common[0]  # Megatron-LM 0.19's training saves hold it in a one-element list
         args = common.get("args") if isinstance(common, dict) else None
         if isinstance(args, argparse.Namespace):
             return args

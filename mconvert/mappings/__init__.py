@@ -10,13 +10,15 @@ import dataclasses
 from typing import Any
 
 from mconvert.errors import ConversionError
-from mconvert.mappings import llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from mconvert.mappings import deepseek, glm4_moe, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
 from mconvert.mappings.family import Family, Table
 from mconvert.mappings.spec import ModelSpec, MoESpec, RopeScaling
 
 FAMILIES: dict[str, Family] = {
     family.name: family
-    for family in (llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY)
+    for family in (
+        llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, deepseek.FAMILY, glm4_moe.FAMILY
+    )
 }
 
 
@@ -26,6 +28,11 @@ def family_for_config(config: dict[str, Any], source: str = "config.json") -> Fa
         if model_type in family.model_types:
             return family
     known = sorted(t for family in FAMILIES.values() for t in family.model_types)
+    if "auto_map" in config:  # the model's code ships with the checkpoint (transformers' trust_remote_code)
+        raise ConversionError(
+            f"{source}: model_type '{model_type}' needs the checkpoint's own code (auto_map), which mconvert neither "
+            f"runs nor maps (supported: {', '.join(known)})"
+        )
     raise ConversionError(f"{source}: model_type '{model_type}' is not supported (supported: {', '.join(known)})")
 
 
@@ -55,10 +62,15 @@ def get_mapping(config: dict[str, Any], model_size: str | None = None, source: s
 
 def family_for_spec(spec: ModelSpec) -> Family:
     """The family whose architecture has the features of `spec`, for a model known only by its features (as
-    Megatron args describe it, naming no family). Experts with a shared expert: Qwen2-MoE; experts with q/k
-    norms: Qwen3-MoE; other experts: Mixtral. Dense with q/k norms: Qwen3; with biases on q, k and v only:
+    Megatron args describe it, naming no family). Multi-latent attention: DeepSeek; experts routed by sigmoid
+    scores: GLM-4.5; experts with a shared expert: Qwen2-MoE; experts with q/k norms: Qwen3-MoE; other
+    experts: Mixtral. Dense with q/k norms: Qwen3; with biases on q, k and v only:
     Qwen2; else Llama. Whether the family can express every feature is `write_hf_config`'s check."""
-    if spec.moe is not None:
+    if spec.mla is not None:
+        name = "deepseek"
+    elif spec.moe is not None and spec.moe.score_function == "sigmoid":
+        name = "glm4_moe"
+    elif spec.moe is not None:
         name = "qwen2_moe" if spec.moe.shared_expert_ffn_hidden_size else "qwen3_moe" if spec.qk_norm else "mixtral"
     else:
         name = "qwen3" if spec.qk_norm else "qwen2" if spec.qkv_bias and not spec.linear_bias else "llama"

@@ -31,6 +31,11 @@ class Table:
     fused_experts: tuple[Entry, ...] = ()
     fused_moe_mlp: tuple[Entry, ...] | None = None
     layer_prefix: str = "model.layers.{layer}."
+    # Multi-token prediction layers (the HF layers after the decoder's, named as layers are): their own
+    # tensors beside a whole decoder layer, and `mtp_copies`, HF tensors of theirs that are copies of
+    # model-scope ones Megatron shares (an MTP layer's embedding and output head).
+    mtp: tuple[Entry, ...] = ()
+    mtp_copies: tuple[Entry, ...] = ()
 
 
 @dataclass(frozen=True)

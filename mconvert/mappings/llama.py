@@ -44,11 +44,12 @@ TABLE = Table(model=MODEL, attention=ATTENTION, dense_mlp=DENSE_MLP)
 
 
 def read_config(config: dict[str, Any]) -> ModelSpec:
-    return read_dense_spec(config, "llama")
+    # transformers' Llama ignores `sliding_window`; Mistral applies it.
+    return read_dense_spec(config, "llama", applies_sliding_window=config.get("model_type") == "mistral")
 
 
 def write_config(spec: ModelSpec) -> dict[str, Any]:
-    if spec.hf_config.get("model_type") == "mistral":
+    if spec.hf_config.get("model_type") == "mistral" or spec.sliding_window is not None:
         return write_dense_config(spec, "mistral", "MistralForCausalLM")
     config = write_dense_config(spec, "llama", "LlamaForCausalLM")
     config.update(attention_bias=spec.linear_bias, mlp_bias=spec.linear_bias)

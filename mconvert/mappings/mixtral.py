@@ -46,6 +46,7 @@ def read_config(config: dict[str, Any], source: str = "config.json") -> ModelSpe
         ffn_hidden_size=spec.ffn_hidden_size,
         moe_layers=(True,) * spec.num_layers,
         router_pre_softmax=False,
+        aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0)),
     )
     return dataclasses.replace(spec, moe=moe)
 
@@ -65,7 +66,7 @@ def write_config(spec: ModelSpec) -> dict[str, Any]:
             f"shared expert, no biases and no q/k norms: this model differs ({moe})"
         )
     config = write_dense_config(spec, "mixtral", "MixtralForCausalLM")
-    config.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k)
+    config.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k, router_aux_loss_coef=moe.aux_loss_coeff)
     return config
 
 

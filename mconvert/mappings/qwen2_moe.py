@@ -76,6 +76,7 @@ def read_qwen_moe(config: dict[str, Any], spec: ModelSpec, source: str, shared_e
         router_pre_softmax=not config.get("norm_topk_prob", False),
         shared_expert_ffn_hidden_size=require(config, "shared_expert_intermediate_size", source) if shared_expert else None,
         shared_expert_gate=shared_expert,
+        aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0)),
     )
     return dataclasses.replace(spec, moe=moe)
 
@@ -90,6 +91,7 @@ def write_qwen_moe(config: dict[str, Any], spec: ModelSpec) -> dict[str, Any]:
         norm_topk_prob=not moe.router_pre_softmax,
         decoder_sparse_step=1,
         mlp_only_layers=[layer for layer, is_moe in enumerate(moe.moe_layers) if not is_moe],
+        router_aux_loss_coef=moe.aux_loss_coeff,
     )
     return config
 

@@ -22,6 +22,8 @@ class RopeScaling:
 
     kind "llama3": Megatron-Core's `--use-rope-scaling` (factor free; the other three numbers are fixed there).
     kind "linear": position interpolation, Megatron's `--rotary-seq-len-interpolation-factor`.
+    kind "yarn": YaRN, as multi-latent attention's `--rope-type yarn` (factor, mscale, mscale_all_dim; beta_fast,
+    beta_slow and the original positions are fixed by Megatron-LM, which has no flag for them under MLA).
     """
 
     kind: str
@@ -29,6 +31,10 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,31 @@ class MoESpec:
     router_pre_softmax: bool
     shared_expert_ffn_hidden_size: int | None = None
     shared_expert_gate: bool = False
+    # "softmax" or "sigmoid" (DeepSeek-V3, GLM-4.5: sigmoid scores, top-k renormalised when k > 1).
+    score_function: str = "softmax"
+    # A learned per-expert bias added to the scores to choose experts, not to weigh them
+    # (DeepSeek-V3's e_score_correction_bias).
+    expert_bias: bool = False
+    # The routing weights' multiplier (routed_scaling_factor); None for none.
+    topk_scaling_factor: float | None = None
+    # Group-limited routing: experts in `num_groups` groups, tokens routed within the best `group_topk`.
+    num_groups: int | None = None
+    group_topk: int | None = None
+    # The load-balancing loss's weight in training (HF `router_aux_loss_coef`); no effect on the weights.
+    aux_loss_coeff: float = 0.0
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-latent attention (DeepSeek-V2/V3): queries through a rank-`q_lora_rank` bottleneck (or one
+    projection when None), keys and values from one compressed latent of rank `kv_lora_rank` plus a rope part
+    shared by all heads."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_head_dim: int  # the part of each query/key head without rope
+    qk_pos_emb_head_dim: int  # the rope part
+    v_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -64,6 +95,16 @@ class ModelSpec:
     qk_norm: bool
     dtype: torch.dtype
     moe: MoESpec | None = None
+    mla: MLASpec | None = None
+    # The fraction of each head's dimensions that rope rotates (GLM-4.5's partial_rotary_factor).
+    rotary_percent: float = 1.0
+    # Multi-token prediction layers the checkpoint holds (DeepSeek-V3's and GLM-4.5's extra layers after the
+    # decoder). What a checkpoint holds, not what its config says: transformers drops them when it saves.
+    mtp_layers: int = field(default=0, compare=False)
+    # Tokens each position attends to, itself included (HF `sliding_window`); None for full attention.
+    sliding_window: int | None = None
+    # Dropout on attention probabilities in training (HF `attention_dropout`); no effect on the weights.
+    attention_dropout: float = 0.0
     # The config.json the spec was read from, kept so the way back can restore fields Megatron has no use for.
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -79,11 +120,29 @@ class ModelSpec:
     def layer_is_moe(self, layer: int) -> bool:
         return self.moe is not None and self.moe.moe_layers[layer]
 
+    @property
+    def q_low_rank(self) -> bool:
+        """Multi-latent attention with a query bottleneck (q_a_proj, q_b_proj)."""
+        return self.mla is not None and self.mla.q_lora_rank is not None
+
+    @property
+    def q_full_rank(self) -> bool:
+        """Multi-latent attention with one query projection (q_proj)."""
+        return self.mla is not None and self.mla.q_lora_rank is None
+
+    @property
+    def router_expert_bias(self) -> bool:
+        return self.moe is not None and self.moe.expert_bias
+
 
 def require(config: dict[str, Any], name: str, source: str) -> Any:
-    if config.get(name) is None:
+    """A size or count the config must give: a positive integer."""
+    value = config.get(name)
+    if value is None:
         raise ConversionError(f"{source}: required field '{name}' is missing")
-    return config[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConversionError(f"{source}: field '{name}' is {value!r}, not a positive integer")
+    return value
 
 
 def read_rope(config: dict[str, Any], source: str, default_theta: float = 10000.0) -> tuple[float, RopeScaling | None]:
@@ -122,7 +181,32 @@ def read_rope(config: dict[str, Any], source: str, default_theta: float = 10000.
         return float(theta), rope
     if kind == "linear":
         return float(theta), RopeScaling(kind="linear", factor=float(scaling["factor"]))
-    raise ConversionError(f"{source}: rope scaling type '{kind}' is not supported (llama3 and linear are)")
+    if kind == "yarn":
+        return float(theta), read_yarn(scaling, source)
+    raise ConversionError(f"{source}: rope scaling type '{kind}' is not supported (llama3, linear and yarn are)")
+
+
+def read_yarn(scaling: dict[str, Any], source: str) -> RopeScaling:
+    """YaRN as transformers computes it. Its attention factor is mscale's over mscale_all_dim's when both are
+    set, else mscale 1's: a lone mscale is ignored there, so it must be 1 here to mean the same."""
+    if scaling.get("attention_factor") is not None:
+        raise ConversionError(f"{source}: yarn attention_factor {scaling['attention_factor']} cannot be expressed in Megatron")
+    if scaling.get("truncate", True) is False:
+        raise ConversionError(f"{source}: yarn with truncate false cannot be expressed in Megatron")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim") or 0.0
+    if not (mscale and mscale_all_dim):
+        if mscale not in (None, 1, 1.0):
+            raise ConversionError(f"{source}: yarn mscale {mscale} without mscale_all_dim is ignored by transformers; set it to 1")
+        mscale = 1.0
+    return RopeScaling(
+        kind="yarn",
+        factor=float(scaling["factor"]),
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 4096)),
+        beta_fast=float(scaling.get("beta_fast", 32.0)),
+        beta_slow=float(scaling.get("beta_slow", 1.0)),
+        mscale=float(mscale),
+        mscale_all_dim=float(mscale_all_dim),
+    )
 
 
 def read_dtype(config: dict[str, Any]) -> torch.dtype:
@@ -132,19 +216,41 @@ def read_dtype(config: dict[str, Any]) -> torch.dtype:
     return DTYPES[name]
 
 
+def read_sliding_window(config: dict[str, Any], source: str) -> int | None:
+    """The attention window of every layer, as transformers applies `sliding_window`: not when
+    `use_sliding_window` is false (Qwen configs carry a window they do not use), and per layer where
+    `layer_types` (or Qwen's `max_window_layers`, from which transformers derives them) say so. Megatron
+    applies one window to all layers: a mix of windowed and full layers is an error."""
+    window = config.get("sliding_window")
+    if window is None or config.get("use_sliding_window") is False:
+        return None
+    kinds = config.get("layer_types")
+    if kinds is None and config.get("max_window_layers") is not None:
+        first_windowed = config["max_window_layers"]
+        kinds = ["sliding_attention" if i >= first_windowed else "full_attention" for i in range(config.get("num_hidden_layers", 0))]
+    if kinds is not None:
+        if "sliding_attention" not in kinds:
+            return None
+        if "full_attention" in kinds:
+            raise ConversionError(f"{source}: sliding-window attention on some layers only ({kinds.count('sliding_attention')} of {len(kinds)}) is not supported")
+    return int(window)
+
+
 def read_dense_spec(
-    config: dict[str, Any], family: str, source: str = "config.json", default_theta: float = 10000.0, **overrides: Any
+    config: dict[str, Any],
+    family: str,
+    source: str = "config.json",
+    default_theta: float = 10000.0,
+    applies_sliding_window: bool = True,
+    **overrides: Any,
 ) -> ModelSpec:
-    """The fields every supported family shares, read the way transformers reads them."""
+    """The fields every supported family shares, read the way transformers reads them.
+    `applies_sliding_window`: whether the model's transformers class honours `sliding_window` (Llama's
+    ignores it)."""
     act = config.get("hidden_act", "silu")
     if act != "silu":
         raise ConversionError(f"{source}: hidden_act '{act}' is not supported (SwiGLU with silu is)")
-    window = config.get("sliding_window")
     max_positions = config.get("max_position_embeddings", 4096)
-    # Qwen configs carry a window with use_sliding_window=false; Mistral's applies whenever it is set.
-    window_used = config.get("use_sliding_window", window is not None and window < max_positions)
-    if window_used:
-        raise ConversionError(f"{source}: sliding-window attention (sliding_window={window}) is not supported")
     heads = require(config, "num_attention_heads", source)
     hidden = require(config, "hidden_size", source)
     head_dim = config.get("head_dim") or hidden // heads
@@ -174,6 +280,8 @@ def read_dense_spec(
         linear_bias=attention_bias,
         qk_norm=False,
         dtype=read_dtype(config),
+        sliding_window=read_sliding_window(config, source) if applies_sliding_window else None,
+        attention_dropout=float(config.get("attention_dropout", 0.0)),
         hf_config=dict(config),
     )
     fields.update(overrides)
@@ -189,11 +297,24 @@ def write_dense_config(spec: ModelSpec, model_type: str, architecture: str) -> d
     """An HF config.json for `spec`, in the hub style that transformers v4 and v5 both read. Fields of the
     config the spec was read from that Megatron has no use for (token ids, ...) are kept."""
     dtype_name = next(name for name, dtype in DTYPES.items() if dtype == spec.dtype)
-    config = {k: v for k, v in spec.hf_config.items() if k not in ("rope_parameters", "dtype", "torch_dtype")}
+    # The weights written are never quantized: a source's quantization_config does not describe them.
+    dropped = ("rope_parameters", "dtype", "torch_dtype", "quantization_config")
+    config = {k: v for k, v in spec.hf_config.items() if k not in dropped}
     if spec.rope_scaling is None:
         rope_scaling = None
     elif spec.rope_scaling.kind == "linear":
         rope_scaling = {"rope_type": "linear", "factor": spec.rope_scaling.factor}
+    elif spec.rope_scaling.kind == "yarn":
+        rope = spec.rope_scaling
+        rope_scaling = {
+            "rope_type": "yarn",
+            "factor": rope.factor,
+            "original_max_position_embeddings": rope.original_max_position_embeddings,
+            "beta_fast": rope.beta_fast,
+            "beta_slow": rope.beta_slow,
+            "mscale": rope.mscale,
+            "mscale_all_dim": rope.mscale_all_dim,
+        }
     else:
         rope_scaling = {
             "rope_type": "llama3",
@@ -218,6 +339,15 @@ def write_dense_config(spec: ModelSpec, model_type: str, architecture: str) -> d
         rope_theta=spec.rope_theta,
         rope_scaling=rope_scaling,
         tie_word_embeddings=not spec.untie_embeddings,
+        attention_dropout=spec.attention_dropout,
         torch_dtype=dtype_name,
     )
+    if spec.sliding_window is not None:
+        # Mistral reads `sliding_window`; Qwen also needs the switch and every layer typed as windowed.
+        config.update(
+            sliding_window=spec.sliding_window,
+            use_sliding_window=True,
+            layer_types=["sliding_attention"] * spec.num_layers,
+        )
+        config.pop("max_window_layers", None)
     return config

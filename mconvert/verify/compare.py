@@ -96,12 +96,17 @@ class Report:
     hf_bf16_error: list[PromptMetrics] | None
     first_diverging_layer: int | None
     seconds: dict[str, float]
+    # The layer spec megatron-core's GPTModel was built with: "te" (Transformer Engine) or "local".
+    spec: str
+    # What the comparison covered or left out, said with the result.
+    notes: list[str]
 
     def to_json(self) -> dict:
         return asdict(self)
 
     def table(self) -> str:
         lines = [
+            f"megatron-core layer spec: {self.spec}",
             f"{'prompt':>6} {'tokens':>6} {'max|d|':>10} {'mean|d|':>10} {'cosine':>10} {'KL':>10} {'top1':>6} {'top5':>6}  result"
         ]
         for index, (m, limits) in enumerate(zip(self.prompts, self.thresholds)):
@@ -125,5 +130,6 @@ class Report:
                 )
         if self.first_diverging_layer is not None:
             lines.append(f"hidden states first diverge at decoder layer {self.first_diverging_layer}")
+        lines += [f"note: {note}" for note in self.notes]
         lines.append("PASS" if self.passed else "FAIL")
         return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""The few patches megatron-core 0.16.1 needs to run a GPTModel forward on CPU.
+"""The few patches megatron-core (0.13 to 0.19) needs to run a GPTModel forward on CPU.
 
 megatron-core assumes CUDA in a handful of places even when every tensor lives on the CPU
 (`use_cpu_initialization=True`). These shims make those places work on CPU and change nothing else:
@@ -7,6 +7,7 @@ processes that run megatron-core on CPU (never on CUDA ranks).
 """
 
 import contextlib
+import types
 
 import torch
 
@@ -29,6 +30,13 @@ def _null_rng_fork(self: object, name: str = "") -> contextlib.AbstractContextMa
     return contextlib.nullcontext()
 
 
+def _sliding_window_causal_mask_on_cpu(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+    """megatron.core.transformer.utils.get_sliding_window_causal_mask (True = masked out), which allocates
+    its ones on "cuda": the same triangles, on the CPU."""
+    ones = torch.ones(sq, skv, dtype=torch.bool)
+    return ~torch.tril(torch.triu(ones, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1])
+
+
 def define_missing_te_general_gemm() -> None:
     """The MoE router's gemm (moe_utils.router_gating_linear) tests `te_general_gemm`, a name moe_utils
     defines only when Transformer Engine imports: without TE it raises NameError, on CPU and CUDA
@@ -45,6 +53,7 @@ def install_cpu_shims() -> None:
     if _installed:
         return
 
+    from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import moe_utils
 
@@ -66,7 +75,74 @@ def install_cpu_shims() -> None:
     # last stages; on CPU the tensor must stay where it is.
     torch.Tensor.cuda = _tensor_stays_on_cpu
 
+    # The local attention's sliding-window mask (window_size set: Mistral) is built on "cuda".
+    fused_softmax.get_sliding_window_causal_mask = _sliding_window_causal_mask_on_cpu
+
     # megatron's own dist_checkpointing.save synchronizes the CUDA stream before writing.
     torch.cuda.synchronize = _no_op
 
     _installed = True
+
+
+class _CudaRngOnCpu(types.ModuleType):
+    """torch.cuda, but its RNG state is the CPU's: what a CPU rank has to save where a GPU's would be."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def get_rng_state(device: object = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+
+class _TorchWithCudaTensorsOnCpu(types.ModuleType):
+    """torch, but `torch.tensor(..., device="cuda")` makes a CPU tensor and the CUDA RNG state is the CPU's:
+    for modules that build their small bookkeeping tensors on "cuda" by name (Megatron-LM's checkpointing:
+    the iteration all-reduce, the RNG state it saves)."""
+
+    cuda = _CudaRngOnCpu("torch.cuda")
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+    @staticmethod
+    def tensor(*args: object, **kwargs: object) -> torch.Tensor:
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return torch.tensor(*args, **kwargs)
+
+
+def install_megatron_lm_cpu_shims() -> None:
+    """What Megatron-LM's own training code (megatron.training, megatron-core >= 0.19) needs on CPU ranks
+    beyond megatron-core's shims. Idempotent."""
+    install_cpu_shims()
+    from megatron.training import checkpointing
+
+    checkpointing.torch = _TorchWithCudaTensorsOnCpu("torch")
+
+
+def local_mla_core_attention() -> type:
+    """megatron-core 0.16.1's local core attention for multi-latent attention, which passes it `k_channels`
+    and `v_channels` that DotProductAttention does not take. Queries and keys are as wide as the tensors
+    given; only the output's width (heads x value width, not x kv_channels) needs the value width."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args: object, k_channels: int | None = None, v_channels: int | None = None, **kwargs: object):
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    return MLADotProductAttention
+
+
+def mla_without_transformer_engine() -> None:
+    """megatron-core 0.16.1's MLA module decides HAVE_TE by importing megatron's TE extension, which imports
+    without TE and leaves `TELinear` a placeholder that MLA then passes to isinstance: HAVE_TE must say
+    whether TE itself is installed."""
+    from megatron.core.transformer import multi_latent_attention
+
+    try:
+        import transformer_engine  # noqa: F401  (only probing whether it is installed)
+    except ImportError:
+        multi_latent_attention.HAVE_TE = False

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mconvert.errors import ConversionError
 from mconvert.verify.cpu_shims import define_missing_te_general_gemm, install_cpu_shims
 
 Device = Literal["cpu", "cuda"]
@@ -70,8 +71,9 @@ def run_ranks(
 ) -> Any:
     """Run `fn(*args)` on every rank of the layout; return rank 0's return value.
 
-    `fn` and `args` must be picklable (a module-level function) and rank 0's result too. An exception
-    in any rank is raised here as RankFailed with that rank's traceback; the other ranks are killed.
+    `fn` and `args` must be picklable (a module-level function) and rank 0's result too. A ConversionError
+    in any rank is raised here as it is, any other exception as RankFailed with that rank's traceback;
+    the other ranks are killed.
     Collectives time out after `timeout_s`, and a run still going after `timeout_s` is killed with a
     TimeoutError, so a broken rank never hangs the caller.
 
@@ -221,6 +223,10 @@ def _child_rank_main(
         _init_rank(rank, rank, init_method, layout, device, timeout_s, seed)
         result = fn(*args)
         reports.put((rank, True, _serialized(result) if rank == 0 else b""))
+    except ConversionError as error:
+        # Unusable input, found by a rank: the caller reports it as one line, as it would its own.
+        reports.put((rank, False, error))
+        return
     except BaseException:
         reports.put((rank, False, traceback.format_exc()))
         return
@@ -241,7 +247,8 @@ def _serialized(result: Any) -> bytes:
 def _collect_reports(
     ranks: list[mp.Process], reports: multiprocessing.queues.Queue, timeout_s: float
 ) -> bytes:
-    """Wait for every rank's report; return rank 0's result. Raise at the first failure."""
+    """Wait for every rank's report; return rank 0's result. Raise at the first failure: a rank's
+    ConversionError as it is, anything else as RankFailed with the rank's traceback."""
     deadline = time.monotonic() + timeout_s
     results: dict[int, bytes] = {}
     while len(results) < len(ranks):
@@ -258,6 +265,8 @@ def _collect_reports(
                         f"rank {rank} exited with code {process.exitcode} without reporting"
                     ) from None
             continue
+        if isinstance(payload, ConversionError):
+            raise payload
         if not ok:
             raise RankFailed(f"rank {rank} failed:\n{payload}")
         results[rank] = payload

@@ -9,6 +9,7 @@ that load it: torch_dist checkpoints are layout-independent.
 import argparse
 from typing import Literal
 
+import megatron.core
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
@@ -17,13 +18,16 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
+    get_gpt_mtp_block_spec,
 )
-from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from mconvert.converters.megatron import Parallelism, padded_vocab_size
+from mconvert.converters.megatron import Parallelism, padded_vocab_size, stored_arg
+from mconvert.errors import ConversionError
+from mconvert.verify import cpu_shims
 
 try:
     import transformer_engine  # noqa: F401  (only probing whether it is installed)
@@ -52,6 +56,17 @@ def padded_vocab_size_for_tp(args: argparse.Namespace, tp: int) -> int:
     return padded_vocab_size(args.padded_vocab_size, Parallelism(tp=tp, make_vocab_size_divisible_by=divisible_by))
 
 
+def require_shared_expert_gate() -> None:
+    """megatron-core before 0.16 has no config field for the shared expert's sigmoid gate (Qwen2-MoE):
+    its MoE spec builds shared experts without one, so the gate's weight could not be loaded."""
+    if not hasattr(TransformerConfig, "moe_shared_expert_gate"):
+        raise ConversionError(
+            f"megatron-core {megatron.core.__version__} cannot build this checkpoint's model: it has a shared "
+            "expert gate (moe_shared_expert_gate), which megatron-core supports from 0.16 on; load it with "
+            "megatron-core >= 0.16"
+        )
+
+
 def transformer_config_from_args(
     args: argparse.Namespace,
     params_dtype: torch.dtype,
@@ -73,11 +88,12 @@ def transformer_config_from_args(
             moe_shared_expert_intermediate_size=getattr(
                 args, "moe_shared_expert_intermediate_size", None
             ),
-            moe_shared_expert_gate=getattr(args, "moe_shared_expert_gate", False),
             moe_router_pre_softmax=getattr(args, "moe_router_pre_softmax", False),
             moe_router_score_function=getattr(args, "moe_router_score_function", "softmax"),
             moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
             moe_router_enable_expert_bias=getattr(args, "moe_router_enable_expert_bias", False),
+            moe_router_num_groups=getattr(args, "moe_router_num_groups", None),
+            moe_router_group_topk=getattr(args, "moe_router_group_topk", None),
             moe_layer_freq=getattr(args, "moe_layer_freq", 1),
             # The local spec's grouped gemm is the legacy GroupedMLP (CUDA-only grouped_gemm kernels,
             # other checkpoint keys); its SequentialMLP stores the keys TEGroupedMLP stores
@@ -90,7 +106,30 @@ def transformer_config_from_args(
             # result; allgather is the one that runs on gloo (CPU) as well as NCCL.
             moe_token_dispatcher_type="allgather",
         )
-    return TransformerConfig(
+        if getattr(args, "moe_shared_expert_gate", False):
+            require_shared_expert_gate()
+            moe_settings["moe_shared_expert_gate"] = True
+    config_class, mla_settings = TransformerConfig, {}
+    if getattr(args, "multi_latent_attention", False):
+        config_class = MLATransformerConfig
+        mla_settings = dict(
+            multi_latent_attention=True,
+            q_lora_rank=args.q_lora_rank,
+            kv_lora_rank=args.kv_lora_rank,
+            qk_head_dim=args.qk_head_dim,
+            qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
+            v_head_dim=args.v_head_dim,
+            rope_type=getattr(args, "rope_type", None) or "yarn",
+            rotary_base=getattr(args, "rotary_base", 10000),
+            rotary_scaling_factor=getattr(args, "rotary_scaling_factor", 1.0),
+            mscale=getattr(args, "mscale", 1.0),
+            mscale_all_dim=getattr(args, "mscale_all_dim", 0.0),
+        )
+        # Megatron-LM has no flags for these; args written by mconvert record MLATransformerConfig's defaults.
+        for name in ("original_max_position_embeddings", "beta_fast", "beta_slow"):
+            if getattr(args, name, None) is not None:
+                mla_settings[name] = getattr(args, name)
+    return config_class(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
@@ -101,13 +140,14 @@ def transformer_config_from_args(
         ),
         kv_channels=getattr(args, "kv_channels", None),
         normalization=args.normalization,
-        layernorm_epsilon=args.norm_epsilon,
+        layernorm_epsilon=stored_arg(args, "layernorm_epsilon", 1e-5),
         gated_linear_unit=args.swiglu,
         activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=getattr(args, "add_qkv_bias", False),
         qk_layernorm=getattr(args, "qk_layernorm", False),
         rotary_interleaved=getattr(args, "rotary_interleaved", False),
+        window_size=getattr(args, "window_size", None),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -130,7 +170,9 @@ def transformer_config_from_args(
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=True,
         perform_initialization=perform_initialization,
+        mtp_num_layers=getattr(args, "mtp_num_layers", None),
         **moe_settings,
+        **mla_settings,
     )
 
 
@@ -140,14 +182,32 @@ def _layer_spec(
     """The layer spec Megatron-LM's GPT model provider picks for these args."""
     if config.num_moe_experts:
         # Handles moe_layer_freq (dense and MoE layers mixed) and slices this pipeline stage's layers.
-        return get_gpt_decoder_block_spec(
+        spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization=args.normalization
         )
-    if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    return get_gpt_layer_local_spec(
-        qk_layernorm=config.qk_layernorm, normalization=args.normalization
-    )
+    elif use_te:
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=config.qk_layernorm, multi_latent_attention=config.multi_latent_attention
+        )
+    else:
+        spec = get_gpt_layer_local_spec(
+            qk_layernorm=config.qk_layernorm,
+            normalization=args.normalization,
+            multi_latent_attention=config.multi_latent_attention,
+        )
+    if config.multi_latent_attention and not use_te:
+        _fit_local_mla(spec)
+    return spec
+
+
+def _fit_local_mla(spec: ModuleSpec | TransformerBlockSubmodules) -> None:
+    """megatron-core 0.16.1's local MLA layers, made buildable (see cpu_shims): the core attention that
+    takes MLA's arguments, and MLA's own test for Transformer Engine."""
+    cpu_shims.mla_without_transformer_engine()
+    core_attention = cpu_shims.local_mla_core_attention()
+    layers = spec.layer_specs if isinstance(spec, TransformerBlockSubmodules) else [spec]
+    for layer in layers:
+        layer.submodules.self_attention.submodules.core_attention = core_attention
 
 
 def build_gpt_model(
@@ -162,9 +222,16 @@ def build_gpt_model(
     config = transformer_config_from_args(
         args, params_dtype, transformer_impl, perform_initialization
     )
+    use_te = uses_transformer_engine(transformer_impl)
+    layer_spec = _layer_spec(config, args, use_te)
+    mtp_block_spec = None
+    if config.mtp_num_layers:
+        # Built on the last pipeline stage only, each layer like the decoder's last.
+        mtp_block_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_te)
     return GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(config, args, uses_transformer_engine(transformer_impl)),
+        transformer_layer_spec=layer_spec,
+        mtp_block_spec=mtp_block_spec,
         vocab_size=padded_vocab_size_for_tp(args, config.tensor_model_parallel_size),
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

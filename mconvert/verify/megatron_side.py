@@ -5,6 +5,7 @@ megatron-core process with `parallel_state` initialized) and must be called by a
 """
 
 import argparse
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -15,8 +16,8 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.models.gpt import GPTModel
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from mconvert.converters.rank_export import model_sharded_state_dict
 from mconvert.converters.torch_dist import iteration_dir
 from mconvert.verify.megatron_model import TransformerImpl, build_gpt_model
 
@@ -47,7 +48,7 @@ def load_model(
     state_dict = dist_checkpointing.load(
         # Nested as Megatron-LM nests it: the checkpoint's common state (args, iteration, ...) comes
         # back beside "model". The tensors' checkpoint keys do not depend on the nesting.
-        {"model": model.sharded_state_dict()},
+        {"model": model_sharded_state_dict(model)},
         str(iteration_dir(Path(ckpt_dir))),
         # megatron's "unexpected" keys are those the model asks for and the checkpoint lacks.
         strict=StrictHandling.RAISE_UNEXPECTED,
@@ -74,6 +75,21 @@ def forward_logits_and_hidden_states(
     return _forward(model, tokens, record_hidden_states=True)
 
 
+@contextlib.contextmanager
+def _without_mtp(chunk: torch.nn.Module):
+    """The forward of the main model alone. Multi-token prediction layers predict later tokens from the main
+    model's hidden states and never change its logits; megatron-core 0.16.1 runs them only with labels."""
+    if not getattr(chunk, "mtp_process", False):
+        yield
+        return
+    mtp_process, mtp_num_layers = chunk.mtp_process, chunk.config.mtp_num_layers
+    chunk.mtp_process, chunk.config.mtp_num_layers = False, None
+    try:
+        yield
+    finally:
+        chunk.mtp_process, chunk.config.mtp_num_layers = mtp_process, mtp_num_layers
+
+
 def _forward(
     model: ModelChunks, tokens: torch.Tensor, record_hidden_states: bool
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -93,18 +109,22 @@ def _forward(
         for layer in (chunk.decoder.layers if record_hidden_states else [])
     ]
     # One microbatch through the stages, as megatron's forward-only schedule runs it; the schedule
-    # itself cannot run on CPU (0.16.1 allocates its token counter with device="cuda").
-    pipeline = P2PCommunicator(parallel_state.get_pipeline_model_parallel_group(), chunk.config)
+    # itself cannot run on CPU (0.16.1 allocates its token counter with device="cuda"). The stages
+    # pass activations with plain send/recv: megatron's own wrappers changed API between versions
+    # (module functions in 0.13, P2PCommunicator from 0.14).
     try:
         with torch.no_grad():
-            chunk.set_input_tensor(
-                pipeline.recv_forward(
-                    (seq, batch, chunk.config.hidden_size), is_first_stage=is_first_stage
+            if not is_first_stage:
+                received = torch.empty(
+                    (seq, batch, chunk.config.hidden_size), dtype=chunk.config.pipeline_dtype, device=device
                 )
-            )
+                dist.recv(received, src=parallel_state.get_pipeline_model_parallel_prev_rank())
+                chunk.set_input_tensor(received)
             # TP logits are gathered by the output layer itself.
-            output = chunk(tokens, position_ids, causal_mask, runtime_gather_output=True)
-            pipeline.send_forward(output, is_last_stage=is_last_stage)
+            with _without_mtp(chunk):
+                output = chunk(tokens, position_ids, causal_mask, runtime_gather_output=True)
+            if not is_last_stage:
+                dist.send(output, dst=parallel_state.get_pipeline_model_parallel_next_rank())
     finally:
         for hook in hooks:
             hook.remove()
@@ -172,7 +192,7 @@ def gather_global_state(model: ModelChunks) -> dict[str, torch.Tensor]:
     """
     shards = []
     for chunk in model:
-        sharded_state_dict = chunk.sharded_state_dict()
+        sharded_state_dict = model_sharded_state_dict(chunk)
         apply_factories(sharded_state_dict)
         shards += [
             _Shard(

@@ -9,6 +9,7 @@ NCCL or on CPU gloo ranks.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from mconvert.converters import megatron
 from mconvert.converters.safetensors_io import read_hf_config
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.torch_dist import iteration_dir, read_args
+from mconvert.dependencies import VERIFY, VERIFY_INSTALL, require
 from mconvert.errors import ConversionError
 from mconvert.mappings import get_mapping
 from mconvert.verify.compare import (
@@ -33,11 +35,13 @@ from mconvert.verify.compare import (
 from mconvert.verify.hf_side import Outputs, hf_outputs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# `--spec` names and the transformer_impl Megatron-LM builds each with.
+SPECS = {"te": "transformer_engine", "local": "local"}
 # Arguments that define the network; a difference in any of them means the two sides are different models.
 ARCHITECTURE_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "vocab_size", "rotary_base", "use_rope_scaling", "rope_scaling_factor", "rotary_seq_len_interpolation_factor",
-    "norm_epsilon", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights",
+    "layernorm_epsilon", "norm_epsilon", "window_size", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights",
     "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax", "moe_layer_freq",
     "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
 )
@@ -87,16 +91,26 @@ def check_architecture(hf_dir: Path, stored: argparse.Namespace) -> None:
         raise ArchitectureMismatch("; ".join(differences))
 
 
+def resolve_spec(spec: str | None) -> str:
+    """The layer spec to verify with: the one asked for, else Transformer Engine's when it imports (what
+    Megatron-LM trains with by default), else the local one."""
+    from mconvert.verify.megatron_model import HAVE_TRANSFORMER_ENGINE
+
+    if spec is None:
+        return "te" if HAVE_TRANSFORMER_ENGINE else "local"
+    if spec == "te" and not HAVE_TRANSFORMER_ENGINE:
+        raise ConversionError("--spec te: transformer_engine is not installed (it does not import); use --spec local")
+    return spec
+
+
 def megatron_outputs(
-    ckpt_dir: str, prompts: list[torch.Tensor], vocab_size: int, dtype: torch.dtype, device: str
+    ckpt_dir: str, prompts: list[torch.Tensor], vocab_size: int, dtype: torch.dtype, device: str, spec: str
 ) -> Outputs:
     """Runs in every rank: load the checkpoint into megatron-core's GPTModel and run the prompts."""
-    from mconvert.verify.megatron_model import uses_transformer_engine
     from mconvert.verify.megatron_side import forward_logits_and_hidden_states, load_model
 
     args = read_args(iteration_dir(Path(ckpt_dir)))
-    impl = "transformer_engine" if uses_transformer_engine("transformer_engine") else "local"
-    model = load_model(ckpt_dir, args, dtype, device, transformer_impl=impl)
+    model = load_model(ckpt_dir, args, dtype, device, transformer_impl=SPECS[spec])
     outputs = Outputs([], [])
     for tokens in prompts:
         logits, hidden = forward_logits_and_hidden_states(model, tokens[None])
@@ -114,14 +128,24 @@ class VerifyRequest:
     dtype: str = "fp32"
     prompts_file: Path | None = None
     timeout_s: float = 1800.0
+    spec: str | None = None  # "te" or "local"; None: "te" when Transformer Engine imports
 
 
 def verify(request: VerifyRequest) -> Report:
     """Compare the two models; raises ConversionError for unusable input, ArchitectureMismatch for
-    different models."""
+    different models; MissingDependency (a ConversionError) without megatron-core or transformers."""
+    require(VERIFY, "mconvert verify", VERIFY_INSTALL)
     from mconvert.verify.distributed import ParallelLayout, run_ranks
 
     par = request.parallelism
+    spec = resolve_spec(request.spec)
+    if spec == "te" and request.device != "cuda":
+        raise ConversionError("--spec te needs --device cuda (Transformer Engine runs on GPUs only)")
+    if spec == "te" and request.dtype == "fp32":
+        # Transformer Engine computes fp32 GEMMs in TF32 unless told not to (3e-3 to 2e-2 of the logit scale
+        # measured on H200, against 2e-5 without): an fp32 comparison would measure TF32. Read by cuBLAS when
+        # the rank processes, spawned after this, start.
+        os.environ.setdefault("NVIDIA_TF32_OVERRIDE", "0")
     if request.device == "cuda":
         if not torch.cuda.is_available():
             raise ConversionError("--device cuda: no GPU is visible")
@@ -138,6 +162,15 @@ def verify(request: VerifyRequest) -> Report:
         if request.prompts_file
         else builtin_prompts(vocab_size)
     )
+    notes = []
+    window = stored.window_size[0] + 1 if getattr(stored, "window_size", None) else None
+    if window is not None and max(len(prompt) for prompt in prompts) > window:
+        # Within the window both sides attend to every earlier token: the weights are compared, not two
+        # implementations of the window (tests/test_dense_megatron.py checks the window on CPU).
+        prompts = [prompt[:window] for prompt in prompts]
+        notes.append(f"sliding window of {window} tokens: prompts cut to the window")
+    elif window is not None:
+        notes.append(f"sliding window of {window} tokens: every prompt is within it")
     dtype = DTYPES[request.dtype]
     seconds = {}
     started = time.perf_counter()
@@ -147,7 +180,7 @@ def verify(request: VerifyRequest) -> Report:
     seconds["hf"] = time.perf_counter() - started
     started = time.perf_counter()
     candidate = run_ranks(
-        megatron_outputs, str(request.mcore_dir), prompts, vocab_size, dtype, request.device,
+        megatron_outputs, str(request.mcore_dir), prompts, vocab_size, dtype, request.device, spec,
         tp=par.tp, pp=par.pp, ep=par.ep, etp=par.etp, device=request.device, timeout_s=request.timeout_s,
     )
     seconds["megatron"] = time.perf_counter() - started
@@ -169,4 +202,4 @@ def verify(request: VerifyRequest) -> Report:
     ]
     first = min((layer for layer in diverged if layer is not None), default=None)
     passed = all(m.passes(limit) for m, limit in zip(metrics, limits))
-    return Report(passed, request.dtype, metrics, limits, floors, first, seconds)
+    return Report(passed, request.dtype, metrics, limits, floors, first, seconds, spec, notes)

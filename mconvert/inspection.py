@@ -1,0 +1,208 @@
+"""`mconvert inspect`: what a checkpoint holds (an HF directory, a torch_dist checkpoint or a legacy `torch` one),
+read from its headers and metadata only: the family and model, the stored Megatron args, every tensor's
+shape, dtype and chunking, the vocabulary padding, the layout it was written for and the ones it suits."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mconvert.converters import megatron, torch_dist
+from mconvert.converters.megatron import Parallelism
+from mconvert.converters.safetensors_io import HFCheckpoint, read_hf_config
+from mconvert.errors import ConversionError
+from mconvert.manifest import MANIFEST
+from mconvert.mappings import get_mapping
+from mconvert.mappings.spec import ModelSpec
+
+_MODEL_FIELDS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
+    "vocab_size", "max_position_embeddings", "rope_theta", "untie_embeddings", "qkv_bias", "qk_norm",
+)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, torch.dtype):
+        return _dtype_name(value)
+    return str(value)
+
+
+def _model(spec: ModelSpec) -> dict[str, Any]:
+    model = {name: getattr(spec, name) for name in _MODEL_FIELDS}
+    if spec.moe is not None:
+        model |= {"num_experts": spec.moe.num_experts, "moe_router_topk": spec.moe.top_k, "moe_ffn_hidden_size": spec.moe.ffn_hidden_size}
+    return model
+
+
+def _fits(par: Parallelism, spec: ModelSpec) -> bool:
+    try:
+        par.validate(spec)
+    except ConversionError:
+        return False
+    return True
+
+
+def suitable_layouts(spec: ModelSpec, stored_vocab_rows: int | None = None, divisible_by: int = 128) -> dict[str, list[int]]:
+    """The TP, PP and EP sizes (each with the others at 1) the model can be sharded by. With
+    `stored_vocab_rows`, a TP must also pad the vocabulary to those rows, as Megatron-LM computes the
+    embedding's shape from the TP it runs at and a torch_dist load of another shape fails."""
+    powers = [2**k for k in range(7)]
+    tps = [
+        tp for tp in powers
+        if _fits(Parallelism(tp=tp, etp=1 if spec.moe else None), spec)
+        and (stored_vocab_rows is None or megatron.padded_vocab_size(spec.vocab_size, Parallelism(tp=tp, make_vocab_size_divisible_by=divisible_by)) == stored_vocab_rows)
+    ]
+    pps = [pp for pp in range(1, spec.num_layers + 1) if _fits(Parallelism(pp=pp), spec)]
+    experts = spec.moe.num_experts if spec.moe else 1
+    eps = [ep for ep in range(1, experts + 1) if _fits(Parallelism(ep=ep, etp=1 if spec.moe else None), spec)]
+    return {"tp": tps, "pp": pps, "ep": eps}
+
+
+def _files(directory: Path) -> dict[str, Any]:
+    files = [p for p in directory.rglob("*") if p.is_file()]
+    return {"count": len(files), "bytes": sum(p.stat().st_size for p in files), "manifest": (directory / MANIFEST).exists()}
+
+
+def inspect_hf(directory: Path) -> dict[str, Any]:
+    config = read_hf_config(directory, "inspect")
+    family, spec = get_mapping(config, source=str(directory / "config.json"))
+    hf = HFCheckpoint(directory)
+    return {
+        "path": str(directory),
+        "format": "hf",
+        "family": family.name,
+        "architecture": (config.get("architectures") or ["?"])[0],
+        "dtype": _dtype_name(spec.dtype),
+        "model": _model(spec),
+        "vocab": {"size": spec.vocab_size},
+        "suits": suitable_layouts(spec),
+        "tensors": [
+            {"name": name, "shape": list(stored.shape), "dtype": _dtype_name(stored.dtype), "file": stored.file.name}
+            for name, stored in hf.tensors.items()
+        ],
+        "files": _files(directory),
+    }
+
+
+def inspect_megatron(load_dir: Path) -> dict[str, Any]:
+    from mconvert.converters.legacy_torch import LegacyCheckpoint
+    from mconvert.converters.mcore_to_hf import open_megatron_checkpoint, plan_export
+
+    source = open_megatron_checkpoint(load_dir)
+    plan, config = plan_export(source)
+    spec, args = plan.spec, source.args
+    shapes = source.stored_shapes(plan)
+    written_for = megatron.parallelism_from_args(args)
+    embedding_rows = shapes["embedding.word_embeddings.weight"][0]
+    legacy = isinstance(source, LegacyCheckpoint)
+    tensors = []
+    for key, shape in sorted(shapes.items()):
+        entry: dict[str, Any] = {"name": key, "shape": list(shape)}
+        if not legacy:
+            meta = source.dcp.metadata.state_dict_metadata[key]
+            entry |= {"dtype": _dtype_name(meta.properties.dtype), "chunks": len(meta.chunks), "chunk_shape": list(meta.chunks[0].sizes)}
+        tensors.append(entry)
+    if legacy:
+        # The legacy format is per rank: Megatron-LM loads it only at the layout it was saved with.
+        suits = {"tp": [written_for.tp], "pp": [written_for.pp], "ep": [written_for.ep]}
+    else:
+        suits = suitable_layouts(spec, embedding_rows, written_for.make_vocab_size_divisible_by)
+    return {
+        "path": str(load_dir),
+        "format": "torch (legacy)" if legacy else "torch_dist",
+        "iteration_dir": source.location,
+        "family": plan.family.name,
+        "architecture": config["architectures"][0],
+        "dtype": _dtype_name(source.weights_dtype or spec.dtype),
+        "model": _model(spec),
+        "vocab": {
+            "size": spec.vocab_size,
+            "stored_rows": embedding_rows,
+            "padding": embedding_rows - spec.vocab_size,
+            "make_vocab_size_divisible_by": written_for.make_vocab_size_divisible_by,
+        },
+        "written_for": {"tp": written_for.tp, "pp": written_for.pp, "ep": written_for.ep, "etp": written_for.expert_tp},
+        "suits": suits,
+        "args": {k: _jsonable(v) for k, v in sorted(vars(args).items())} if args is not None else None,
+        "tensors": tensors,
+        "files": _files(load_dir),
+    }
+
+
+def inspect_path(path: Path) -> dict[str, Any]:
+    """What the checkpoint at `path` holds, as a JSON-able dict."""
+    if not path.is_dir():
+        raise ConversionError(f"inspect {path}: not a directory")
+    if (path / "config.json").exists():
+        return inspect_hf(path)
+    if (path / torch_dist.TRACKER_FILE).exists() or (path / ".metadata").exists() or any(path.glob("mp_rank_*")):
+        return inspect_megatron(path)
+    raise ConversionError(f"inspect {path}: neither an HF model (no config.json) nor a Megatron checkpoint (no {torch_dist.TRACKER_FILE})")
+
+
+def _shape(shape: list[int]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as text for a terminal."""
+    lines = [f"{report['path']}: {report['format']} checkpoint, {report['family']} ({report['architecture']}), {report['dtype']}"]
+    lines.append("model: " + ", ".join(f"{k}={v}" for k, v in report["model"].items()))
+    vocab = report["vocab"]
+    if "padding" in vocab:
+        lines.append(
+            f"vocab: {vocab['size']} tokens, stored as {vocab['stored_rows']} rows ({vocab['padding']} rows of padding, "
+            f"to a multiple of {vocab['make_vocab_size_divisible_by']} x TP)"
+        )
+    else:
+        lines.append(f"vocab: {vocab['size']} tokens")
+    if "written_for" in report:
+        w = report["written_for"]
+        lines.append(f"written for: TP={w['tp']} PP={w['pp']} EP={w['ep']} ETP={w['etp']}")
+    suits = report["suits"]
+    lines.append("suits: " + "; ".join(f"{dim.upper()} in {{{', '.join(map(str, sizes))}}}" for dim, sizes in suits.items()))
+    if report.get("args") is not None:
+        lines.append(f"args: {len(report['args'])} stored (--json lists them)")
+    files = report["files"]
+    lines.append(f"files: {files['count']}, {files['bytes']} bytes, manifest: {'yes' if files['manifest'] else 'no'}")
+    lines.append(f"tensors ({len(report['tensors'])}):")
+    for tensor in report["tensors"]:
+        extra = [tensor["dtype"]] if "dtype" in tensor else []
+        if "chunks" in tensor:
+            extra.append(f"{tensor['chunks']} chunks of {_shape(tensor['chunk_shape'])}")
+        if "file" in tensor:
+            extra.append(tensor["file"])
+        lines.append(f"  {tensor['name']}  {_shape(tensor['shape'])}  {'  '.join(extra)}")
+    return "\n".join(lines)
+
+
+def run_inspect(path: Path, as_json: bool, check: bool) -> int:
+    """The `inspect` command: print the report (or, with `check`, re-hash every file against the manifest)."""
+    if check:
+        from mconvert.manifest import check_manifest, read_manifest
+
+        count = len(read_manifest(path))
+        problems = check_manifest(path)
+        if as_json:
+            print(json.dumps({"path": str(path), "files": count, "problems": problems}, indent=2))
+        else:
+            for problem in problems:
+                print(f"{path}/{problem}")
+            print(f"{path}: {count} files checked against {MANIFEST}: " + (f"{len(problems)} do not match" if problems else "all match"))
+        return 1 if problems else 0
+    report = inspect_path(path)
+    print(json.dumps(report, indent=2) if as_json else format_report(report))
+    return 0

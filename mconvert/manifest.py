@@ -1,0 +1,132 @@
+"""The manifest every conversion writes into its output: the sha256 of every file, in `sha256sum`'s format
+(so `sha256sum -c mconvert.sha256` checks it too), and the check that re-reads the files against it.
+
+A file written front to back (torch_dist's data file) is hashed while it is written, by a thread that reads
+just behind the writer from the page cache, on the core the conversion leaves idle; the others (small, or
+written out of order) are hashed when the manifest is written."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from mconvert.errors import ConversionError
+
+MANIFEST = "mconvert.sha256"
+_BLOCK = 16 << 20
+# How long the following hasher waits for the writer when it has caught up.
+_FOLLOW_POLL_S = 0.05
+# Digests of files hashed while written, by absolute path: (size, mtime_ns, sha256).
+_hashed_while_written: dict[Path, tuple[int, int, str]] = {}
+_hashed_lock = threading.Lock()
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    block = bytearray(_BLOCK)
+    view = memoryview(block)
+    with open(path, "rb", buffering=0) as f:
+        while count := f.readinto(block):
+            digest.update(view[:count])  # hashlib lets go of the GIL here: files hash in parallel threads
+    return digest.hexdigest()
+
+
+@contextmanager
+def hashed_while_written(path: Path) -> Iterator[None]:
+    """Hash `path` while the body of the `with` appends to it (never seeking back). On a normal exit the
+    digest is kept for `write_manifest`; after an exception the hashing is dropped."""
+    path = path.absolute()
+    done = threading.Event()
+    result: list[str] = []
+
+    def follow() -> None:
+        digest = hashlib.sha256()
+        block = bytearray(_BLOCK)
+        view = memoryview(block)
+        with open(path, "rb", buffering=0) as f:
+            while True:
+                finished = done.is_set()  # read before the last pass, so that nothing written is missed
+                while count := f.readinto(block):
+                    digest.update(view[:count])
+                if finished:
+                    break
+                done.wait(_FOLLOW_POLL_S)
+        result.append(digest.hexdigest())
+
+    follower = threading.Thread(target=follow, name=f"sha256 {path.name}", daemon=True)
+    follower.start()
+    try:
+        yield
+    except BaseException:
+        done.set()
+        follower.join()
+        raise
+    done.set()
+    follower.join()
+    if result:
+        stat = path.stat()
+        with _hashed_lock:
+            _hashed_while_written[path] = (stat.st_size, stat.st_mtime_ns, result[0])
+
+
+def _hash(path: Path) -> str:
+    """The digest of `path`: the one taken while it was written if the file is unchanged since, else read now."""
+    path = path.absolute()
+    with _hashed_lock:
+        known = _hashed_while_written.pop(path, None)
+    stat = path.stat()
+    if known is not None and known[:2] == (stat.st_size, stat.st_mtime_ns):
+        return known[2]
+    return sha256_of(path)
+
+
+def _files(directory: Path) -> list[str]:
+    return sorted(
+        str(path.relative_to(directory)) for path in directory.rglob("*") if path.is_file() and path.name != MANIFEST
+    )
+
+
+def _hash_all(directory: Path, names: list[str], reuse: bool = False) -> list[str]:
+    hash_one = _hash if reuse else sha256_of
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda name: hash_one(directory / name), names))
+
+
+def write_manifest(directory: Path) -> None:
+    """Hash every file under `directory` into its manifest."""
+    names = _files(directory)
+    lines = [f"{digest}  {name}\n" for name, digest in zip(names, _hash_all(directory, names, reuse=True))]
+    (directory / MANIFEST).write_text("".join(lines))
+
+
+def read_manifest(directory: Path) -> dict[str, str]:
+    """The manifest of `directory`: file -> sha256."""
+    path = directory / MANIFEST
+    if not path.exists():
+        raise ConversionError(f"{directory}: no {MANIFEST} (not written by mconvert, or by a version before manifests)")
+    entries = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        digest, sep, name = line.partition("  ")
+        if not sep or len(digest) != 64:
+            raise ConversionError(f"{path}: line {number} is not '<sha256>  <file>'")
+        entries[name] = digest
+    return entries
+
+
+def check_manifest(directory: Path) -> list[str]:
+    """Re-read every file of `directory` against its manifest: the problems found (a file changed, missing or
+    not in the manifest), none when all match."""
+    expected = read_manifest(directory)
+    present = set(_files(directory))
+    problems = [f"{name}: missing" for name in sorted(set(expected) - present)]
+    problems += [f"{name}: not in {MANIFEST}" for name in sorted(present - set(expected))]
+    names = sorted(set(expected) & present)
+    for name, digest in zip(names, _hash_all(directory, names)):
+        if digest != expected[name]:
+            problems.append(f"{name}: sha256 {digest}, {MANIFEST} says {expected[name]}")
+    return problems

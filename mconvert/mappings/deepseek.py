@@ -1,0 +1,216 @@
+"""DeepSeek-V2, V2-Lite, V3 (and R1, Kimi-K2 shapes): multi-latent attention, dense layers first
+(`first_k_dense_replace`), then routed experts with shared experts. V3 routes by sigmoid scores with a
+per-expert bias that only chooses experts and group-limited choice; V2 by softmax, greedy.
+
+Megatron-Core's MLA keeps HF's layouts: q_b_proj's per-head [no-rope; rope] rows, kv_a_proj_with_mqa's
+[latent; rope] rows and kv_b_proj's per-head [key; value] rows are its linear_q_up_proj, linear_kv_down_proj
+and linear_kv_up_proj as they are, and its rope de-interleaves pairs as DeepSeek's does (`rope_interleave`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from mconvert.errors import ConversionError
+from mconvert.mappings import llama, qwen2_moe
+from mconvert.mappings.family import Family, Table
+from mconvert.mappings.spec import MLASpec, ModelSpec, MoESpec, read_dense_spec, require, write_dense_config
+from mconvert.mappings.transforms import Concat, Rename
+
+# The latent norms are fused into the up projections under the Transformer Engine spec; converters/megatron.py
+# writes them under the local spec's names (q_layernorm, kv_layernorm) too.
+MLA_ATTENTION = (
+    Rename("input_layernorm.weight", "input_layernorm.weight"),
+    Rename("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight", when="q_low_rank"),
+    Rename("self_attention.linear_q_up_proj.layer_norm_weight", "self_attn.q_a_layernorm.weight", when="q_low_rank"),
+    Rename("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight", when="q_low_rank"),
+    Rename("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight", when="q_full_rank"),
+    Rename("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+    Rename("self_attention.linear_kv_up_proj.layer_norm_weight", "self_attn.kv_a_layernorm.weight"),
+    Rename("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
+    Rename("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+)
+
+# The router (with V3's expert bias) and the shared experts: one MLP of n_shared_experts x the experts' width.
+MOE_MLP = (
+    *qwen2_moe.ROUTER,
+    Rename("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias", when="router_expert_bias"),
+    Concat("mlp.shared_experts.linear_fc1.weight", ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight")),
+    Rename("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight"),
+)
+
+# A multi-token prediction layer's own tensors: eh_proj takes [embedding norm; hidden norm] as Megatron does.
+MTP = (
+    Rename("enorm.weight", "enorm.weight"),
+    Rename("hnorm.weight", "hnorm.weight"),
+    Rename("eh_proj.weight", "eh_proj.weight"),
+    Rename("final_layernorm.weight", "shared_head.norm.weight"),
+)
+# Megatron's MTP layers use the model's embedding and output layer; the hub stores copies in each.
+MTP_COPIES = (
+    Rename("embedding.word_embeddings.weight", "embed_tokens.weight"),
+    Rename("output_layer.weight", "shared_head.head.weight"),
+)
+
+TABLE = Table(
+    model=llama.MODEL,
+    attention=MLA_ATTENTION,
+    mtp=MTP,
+    mtp_copies=MTP_COPIES,
+    dense_mlp=llama.DENSE_MLP,
+    moe_mlp=MOE_MLP,
+    experts=qwen2_moe.EXPERTS,
+    fused_experts=qwen2_moe.FUSED_EXPERTS,
+)
+
+
+def first_dense_layers(config: dict[str, Any], num_layers: int, source: str) -> tuple[bool, ...]:
+    """Layers from `first_k_dense_replace` on have experts (transformers ignores `moe_layer_freq`)."""
+    dense = config.get("first_k_dense_replace") or 0
+    if dense >= num_layers:
+        raise ConversionError(f"{source}: no layer has experts (first_k_dense_replace={dense}, {num_layers} layers)")
+    return tuple(layer >= dense for layer in range(num_layers))
+
+
+def read_groups(config: dict[str, Any], num_experts: int, top_k: int, group_score_top: int, source: str):
+    """(num_groups, group_topk) for Megatron, None when routing is not group-limited. Megatron scores a group
+    by the sum of its best top_k / group_topk experts; transformers by the sum of its best `group_score_top`."""
+    groups, chosen = config.get("n_group") or 1, config.get("topk_group") or 1
+    if groups == 1 or chosen >= groups:
+        return None, None
+    if num_experts % groups:
+        raise ConversionError(f"{source}: n_group {groups} does not divide the {num_experts} experts")
+    if top_k // chosen != group_score_top:
+        raise ConversionError(
+            f"{source}: group-limited routing with num_experts_per_tok {top_k} and topk_group {chosen} scores "
+            f"groups by their best {top_k // chosen} experts in Megatron but by their best {group_score_top} here"
+        )
+    return groups, chosen
+
+
+def read_moe(config: dict[str, Any], num_layers: int, sigmoid: bool, source: str) -> MoESpec:
+    num_experts = require(config, "n_routed_experts", source)
+    top_k = require(config, "num_experts_per_tok", source)
+    width = require(config, "moe_intermediate_size", source)
+    scale = float(config.get("routed_scaling_factor") or 1.0)
+    if sigmoid:
+        # Megatron renormalises sigmoid top-k weights whenever k > 1, and never for k = 1.
+        if not config.get("norm_topk_prob", True) or top_k == 1:
+            raise ConversionError(
+                f"{source}: sigmoid routing with norm_topk_prob {config.get('norm_topk_prob')} and "
+                f"num_experts_per_tok {top_k} cannot be expressed in Megatron (it renormalises exactly when k > 1)"
+            )
+        groups = read_groups(config, num_experts, top_k, 2, source)
+    else:
+        method = config.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ConversionError(f"{source}: topk_method '{method}' is not supported (greedy, group_limited_greedy are)")
+        groups = read_groups(config, num_experts, top_k, 1, source) if method == "group_limited_greedy" else (None, None)
+    return MoESpec(
+        num_experts=num_experts,
+        top_k=top_k,
+        ffn_hidden_size=width,
+        moe_layers=first_dense_layers(config, num_layers, source),
+        # V2: softmax over all experts, top-k, never renormalised (transformers ignores norm_topk_prob there).
+        router_pre_softmax=not sigmoid,
+        shared_expert_ffn_hidden_size=width * require(config, "n_shared_experts", source),
+        score_function="sigmoid" if sigmoid else "softmax",
+        expert_bias=sigmoid,
+        topk_scaling_factor=None if scale == 1.0 else scale,
+        num_groups=groups[0],
+        group_topk=groups[1],
+    )
+
+
+def read_mla(config: dict[str, Any], source: str) -> MLASpec:
+    if config.get("attention_bias"):
+        raise ConversionError(f"{source}: multi-latent attention with attention_bias cannot be expressed in Megatron")
+    if config.get("rope_interleave", True) is False:
+        raise ConversionError(f"{source}: rope_interleave false is not supported (Megatron's MLA rope de-interleaves)")
+    return MLASpec(
+        q_lora_rank=config.get("q_lora_rank"),
+        kv_lora_rank=require(config, "kv_lora_rank", source),
+        qk_head_dim=require(config, "qk_nope_head_dim", source),
+        qk_pos_emb_head_dim=require(config, "qk_rope_head_dim", source),
+        v_head_dim=require(config, "v_head_dim", source),
+    )
+
+
+def read_config(config: dict[str, Any], source: str = "config.json") -> ModelSpec:
+    sigmoid = config.get("model_type") == "deepseek_v3"
+    mla = read_mla(config, source)
+    # HF's latent norms have transformers' default epsilon 1e-6; Megatron uses one epsilon for every norm.
+    eps = float(config.get("rms_norm_eps", 1e-6))
+    if eps != 1e-6:
+        raise ConversionError(f"{source}: rms_norm_eps {eps:g} differs from the latent norms' fixed 1e-6, which Megatron cannot express")
+    spec = read_dense_spec(
+        config,
+        "deepseek",
+        source,
+        head_dim=mla.qk_head_dim + mla.qk_pos_emb_head_dim,
+        num_query_groups=config["num_attention_heads"],
+        mla=mla,
+    )
+    return dataclasses.replace(spec, moe=read_moe(config, spec.num_layers, sigmoid, source))
+
+
+def write_moe(config: dict[str, Any], spec: ModelSpec, family: str) -> dict[str, Any]:
+    """The MoE fields of `config` (shared by GLM-4.5), or an error where `spec`'s experts differ from
+    DeepSeek's: all layers after the first dense ones have experts, and ungated shared experts as wide as a
+    whole number of experts."""
+    moe = spec.moe
+    dense = moe.moe_layers.index(True) if moe is not None and True in moe.moe_layers else None
+    if dense is None or moe.moe_layers != tuple(layer >= dense for layer in range(spec.num_layers)):
+        raise ConversionError(f"the {family} family has experts in all layers after the first dense ones")
+    shared = moe.shared_expert_ffn_hidden_size
+    if not shared or shared % moe.ffn_hidden_size or moe.shared_expert_gate:
+        raise ConversionError(f"the {family} family has ungated shared experts as wide as a whole number of experts")
+    for name in ("num_experts", "num_local_experts"):
+        config.pop(name, None)
+    config.update(
+        n_routed_experts=moe.num_experts,
+        num_experts_per_tok=moe.top_k,
+        moe_intermediate_size=moe.ffn_hidden_size,
+        n_shared_experts=shared // moe.ffn_hidden_size,
+        first_k_dense_replace=dense,
+        routed_scaling_factor=moe.topk_scaling_factor or 1.0,
+        n_group=moe.num_groups or 1,
+        topk_group=moe.group_topk or 1,
+        norm_topk_prob=moe.score_function == "sigmoid",
+    )
+    return config
+
+
+def write_config(spec: ModelSpec) -> dict[str, Any]:
+    mla = spec.mla
+    if mla is None or spec.linear_bias or spec.qkv_bias or spec.qk_norm:
+        raise ConversionError("the deepseek family has multi-latent attention without biases or q/k norms")
+    sigmoid = spec.moe is not None and spec.moe.score_function == "sigmoid"
+    model_type, architecture = ("deepseek_v3", "DeepseekV3ForCausalLM") if sigmoid else ("deepseek_v2", "DeepseekV2ForCausalLM")
+    config = write_moe(write_dense_config(spec, model_type, architecture), spec, "deepseek")
+    for name in ("head_dim", "qk_head_dim"):
+        config.pop(name, None)
+    config.update(
+        attention_bias=False,
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_nope_head_dim=mla.qk_head_dim,
+        qk_rope_head_dim=mla.qk_pos_emb_head_dim,
+        v_head_dim=mla.v_head_dim,
+        moe_layer_freq=1,
+        num_nextn_predict_layers=spec.mtp_layers,
+        scoring_func=spec.moe.score_function,
+        topk_method="noaux_tc" if sigmoid else "group_limited_greedy" if spec.moe.num_groups else "greedy",
+    )
+    return config
+
+
+FAMILY = Family(
+    name="deepseek",
+    model_types=("deepseek_v2", "deepseek_v3"),
+    model_sizes=("deepseek", "kimi-k2", "moonlight"),
+    table=TABLE,
+    read_config=read_config,
+    write_config=write_config,
+)

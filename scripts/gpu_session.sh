@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# One GPU session for the Transformer Engine and Megatron-LM training evidence (docs/verification.md), on the
+# 2-GPU machine (Python 3.12, torch 2.11 with CUDA 13, no network). Files in /tmp there survive only while the
+# machine is kept (about 30 s after a call), so the calls after `prepare` go back to back:
+#
+#   here:   bash scripts/gpu_session.sh prepare                  # wheels and the five TE parts (git-ignored)
+#   there:  bash scripts/gpu_session.sh part N                   # N = 1..4, one call each, carrying .tepN
+#   there:  bash scripts/gpu_session.sh run 540 install train    # carrying .tep5, .tebuild and .whl
+#   there:  bash scripts/gpu_session.sh run 540 install verify   # carrying .tebuild and .whl (install: done)
+#   there:  bash scripts/gpu_session.sh run 300 install te-export train   # the export check, and training jobs
+#                                                                # the first call had no time for
+#
+# `run SECONDS STAGE...` runs the stages in order and stops starting work at SECONDS after its start, so that the
+# call returns its results within the machine's 10 minutes a command. Each stage writes its results to $OUT as
+# they come (train.jsonl, verify/results.jsonl, te_export.jsonl, plus env.txt and logs); a stage done in an
+# earlier call of the same session is skipped (marker in /tmp/mconvert-session).
+#   install    megatron-core 0.19.2 and Transformer Engine 2.20.2 into /tmp/site (scripts/gpu_te_setup.sh)
+#   train      Megatron-LM training steps from converted checkpoints (scripts/gpu_train.py)
+#   verify     mconvert verify --spec te on real shapes (scripts/gpu_verify.py)
+#   te-export  megatron-core's own TE-spec grouped-GEMM saves exported bit-exactly (scripts/gpu_te_export.py)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# The machine's rule: no NVLink multicast (also in programs that set their own environment).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Megatron-LM's rule for TP > 1 before Blackwell; fp32 comparisons under TE need TF32 off.
+export CUDA_DEVICE_MAX_CONNECTIONS=1 NVIDIA_TF32_OVERRIDE=0
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONWARNINGS=ignore
+STATE=/tmp/mconvert-session
+WORK=/tmp/mconvert-work
+
+case "${1:-}" in
+prepare)
+  exec bash scripts/gpu_te_setup.sh prepare
+  ;;
+part)
+  n=${2:?part number 1..5}
+  mkdir -p /tmp/teparts && cp .tep"$n"/* /tmp/teparts/ && ls -l /tmp/teparts
+  exit
+  ;;
+run)
+  budget=${2:?seconds}
+  shift 2
+  ;;
+*)
+  echo "usage: $0 prepare | part N | run SECONDS STAGE..." >&2
+  exit 2
+  ;;
+esac
+
+: "${OUT:?OUT must name the folder for the results}"
+mkdir -p "$OUT" "$STATE" "$WORK"
+start=$(date +%s)
+left() { echo $((budget - ($(date +%s) - start))); }
+stage_done() { [ -e "$STATE/$1" ]; }
+mark() { touch "$STATE/$1"; }
+note() { echo "[$(date -u +%H:%M:%S) +$(($(date +%s) - start))s] $*" | tee -a "$OUT/session.log"; }
+
+{
+  nvidia-smi -L
+  python3 -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+} > "$OUT/env.txt" 2>&1
+
+for stage in "$@"; do
+  if stage_done "$stage"; then note "$stage: done in an earlier call"; continue; fi
+  if [ "$(left)" -lt 45 ]; then note "$stage: skipped, deadline"; continue; fi
+  note "$stage: start ($(left) s left)"
+  case "$stage" in
+  install)
+    # A TE part carried with this call (the last one fits beside .tebuild and .whl) joins the others.
+    for part in .tep?; do [ -d "$part" ] && mkdir -p /tmp/teparts && cp "$part"/* /tmp/teparts/; done
+    if python3 -c "import megatron.training, transformer_engine.pytorch" 2>/dev/null; then
+      mark install
+    else
+      t0=$(date +%s)
+      MAX_JOBS=$(nproc) timeout "$(left)" bash scripts/gpu_te_setup.sh install > "$OUT/install.log" 2>&1
+      code=$?
+      note "install: exit $code in $(($(date +%s) - t0)) s"
+      python3 -c "import megatron.training" 2>/dev/null && mark install
+    fi
+    python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" >> "$OUT/env.txt" 2>&1
+    python3 -c "import transformer_engine as te; print('transformer_engine', te.__version__)" >> "$OUT/env.txt" 2>&1 \
+      || echo "transformer_engine: not importable (local spec only)" >> "$OUT/env.txt"
+    ;;
+  train)
+    # Dense TP=2 and PP=2 on Qwen2.5-0.5B's shape (all 24 layers, tied embeddings), MoE EP=2 on Qwen3-30B-A3B's
+    # (first 2 layers: 128 experts of full width).
+    python3 scripts/gpu_train.py --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" \
+      qwen2.5-0.5b:tp2 qwen3-30b-a3b@2:ep2 qwen2.5-0.5b:pp2 > "$OUT/train.log" 2>&1
+    code=$?
+    note "train: exit $code"
+    [ "$code" = 3 ] || mark train  # 3: jobs left for a later call
+    ;;
+  verify)
+    # Real widths, first 8 layers (device time: the whole 32- and 36-layer models took 60 to 80 s each to
+    # verify, with the local spec).
+    python3 scripts/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) - 60))" \
+      llama-3.1-8b@8:tp2 llama-3.1-8b@8:pp2 qwen3-8b@8:tp2 qwen3-8b@8:pp2 \
+      qwen3-30b-a3b@8:ep2 qwen3-30b-a3b@8:tp2ep2etp1 qwen1.5-moe-a2.7b@8:ep2 > "$OUT/verify.log" 2>&1
+    note "verify: exit $?"
+    mark verify
+    ;;
+  te-export)
+    timeout "$(left)" python3 scripts/gpu_te_export.py --work "$WORK/te-export" --out "$OUT" > "$OUT/te_export.log" 2>&1
+    note "te-export: exit $?"
+    mark te-export
+    ;;
+  *)
+    note "unknown stage $stage"
+    ;;
+  esac
+done
+note "end"

@@ -1,0 +1,175 @@
+"""Megatron-LM training steps from converted checkpoints, on GPUs, judged against transformers.
+
+    python scripts/gpu_train.py --work /tmp/gt --out results/ qwen2.5-0.5b:tp2 qwen2.5-0.5b:pp2 qwen3-30b-a3b@2:ep2
+
+A job is CONFIG[@LAYERS]:LAYOUT as in scripts/gpu_verify.py. For each: a random-init HF model of that shape
+(bf16), `mconvert hf-to-mcore --dtype fp32` at the layout, a token file of --rows rows (one global batch), then
+two runs of `torchrun scripts/megatron_train.py` with exactly the checkpoint's MODEL_ARGS (from
+megatron_args.sh) plus the load, data and optimizer flags:
+- --lr 0 for 2 steps with --save: its loss must equal transformers' and its training save must export to the
+  HF input bit for bit;
+- --lr LR for --steps steps: its loss must fall at every step;
+then scripts/megatron_train_check.py judges. Without Transformer Engine (it does not import) MODEL_ARGS'
+`--transformer-impl transformer_engine` cannot run; the local spec is added then, with what Megatron-LM's
+defaults take from TE turned off, and the result says so. Dropout is off (--hidden-dropout 0
+--attention-dropout 0; Megatron-LM defaults both to 0.1, the HF models to 0) so that the training forward is
+the model's function. Each result is appended to OUT/train.jsonl as it comes; jobs not started before
+--deadline-s are skipped (exit 3; with --done-dir a later run does only those), runs are stopped at it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+import torch  # noqa: E402
+from gpu_verify import parse_job  # noqa: E402
+from megatron_train_check import write_tokens  # noqa: E402
+from mconvert.synthetic import real_config, write_random_hf_checkpoint  # noqa: E402
+
+# What Megatron-LM's defaults take from Transformer Engine, off for the local spec.
+WITHOUT_TE = ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion"]
+
+
+def model_args(ckpt: Path) -> list[str]:
+    """MODEL_ARGS, exactly as the converter wrote them to megatron_args.sh."""
+    block = re.search(r"MODEL_ARGS=\((.*?)\)", (ckpt / "megatron_args.sh").read_text(), re.S).group(1)
+    return shlex.split(block, comments=True)
+
+
+def run(command: list[str], timeout_s: float, log: Path) -> tuple[int, float]:
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        try:
+            code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=max(timeout_s, 1), cwd=REPO).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+    return code, round(time.perf_counter() - started, 1)
+
+
+def tail(log: Path, chars: int = 4000) -> str:
+    return log.read_text(errors="replace")[-chars:] if log.exists() else ""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("jobs", nargs="+")
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--deadline-s", type=float, default=540)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=8, help="rows of the token file = --global-batch-size")
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--done-dir", type=Path, help="a marker per finished job here; jobs marked are skipped")
+    options = parser.parse_args()
+    options.out.mkdir(parents=True, exist_ok=True)
+    have_te = importlib.util.find_spec("transformer_engine") is not None
+    started = time.perf_counter()
+
+    def left() -> float:
+        return options.deadline_s - (time.perf_counter() - started)
+
+    skipped = 0
+    for job in options.jobs:
+        marker = options.done_dir / f"train-{job.replace(':', '-')}" if options.done_dir else None
+        if marker and marker.exists():
+            print(f"skipped {job}: done in an earlier run", flush=True)
+            continue
+        if left() < 60:
+            print(f"skipped {job}: deadline", flush=True)
+            skipped += 1
+            continue
+        name, layers, sizes, _ = parse_job(job)
+        tag = f"{name}@{layers or 'all'}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}"
+        work = options.work / tag
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        hf = options.work / f"{name}@{layers or 'all'}"
+        result: dict = {"job": job, "transformer_engine": have_te}
+        t0 = time.perf_counter()
+        if not (hf / "config.json").exists():
+            config = real_config(name)
+            if layers:
+                config["num_hidden_layers"] = layers
+            config["torch_dtype"] = "bfloat16"
+            write_random_hf_checkpoint(config, hf, device="cuda" if torch.cuda.is_available() else "cpu")
+        result["make_hf_s"] = round(time.perf_counter() - t0, 1)
+        ckpt = work / "mcore"
+        code, result["convert_s"] = run(
+            [sys.executable, "-m", "mconvert.cli", "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(ckpt),
+             "--dtype", "fp32", *(f"--{k}={v}" for k, v in sizes.items())],
+            left(), work / "convert.log",
+        )
+        if code:
+            result.update(passed=False, convert_output=tail(work / "convert.log"))
+        else:
+            flags = model_args(ckpt)
+            result["model_args"] = flags
+            if not have_te:
+                flags = [flag for flag in flags if flag != "--moe-grouped-gemm"] + WITHOUT_TE
+            elif importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+                # Megatron-LM's default gradient accumulation fusion is APEX's CUDA extension (seen missing
+                # on the GPU machine: its first training forward stopped there).
+                flags = [*flags, "--no-gradient-accumulation-fusion"]
+            write_tokens(hf, options.rows, options.seq_length, work / "tokens.npy")
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                        str(options.nproc), "scripts/megatron_train.py"]
+            common = [
+                *flags, "--load", str(ckpt), "--finetune", "--no-load-optim", "--no-load-rng", "--ckpt-format", "torch_dist",
+                "--dist-ckpt-strictness", "raise_unexpected", "--tokenizer-type", "NullTokenizer",
+                "--token-file", str(work / "tokens.npy"), "--seq-length", str(options.seq_length),
+                "--micro-batch-size", str(options.micro_batch_size), "--global-batch-size", str(options.rows),
+                "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
+                "--lr-decay-style", "constant",
+            ]
+            lr0 = [*common, "--lr", "0", "--train-iters", "2", "--save", str(work / "save0"), "--save-interval", "1000",
+                   "--loss-log", str(work / "log0")]
+            trained = [*common, "--lr", str(options.lr), "--train-iters", str(options.steps), "--loss-log", str(work / "log1")]
+            result["command_lr0"] = shlex.join(["torchrun", *torchrun[3:], *lr0])
+            code0, result["lr0_s"] = run([*torchrun, *lr0], min(left(), 300), work / "lr0.log")
+            code1, result["trained_s"] = (None, 0.0)
+            if left() > 45:
+                code1, result["trained_s"] = run([*torchrun, *trained], min(left(), 300), work / "trained.log")
+            result.update(lr0_exit=code0, trained_exit=code1)
+            judge = [sys.executable, "scripts/megatron_train_check.py", "judge", "--hf", str(hf), "--tokens",
+                     str(work / "tokens.npy"), "--out", str(work / "judge.json")]
+            if (work / "log0").exists():
+                judge += ["--lr0-log", str(work / "log0")]
+            if code0 == 0:
+                judge += ["--lr0-save", str(work / "save0")]
+            if (work / "log1").exists():
+                judge += ["--trained-log", str(work / "log1")]
+            code, result["judge_s"] = run(judge, max(left(), 60), work / "judge.log")
+            if (work / "judge.json").exists():
+                result["judge"] = json.loads((work / "judge.json").read_text())
+            result["passed"] = code == 0 and code0 == 0 and code1 == 0
+            if not result["passed"]:
+                result.update(lr0_log=tail(work / "lr0.log"), trained_log=tail(work / "trained.log"),
+                              judge_log=tail(work / "judge.log"))
+        print(json.dumps({k: v for k, v in result.items() if not k.endswith("_log")}, indent=1), flush=True)
+        with open(options.out / "train.jsonl", "a") as f:
+            f.write(json.dumps(result) + "\n")
+        shutil.rmtree(work / "mcore", ignore_errors=True)
+        shutil.rmtree(work / "save0", ignore_errors=True)
+        if marker:
+            marker.touch()
+    return 3 if skipped else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

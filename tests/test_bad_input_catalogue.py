@@ -1,0 +1,347 @@
+"""The catalogue of bad input (docs/troubleshooting.md), each run through the command line as a user runs it:
+exit 1, one line naming the file, tensor or flag, no traceback, and no output (nor any of its temporary
+siblings) left behind. Cases that tests/test_bad_input.py and tests/test_mcore_to_hf_bad_input.py cover are
+not repeated here."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import struct
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from cli_runner import assert_nothing_left, assert_one_line_error, run_cli
+from mconvert.converters import torch_dist
+from test_mcore_to_hf_bad_input import checkpoint, private_checkpoint  # noqa: F401 (fixtures)
+
+LAYER_WEIGHT = "model.layers.1.mlp.down_proj.weight"
+
+
+@pytest.fixture
+def hf(hf_model_factory, tmp_path):
+    """A private copy of a tiny Qwen2.5 checkpoint (one model.safetensors), for a test to break."""
+    copy = tmp_path / "hf"
+    shutil.copytree(hf_model_factory("qwen2.5-7b-instruct"), copy)
+    return copy
+
+
+def to_mcore(hf, out, *flags, **run):
+    return run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", out, *flags, **run)
+
+
+def to_hf(checkpoint, out, *flags):
+    return run_cli("mcore-to-hf", "--load-dir", checkpoint, "--save-dir", out, *flags)
+
+
+def refused(result, out, *names):
+    err = assert_one_line_error(result, *names)
+    assert_nothing_left(out)
+    return err
+
+
+def write_config(hf, **changes):
+    config = json.loads((hf / "config.json").read_text())
+    config.update(changes)
+    for name in [name for name, value in changes.items() if value is None]:
+        del config[name]
+    (hf / "config.json").write_text(json.dumps(config))
+
+
+def header_of(path):
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + length]), data[8 + length :]
+
+
+def write_with_header(path, header, body):
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + body)
+
+
+def split_into_shards(hf, names_in_second=(LAYER_WEIGHT,)):
+    """model.safetensors as two shards and an index, the second holding `names_in_second`."""
+    tensors = load_file(hf / "model.safetensors")
+    (hf / "model.safetensors").unlink()
+    second = {name: tensors.pop(name) for name in names_in_second}
+    save_file(tensors, hf / "model-00001-of-00002.safetensors")
+    save_file(second, hf / "model-00002-of-00002.safetensors")
+    weight_map = {name: "model-00001-of-00002.safetensors" for name in tensors}
+    weight_map.update({name: "model-00002-of-00002.safetensors" for name in second})
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+# --- HF checkpoints -------------------------------------------------------------------------------------
+
+
+def test_a_truncated_safetensors_header(hf, tmp_path):
+    path = hf / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:100])  # cut inside the JSON header
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", path, "truncated (header of")
+
+
+def test_a_file_too_short_to_be_safetensors(hf, tmp_path):
+    (hf / "model.safetensors").write_bytes(b"\x01\x02")
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "model.safetensors", "not a safetensors file")
+
+
+def test_a_header_that_is_not_json(hf, tmp_path):
+    path = hf / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8:12] = b"\xff\xfe{["
+    path.write_bytes(bytes(data))
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", path, "unreadable safetensors header")
+
+
+def test_a_header_whose_offsets_lie(hf, tmp_path):
+    path = hf / "model.safetensors"
+    header, body = header_of(path)
+    begin, end = header[LAYER_WEIGHT]["data_offsets"]
+    header[LAYER_WEIGHT]["data_offsets"] = [begin, end - 4]
+    write_with_header(path, header, body)
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", path, LAYER_WEIGHT, "data_offsets")
+
+
+def test_a_malformed_header_entry(hf, tmp_path):
+    path = hf / "model.safetensors"
+    header, body = header_of(path)
+    del header[LAYER_WEIGHT]["shape"]
+    write_with_header(path, header, body)
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", path, LAYER_WEIGHT, "malformed header entry")
+
+
+def test_an_unexpected_dtype(hf, tmp_path):
+    path = hf / "model.safetensors"
+    header, body = header_of(path)
+    header[LAYER_WEIGHT]["dtype"] = "C64"
+    write_with_header(path, header, body)
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", path, LAYER_WEIGHT, "unsupported dtype C64")
+
+
+def test_an_index_path_outside_the_model_directory(hf, tmp_path):
+    split_into_shards(hf)
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.copy(hf / "model-00002-of-00002.safetensors", outside)
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    index["weight_map"][LAYER_WEIGHT] = "../elsewhere.safetensors"
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "model.safetensors.index.json", LAYER_WEIGHT, "../elsewhere.safetensors")
+
+
+def test_an_index_that_is_not_json(hf, tmp_path):
+    split_into_shards(hf)
+    (hf / "model.safetensors.index.json").write_text('{"weight_map": {')
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "model.safetensors.index.json", "not a safetensors index")
+
+
+def test_an_index_naming_a_tensor_its_shard_lacks(hf, tmp_path):
+    split_into_shards(hf)
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.0.mlp.gate_proj.weight"] = "model-00002-of-00002.safetensors"
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "model-00002-of-00002.safetensors", "model.layers.0.mlp.gate_proj.weight")
+
+
+def test_duplicate_tensor_names_across_shards(hf, tmp_path):
+    split_into_shards(hf)
+    first = load_file(hf / "model-00001-of-00002.safetensors")
+    first[LAYER_WEIGHT] = load_file(hf / "model-00002-of-00002.safetensors")[LAYER_WEIGHT]
+    save_file(first, hf / "model-00001-of-00002.safetensors")
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", LAYER_WEIGHT, "is also in model-00001-of-00002.safetensors")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_weight(hf, tmp_path, value):
+    tensors = load_file(hf / "model.safetensors")
+    tensors[LAYER_WEIGHT][3, 5] = value
+    save_file(tensors, hf / "model.safetensors")
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", LAYER_WEIGHT, "NaN or Inf", "--allow-nonfinite")
+    allowed = to_mcore(hf, tmp_path / "out", "--allow-nonfinite")
+    assert allowed.returncode == 0, allowed.stderr
+
+
+def test_a_config_missing_a_field(hf, tmp_path):
+    write_config(hf, num_attention_heads=None)
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "config.json", "num_attention_heads")
+
+
+def test_a_config_that_is_not_json(hf, tmp_path):
+    (hf / "config.json").write_text("{'model_type': 'qwen2'}")
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "config.json", "not valid JSON")
+
+
+def test_a_config_field_of_the_wrong_type(hf, tmp_path):
+    write_config(hf, num_hidden_layers="2")
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "config.json", "'num_hidden_layers' is '2'")
+
+
+def test_a_config_that_is_not_an_object(hf, tmp_path):
+    (hf / "config.json").write_text("[]")
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", hf / "config.json", "not an object")
+
+
+def test_weights_only_in_pickled_bin_files(hf, tmp_path):
+    torch.save(load_file(hf / "model.safetensors"), hf / "pytorch_model.bin")
+    (hf / "model.safetensors").unlink()
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", hf, "pytorch_model.bin", "save the model as safetensors")
+
+
+def test_a_directory_without_config(hf, tmp_path):
+    (hf / "config.json").unlink()
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "--load-dir", "no config.json")
+
+
+def test_a_model_that_needs_remote_code(hf, tmp_path):
+    write_config(hf, model_type="deepseek_v4", auto_map={"AutoModelForCausalLM": "modeling_deepseek.DeepseekV4ForCausalLM"})
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "config.json", "deepseek_v4", "auto_map")
+
+
+def test_experts_that_expert_parallelism_cannot_divide(hf_model_factory, tmp_path):
+    moe = hf_model_factory("qwen3-30b-a3b")  # 8 experts
+    refused(to_mcore(moe, tmp_path / "out", "--ep", "3"), tmp_path / "out", "--ep 3")
+
+
+# --- Where the output goes --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mounted(tmp_path):
+    """mount(options) -> a fresh tmpfs mounted with `options` (needs root; the test is skipped without)."""
+    points = []
+
+    def mount(options):
+        point = tmp_path / f"mnt{len(points)}"
+        point.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)], capture_output=True)
+        if done.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        points.append(point)
+        return point
+
+    yield mount
+    for point in points:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+def test_output_on_a_read_only_file_system(hf, mounted):
+    read_only = mounted("ro,size=1m")
+    out = read_only / "out"
+    refused(to_mcore(hf, out), out, "--save-dir", "Read-only file system")
+
+
+def test_output_under_a_file(hf, tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    out = tmp_path / "a-file" / "out"
+    assert_one_line_error(to_mcore(hf, out), "--save-dir", "cannot write there")
+    assert (tmp_path / "a-file").read_text() == "x"
+
+
+def test_disk_full_during_the_write(hf, mounted):
+    small = mounted("size=256k")  # the model's weights are about 600 KB
+    out = small / "out"
+    refused(to_mcore(hf, out), out, "--save-dir", "No space left on device")
+    assert not list(small.iterdir())  # what was written is removed, which frees the space again
+
+
+def test_a_file_size_limit_during_the_write(hf, tmp_path):
+    """Without a mount (not root): a file size limit (RLIMIT_FSIZE) stops the write as a full disk does."""
+    import resource
+    import signal
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    out = tmp_path / "out"
+    refused(to_mcore(hf, out, preexec_fn=limit_file_size), out, "--save-dir", "File too large")
+
+
+# --- Megatron checkpoints -------------------------------------------------------------------------------
+
+
+def test_a_missing_distcp_file(private_checkpoint, tmp_path):
+    data = private_checkpoint / torch_dist.RELEASE / "__0_0.distcp"
+    data.unlink()
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", data, "missing")
+
+
+def test_a_truncated_distcp_file(private_checkpoint, tmp_path):
+    data = private_checkpoint / torch_dist.RELEASE / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", data)
+
+
+def test_a_corrupt_metadata_file(private_checkpoint, tmp_path):
+    metadata = private_checkpoint / torch_dist.RELEASE / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:200])
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", metadata, "unreadable DCP metadata")
+
+
+class _Marker:
+    """Unpickling this runs `open(path, "w")`: what a malicious pickle does instead of holding data."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def test_metadata_that_would_run_code(private_checkpoint, tmp_path):
+    marker = tmp_path / "ran"
+    metadata = private_checkpoint / torch_dist.RELEASE / ".metadata"
+    metadata.write_bytes(pickle.dumps(_Marker(marker)))
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", metadata, "not allowed")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("content", [b"PK\x03\x04 not really a zip", b""], ids=["corrupt", "empty"])
+def test_a_corrupt_common_pt(private_checkpoint, tmp_path, content):
+    common = private_checkpoint / torch_dist.RELEASE / "common.pt"
+    common.write_bytes(content)
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", common, "not a torch.save file")
+
+
+def test_a_tracker_holding_garbage(private_checkpoint, tmp_path):
+    (private_checkpoint / torch_dist.TRACKER_FILE).write_text("latest\n")
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", torch_dist.TRACKER_FILE, "'latest'")
+
+
+def legacy_checkpoint(directory, state):
+    """A legacy `torch`-format checkpoint of one rank holding `state`."""
+    rank_dir = directory / "iter_0000010" / "mp_rank_00"
+    rank_dir.mkdir(parents=True)
+    torch.save(state, rank_dir / "model_optim_rng.pt")
+    (directory / torch_dist.TRACKER_FILE).write_text("10")
+    return rank_dir / "model_optim_rng.pt"
+
+
+def test_a_legacy_checkpoint_carrying_an_unexpected_class(tmp_path):
+    marker = tmp_path / "ran"
+    path = legacy_checkpoint(tmp_path / "legacy", {"model": {}, "rng_state": _Marker(marker)})
+    assert not marker.exists()
+    refused(to_hf(tmp_path / "legacy", tmp_path / "out"), tmp_path / "out", path, "io.open", "not loaded")
+    assert not marker.exists()
+
+
+def test_a_legacy_rank_file_that_is_not_torch_save(tmp_path):
+    path = legacy_checkpoint(tmp_path / "legacy", {})
+    path.write_bytes(os.urandom(64))
+    refused(to_hf(tmp_path / "legacy", tmp_path / "out"), tmp_path / "out", path, "not a torch.save file")
+
+
+def test_the_troubleshooting_table_names_these_tests():
+    """docs/troubleshooting.md lists each message with the test that checks it: those tests exist."""
+    import re
+
+    from cli_runner import REPO
+
+    table = (REPO / "docs" / "troubleshooting.md").read_text()
+    named = set(re.findall(r"`(test_\w+)", table))
+    defined = set(re.findall(r"^def (test_\w+)", "\n".join(p.read_text() for p in (REPO / "tests").glob("test_*.py")), re.MULTILINE))
+    assert len(named) >= 25 and named <= defined, named - defined

@@ -1,0 +1,108 @@
+"""Block-quantized FP8 checkpoints (DeepSeek-V3's hub format: `X` in float8_e4m3fn and `X_scale_inv`, one fp32
+scale per block) convert as their dequantized values: the test quantizes a checkpoint itself, dequantizes it
+again independently of the reader, and the two conversions must agree bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mconvert.cli import main
+from mconvert.converters import torch_dist
+from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+from mconvert.converters.megatron import Parallelism
+from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
+
+# Smaller than the hub's 128 x 128, and not square, so that the test's widths (24 to 128) span several
+# blocks, some partial.
+BLOCK = (16, 32)
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 weight, scale_inv per block) as DeepSeek's block quantization makes them."""
+    rows, cols = weight.shape
+    grid = (-(-rows // BLOCK[0]), -(-cols // BLOCK[1]))
+    scale_inv = torch.empty(grid)
+    quantized = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
+    for i in range(grid[0]):
+        for j in range(grid[1]):
+            block = weight[i * BLOCK[0] : (i + 1) * BLOCK[0], j * BLOCK[1] : (j + 1) * BLOCK[1]].float()
+            scale_inv[i, j] = block.abs().max() / 448.0
+            quantized[i * BLOCK[0] : (i + 1) * BLOCK[0], j * BLOCK[1] : (j + 1) * BLOCK[1]] = (block / scale_inv[i, j]).to(torch.float8_e4m3fn)
+    return quantized, scale_inv
+
+
+def dequantize(quantized: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    out = quantized.float()
+    for i in range(scale_inv.shape[0]):
+        for j in range(scale_inv.shape[1]):
+            out[i * BLOCK[0] : (i + 1) * BLOCK[0], j * BLOCK[1] : (j + 1) * BLOCK[1]] *= scale_inv[i, j]
+    return out
+
+
+def is_quantized(name: str) -> bool:
+    """The hub quantizes the linear layers of attention and MLPs; not embeddings, norms, routers, the head."""
+    return name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(FP8 checkpoint, the same dequantized by this test), both with the hub's config."""
+    root = tmp_path_factory.mktemp("fp8")
+    source = make_hf_checkpoint(shrink(real_config("deepseek-v3")), root / "source")
+    fp8, dequantized = root / "fp8", root / "dequantized"
+    tensors = load_file(source / "model.safetensors")
+    quantized = {name: quantize(t) for name, t in tensors.items() if is_quantized(name)}
+    assert len(quantized) > 20
+    fp8_tensors, plain_tensors = dict(tensors), dict(tensors)
+    for name, (q, scale_inv) in quantized.items():
+        fp8_tensors[name], fp8_tensors[name + "_scale_inv"] = q, scale_inv
+        plain_tensors[name] = dequantize(q, scale_inv)
+    config = json.loads((source / "config.json").read_text())
+    for directory, content, extra in ((fp8, fp8_tensors, {"quantization_config": {**real_config("deepseek-v3")["quantization_config"], "weight_block_size": list(BLOCK)}}), (dequantized, plain_tensors, {})):
+        directory.mkdir()
+        save_file(content, directory / "model.safetensors", metadata={"format": "pt"})
+        (directory / "config.json").write_text(json.dumps({**config, **extra}))
+    return fp8, dequantized
+
+
+def stored(ckpt):
+    dcp = torch_dist.DCPCheckpoint(ckpt / torch_dist.RELEASE)
+    keys = sorted(dcp.shapes)
+    return dict(zip(keys, dcp.read_regions([(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key]) for key in keys])))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_converts_as_its_dequantized_values(checkpoints, dtype, tmp_path):
+    fp8, dequantized = checkpoints
+    for name, source in (("fp8", fp8), ("plain", dequantized)):
+        convert_hf_to_mcore(source, tmp_path / name, parallelism=Parallelism(tp=2, ep=2), dtype=dtype)
+    from_fp8, from_plain = stored(tmp_path / "fp8"), stored(tmp_path / "plain")
+    assert sorted(from_fp8) == sorted(from_plain)
+    assert all(torch.equal(from_fp8[key], from_plain[key]) for key in from_plain)
+    assert from_fp8["decoder.layers.0.self_attention.linear_q_down_proj.weight"].dtype == dtype
+
+
+def test_the_way_back_writes_no_quantization_config(checkpoints, tmp_path, capsys):
+    fp8, _ = checkpoints
+    assert main(["hf-to-mcore", "--load-dir", str(fp8), "--save-dir", str(tmp_path / "mcore"), "--dtype", "bf16"]) == 0
+    assert main(["mcore-to-hf", "--load-dir", str(tmp_path / "mcore"), "--save-dir", str(tmp_path / "back"), "--hf-config", str(fp8)]) == 0
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert "quantization_config" not in config and config["torch_dtype"] == "bfloat16"
+
+
+def test_fp8_without_block_scales_is_refused(checkpoints, tmp_path, capsys):
+    fp8, _ = checkpoints
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    tensors = load_file(fp8 / "model.safetensors")
+    del tensors["model.layers.1.self_attn.o_proj.weight_scale_inv"]
+    save_file(tensors, broken / "model.safetensors")
+    (broken / "config.json").write_text((fp8 / "config.json").read_text())
+    assert main(["hf-to-mcore", "--load-dir", str(broken), "--save-dir", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "model.layers.1.self_attn.o_proj.weight" in err and "FP8 without" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

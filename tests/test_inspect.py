@@ -1,0 +1,154 @@
+"""`mconvert inspect` on the three formats, the manifest every conversion writes and `inspect --check`, and the
+progress a conversion reports."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from mconvert.cli import main
+from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+from mconvert.converters.megatron import Parallelism
+from mconvert.manifest import MANIFEST
+from mconvert.progress import PlainProgress, progress_for
+
+
+@pytest.fixture(scope="module")
+def converted(hf_model_factory, tmp_path_factory):
+    hf = hf_model_factory("qwen2.5-7b-instruct")
+    out = tmp_path_factory.mktemp("inspect") / "mcore"
+    assert main(["hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(out), "--tp", "2", "--quiet"]) == 0
+    return hf, out
+
+
+def inspect_json(capsys, *argv):
+    capsys.readouterr()
+    code = main(["inspect", "--json", *argv])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_inspect_torch_dist(converted, capsys):
+    hf, out = converted
+    code, report = inspect_json(capsys, str(out))
+    assert code == 0
+    assert report["format"] == "torch_dist" and report["family"] == "qwen2"
+    assert report["written_for"] == {"tp": 2, "pp": 1, "ep": 1, "etp": 2}
+    # vocab 1000 padded to a multiple of 128 x 2: 1024 rows; TP 1 pads to 1024 as well, TP 4 to 1536.
+    assert report["vocab"] == {"size": 1000, "stored_rows": 1024, "padding": 24, "make_vocab_size_divisible_by": 128}
+    assert report["suits"] == {"tp": [1, 2], "pp": [1, 2], "ep": [1]}
+    assert report["args"]["tensor_model_parallel_size"] == 2
+    tensors = {t["name"]: t for t in report["tensors"]}
+    assert tensors["embedding.word_embeddings.weight"] == {
+        "name": "embedding.word_embeddings.weight", "shape": [1024, 64], "dtype": "float32", "chunks": 2, "chunk_shape": [512, 64]
+    }
+    assert tensors["decoder.layers.mlp.linear_fc1.weight"]["chunks"] == 2 * 2 * 2  # layers x gate/up x TP
+    assert report["files"]["manifest"] is True
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "written for: TP=2 PP=1 EP=1 ETP=2" in text and "24 rows of padding" in text
+
+
+def test_inspect_hf(converted, capsys):
+    hf, _ = converted
+    code, report = inspect_json(capsys, str(hf))
+    assert code == 0 and report["format"] == "hf" and report["architecture"] == "Qwen2ForCausalLM"
+    assert {"name": "model.embed_tokens.weight", "shape": [1000, 64], "dtype": "float32", "file": "model.safetensors"} in report["tensors"]
+    assert report["suits"]["tp"] == [1, 2]  # 2 query groups
+    assert report["files"]["manifest"] is False
+
+
+def test_manifest_and_check(converted, tmp_path, capsys):
+    _, out = converted
+    lines = (out / MANIFEST).read_text().splitlines()
+    names = sorted(line.split("  ", 1)[1] for line in lines)
+    assert names == sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.name != MANIFEST)
+    assert "release/__0_0.distcp" in names and "train.sbatch" in names
+    capsys.readouterr()
+    assert main(["inspect", "--check", str(out)]) == 0
+    assert "all match" in capsys.readouterr().out
+
+    back = tmp_path / "back"
+    assert main(["mcore-to-hf", "--load-dir", str(out), "--save-dir", str(back), "--quiet"]) == 0
+    assert main(["inspect", "--check", str(back)]) == 0
+    shard = back / "model-00001-of-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    (back / "config.json").unlink()
+    (back / "extra.txt").write_text("x")
+    capsys.readouterr()
+    assert main(["inspect", "--check", str(back)]) == 1
+    out_text = capsys.readouterr().out
+    assert "config.json: missing" in out_text
+    assert "extra.txt: not in mconvert.sha256" in out_text
+    assert f"{shard.name}: sha256 " in out_text
+    (back / MANIFEST).unlink()
+    assert main(["inspect", "--check", str(back)]) == 1
+    assert f"no {MANIFEST}" in capsys.readouterr().err
+
+
+def test_progress_lines_and_summary(hf_model_factory, tmp_path, capsys):
+    stream = io.StringIO()
+    progress = PlainProgress("hf-to-mcore", stream, min_gap_s=0.0)
+    convert_hf_to_mcore(hf_model_factory("qwen2.5-7b-instruct"), tmp_path / "out", parallelism=Parallelism(tp=2), progress=progress)
+    lines = stream.getvalue().splitlines()
+    assert 5 <= len(lines) <= 11
+    assert lines[-1].startswith("hf-to-mcore: 100% (17/17 tensors, 821.5 KB of 821.5 KB), ")
+    assert all("/s, ETA " in line for line in lines)
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    bar = progress_for("hf-to-mcore", quiet=False, stream=terminal)
+    try:
+        convert_hf_to_mcore(hf_model_factory("qwen2.5-7b-instruct"), tmp_path / "bar", progress=bar)
+    finally:
+        bar.close()
+    final = terminal.getvalue().split("\r")[-1]
+    assert final.startswith("hf-to-mcore: 100%") and "17/17 tensors" in final and "B/s" in final
+    assert progress_for("hf-to-mcore", quiet=True, stream=terminal).__class__.__name__ == "NoProgress"
+
+    capsys.readouterr()
+    assert main(["hf-to-mcore", "--load-dir", str(hf_model_factory("qwen2.5-7b-instruct")), "--save-dir", str(tmp_path / "o2"), "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    assert " out (" in captured.out and "/s)" in captured.out
+    assert f"bash {tmp_path / 'o2'}/train.sh" in captured.out
+    assert f"mconvert verify --hf " in captured.out
+
+
+def test_version(capsys):
+    from mconvert import __version__
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"mconvert {__version__}"
+
+
+def test_a_file_hashed_while_written_has_the_digest_of_its_bytes(tmp_path):
+    import hashlib
+    import os
+    import time
+
+    from mconvert import manifest
+
+    path = tmp_path / "out" / "data"
+    path.parent.mkdir()
+    written = b""
+    with open(path, "wb") as f, manifest.hashed_while_written(path):
+        for n in range(20):  # appended in bursts, the hasher catching up between them
+            block = os.urandom(100_000 + n)
+            f.write(block)
+            f.flush()
+            written += block
+            time.sleep(0.01)
+    # The digest taken while writing is the one of the bytes, and the manifest takes it from there.
+    size, _, digest = manifest._hashed_while_written[path.absolute()]
+    assert (size, digest) == (len(written), hashlib.sha256(written).hexdigest())
+    manifest.write_manifest(path.parent)
+    assert (path.parent / MANIFEST).read_text() == f"{digest}  data\n"
+    assert path.absolute() not in manifest._hashed_while_written

@@ -1,0 +1,169 @@
+"""Conversions stopped part way (SIGKILL, SIGTERM, Ctrl-C) at several points of a real run never leave a
+directory that Megatron-LM or transformers would take as complete, and a rerun succeeds; two conversions into
+one target exclude each other, and the lock of a killed one does not outlive it.
+
+The child stops itself at a chosen point: a sitecustomize (on its PYTHONPATH) installs an audit hook that
+sends the signal when the conversion opens a given file, or renames its temporary directory, for the n-th time.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cli_runner import REPO, assert_nothing_left, assert_one_line_error, run_cli
+from mconvert.converters import torch_dist
+from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+from mconvert.converters.output import lock_path
+from test_parallel import assert_same, dcp_tensors
+
+STOPPER = '''
+import os, signal, sys
+
+_event, _needle, _nth, _signal = os.environ["MCONVERT_TEST_STOP_AT"].split("|")
+_seen = [0]
+
+def _stop(event, args):
+    if event == _event and _needle in str(args[0]) and _seen[0] < int(_nth):
+        _seen[0] += 1
+        if _seen[0] == int(_nth):
+            os.kill(os.getpid(), getattr(signal, _signal))
+
+sys.addaudithook(_stop)
+'''
+
+
+@pytest.fixture(scope="module")
+def stopper(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("stopper")
+    (directory / "sitecustomize.py").write_text(STOPPER)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def hf(hf_model_factory):
+    return hf_model_factory("qwen2.5-7b-instruct")
+
+
+@pytest.fixture(scope="module")
+def reference(hf, tmp_path_factory):
+    """The same conversion, never interrupted."""
+    out = tmp_path_factory.mktemp("reference") / "ckpt"
+    convert_hf_to_mcore(hf, out)
+    return out
+
+
+def stopped_at(stopper, point, sig, *args):
+    event, needle, nth = point
+    return run_cli(*args, python_path=(stopper,), env={"MCONVERT_TEST_STOP_AT": f"{event}|{needle}|{nth}|{sig}"})
+
+
+def assert_same_checkpoint(out, reference):
+    """The same tensors and common state (the data files' layout depends on --workers: the CLI's default
+    differs from the API's one worker)."""
+    assert (out / torch_dist.TRACKER_FILE).read_text() == "release"
+    assert (out / "release" / "metadata.json").read_bytes() == (reference / "release" / "metadata.json").read_bytes()
+    assert_same(dcp_tensors(out), dcp_tensors(reference))
+
+
+HF_TO_MCORE_POINTS = {
+    "first-chunk": ("open", "__0_0.distcp", 1),  # the data file is created
+    "mid-read": ("open", "model.safetensors", 8),  # a read of the source, in the read-ahead thread
+    "metadata": ("open", ".metadata", 1),  # every chunk written, not the DCP metadata
+    "tracker": ("open", torch_dist.TRACKER_FILE, 1),  # all but the tracker file written
+    "rename": ("os.rename", ".ckpt.tmp-", 1),  # complete, about to be put in place
+}
+
+
+@pytest.mark.parametrize(
+    "point, sig",
+    [(point, "SIGKILL") for point in HF_TO_MCORE_POINTS] + [("mid-read", "SIGTERM"), ("metadata", "SIGINT")],
+)
+def test_hf_to_mcore_stopped(stopper, hf, reference, tmp_path, point, sig):
+    out = tmp_path / "ckpt"
+    stopped = stopped_at(stopper, HF_TO_MCORE_POINTS[point], sig, "hf-to-mcore", "--load-dir", hf, "--save-dir", out)
+    number = getattr(signal, sig)
+    if number == signal.SIGKILL:
+        assert stopped.returncode == -number
+        assert not out.exists()  # at most a hidden .ckpt.tmp-* directory and the lock file
+    else:  # unwound: everything removed, one line said so
+        assert stopped.returncode == 128 + number, stopped.stderr
+        assert "Traceback" not in stopped.stderr
+        assert stopped.stderr.strip() == f"mconvert: interrupted by {sig}; no output was kept"
+        assert_nothing_left(out)
+    rerun = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", out)
+    assert rerun.returncode == 0, rerun.stderr
+    assert_same_checkpoint(out, reference)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt.")]  # leftovers removed
+
+
+def test_overwrite_killed_between_its_renames(stopper, hf, reference, tmp_path):
+    out = tmp_path / "ckpt"
+    convert_hf_to_mcore(hf, out)
+    # The old checkpoint has been moved aside, the new one not yet moved in.
+    stopped = stopped_at(stopper, ("os.rename", ".ckpt.tmp-", 1), "SIGKILL", "hf-to-mcore", "--load-dir", hf, "--save-dir", out, "--overwrite")
+    assert stopped.returncode == -signal.SIGKILL
+    assert not out.exists()
+    rerun = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", out)
+    assert rerun.returncode == 0, rerun.stderr
+    assert_same_checkpoint(out, reference)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt.")]
+
+
+MCORE_TO_HF_POINTS = {
+    "mid-write": ("open", "model-00001-of-00001.safetensors", 2),  # the header written, the weights being
+    "config": ("open", "config.json", 1),  # weights and index written, not config.json
+}
+
+
+@pytest.mark.parametrize("point, sig", [("mid-write", "SIGKILL"), ("config", "SIGKILL"), ("mid-write", "SIGTERM")])
+def test_mcore_to_hf_stopped(stopper, reference, tmp_path, point, sig):
+    out = tmp_path / "hf"
+    stopped = stopped_at(stopper, MCORE_TO_HF_POINTS[point], sig, "mcore-to-hf", "--load-dir", reference, "--save-dir", out)
+    number = getattr(signal, sig)
+    if number == signal.SIGKILL:
+        assert stopped.returncode == -number
+        assert not out.exists()
+    else:
+        assert stopped.returncode == 128 + number, stopped.stderr
+        assert stopped.stderr.strip() == f"mconvert: interrupted by {sig}; no output was kept"
+        assert_nothing_left(out)
+    rerun = run_cli("mcore-to-hf", "--load-dir", reference, "--save-dir", out)
+    assert rerun.returncode == 0, rerun.stderr
+    assert {"config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors"} <= {p.name for p in out.iterdir()}
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".hf.")]
+
+
+def wait_until_stopped(process: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while open(f"/proc/{process.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_second_conversion_into_the_same_target_is_refused(stopper, hf, reference, tmp_path):
+    out = tmp_path / "ckpt"
+    env = {"MCONVERT_TEST_STOP_AT": "open|__0_0.distcp|1|SIGSTOP", "PYTHONPATH": f"{stopper}:{REPO}"}
+    first = subprocess.Popen(
+        [sys.executable, "-m", "mconvert.cli", "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(out)],
+        env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        wait_until_stopped(first)  # holding the lock, half way through its writes
+        second = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", out)
+        assert_one_line_error(second, "--save-dir", "another conversion is writing it", f"pid {first.pid}", lock_path(out))
+        assert [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.tmp-")]  # the first one's work is untouched
+    finally:
+        first.kill()
+        first.communicate()
+    assert lock_path(out).exists()  # stale: its holder is gone, and with it the lock
+    third = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", out)
+    assert third.returncode == 0, third.stderr
+    assert_same_checkpoint(out, reference)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".ckpt.")]
