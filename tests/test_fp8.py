@@ -72,7 +72,7 @@ def checkpoints(tmp_path_factory):
 def stored(ckpt):
     dcp = torch_dist.DCPCheckpoint(ckpt / torch_dist.RELEASE)
     keys = sorted(dcp.shapes)
-    return dict(zip(keys, dcp.read_regions([(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key]) for key in keys])))
+    return {key: dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key]) for key in keys}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

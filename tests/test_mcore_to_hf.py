@@ -115,7 +115,7 @@ def test_state_dicts_convert_both_ways_as_the_files_do(hf_model_factory, tmp_pat
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
     dcp = torch_dist.DCPCheckpoint(tmp_path / "mcore" / torch_dist.RELEASE)
     keys = sorted(dcp.shapes)
-    written = dcp.read_regions([(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key]) for key in keys])
+    written = [dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key]) for key in keys]
     assert sorted(mcore_state) == keys
     assert all(torch.equal(mcore_state[key], tensor) for key, tensor in zip(keys, written))
 
@@ -197,7 +197,8 @@ def test_common_state_stored_among_the_dcp_objects_is_read(hf_model_factory, tmp
     writer = torch_dist.DCPWriter(rewritten)
     for key, shape in dcp.shapes.items():
         writer.declare(key, shape, dcp.dtypes[key])
-    for key, tensor in zip(dcp.shapes, dcp.read_regions([(k, (0,) * len(s), s) for k, s in dcp.shapes.items()])):
+    for key, shape in dcp.shapes.items():
+        tensor = dcp.read_region(key, (0,) * len(shape), shape)
         writer.write_chunk(key, (0,) * tensor.dim(), tensor)
     writer.write_object("common_state/shard_0_1", {"args": conversion.args, "iteration": 0})
     writer.finish()

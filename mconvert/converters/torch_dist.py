@@ -374,11 +374,6 @@ class DCPCheckpoint:
         info = self._storage(MetadataIndex(key, chunk.offsets, hit[0]))
         return self.directory / info.relative_path, record + first * self.dtypes[key].itemsize
 
-    def read_regions(self, regions: list[tuple[str, tuple[int, ...], tuple[int, ...]]]):
-        """Yield, for each (key, offsets, shape) in order, that region of the tensor `key` (fresh memory)."""
-        for key, offsets, shape in regions:
-            yield self.read_region(key, offsets, shape)
-
     def _staging(self, nbytes: int) -> torch.Tensor:
         """This thread's memory for the bytes of a part that is not contiguous in its region (a row-parallel
         chunk), reused from read to read: fresh memory would cost a page fault and a zeroing per 4 KiB."""
