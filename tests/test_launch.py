@@ -28,7 +28,9 @@ STAND_INS = {
     "srun": 'while [[ $1 == --* ]]; do shift; done\n'
     'for ((node = 0; node < SLURM_NNODES; node++)); do SLURM_NODEID=$node "$@" || exit; done',
     "nvidia-smi": 'echo "$COMPUTE_CAP"',
-    "python": 'out="$RECORD/node-${SLURM_NODEID:-0}"\nprintf "%s\\n" "$@" > "$out.argv"\n'
+    # `python -c` is the script's probe for APEX's extension: found when the test sets APEX.
+    "python": '[ "$1" = -c ] && exec test -n "${APEX:-}"\n'
+    'out="$RECORD/node-${SLURM_NODEID:-0}"\nprintf "%s\\n" "$@" > "$out.argv"\n'
     'echo "${CUDA_DEVICE_MAX_CONNECTIONS:-unset}" > "$out.connections"',
 }
 
@@ -69,22 +71,27 @@ def torchrun_args(argv: list[str]):
     return get_args_parser().parse_args(argv[2:])
 
 
-def megatron_args(training_args: list[str]) -> dict:
-    """What Megatron-LM's own argument parser makes of pretrain_gpt.py's arguments."""
+def megatron_args(training_args: list[str], world_size: int) -> dict:
+    """What Megatron-LM's own argument parser and validation make of pretrain_gpt.py's arguments at this world
+    size, and the sample counts its `pretrain` computes from them before building the data iterators."""
     if not MEGATRON_PYTHON.exists():
         assert "MEGATRON_TRAINING_PYTHON" not in os.environ, f"MEGATRON_TRAINING_PYTHON: no {MEGATRON_PYTHON}"
         pytest.skip(f"no {MEGATRON_PYTHON} with megatron.training (set MEGATRON_TRAINING_PYTHON)")
     code = (
         "import json, sys\n"
-        "sys.argv = ['pretrain_gpt.py'] + json.loads(sys.argv[1])\n"
-        "from megatron.training.arguments import parse_args\n"
-        "a = parse_args()\n"
-        "print(json.dumps({k: getattr(a, k) for k in ('load', 'ckpt_format', 'finetune', 'no_load_optim', 'no_load_rng', "
-        "'tensor_model_parallel_size', 'pipeline_model_parallel_size', 'num_layers', 'hidden_size', 'mock_data', "
-        "'tokenizer_type', 'train_iters', 'global_batch_size', 'seq_length', 'save')}))\n"
+        "from mconvert.verify.megatron_lm import parse_megatron_lm_args\n"
+        "from megatron.training.global_vars import set_args\n"
+        "from megatron.training.training import get_train_valid_test_num_samples\n"
+        "a = parse_megatron_lm_args(json.loads(sys.argv[1]), int(sys.argv[2]))\n"
+        "set_args(a)\n"
+        "samples = get_train_valid_test_num_samples()\n"
+        "print(json.dumps({'samples': samples, **{k: getattr(a, k) for k in ('load', 'ckpt_format', 'finetune', 'no_load_optim', "
+        "'no_load_rng', 'tensor_model_parallel_size', 'pipeline_model_parallel_size', 'num_layers', 'hidden_size', 'mock_data', "
+        "'tokenizer_type', 'train_iters', 'global_batch_size', 'seq_length', 'save', 'gradient_accumulation_fusion')}}))\n"
     )
-    run = subprocess.run([str(MEGATRON_PYTHON), "-c", code, json.dumps(training_args)], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    run = subprocess.run([str(MEGATRON_PYTHON), "-c", code, json.dumps(training_args), str(world_size)],
+                         capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1],
+                         env={**os.environ, "PYTHONWARNINGS": "ignore", "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -102,13 +109,22 @@ def test_sbatch_runs_one_torchrun_per_node_with_megatron_flags(checkpoint, tmp_p
         assert (launcher.master_addr, launcher.master_port) == ("node-a", 6000)
         assert launcher.training_script == "/opt/Megatron-LM/pretrain_gpt.py"
         assert connections == "1"  # TP 2 on a Hopper
-    args = megatron_args(launcher.training_script_args)
+    args = megatron_args(launcher.training_script_args, world_size=8)
     assert args["load"] == str(checkpoint) and args["ckpt_format"] == "torch_dist"
     assert args["finetune"] and args["no_load_optim"] and args["no_load_rng"]
     assert (args["tensor_model_parallel_size"], args["num_layers"], args["hidden_size"]) == (2, 2, 64)
     assert args["train_iters"] == 3  # the script's own arguments win
     assert args["global_batch_size"] == 4  # one micro-batch per data-parallel rank: 8 GPUs / TP 2
     assert args["mock_data"] and args["tokenizer_type"] == "NullTokenizer" and args["seq_length"] == 4096
+    assert args["samples"] == [3 * 4, 0, 0]  # no evaluation unless EVAL_ITERS is set
+    assert not args["gradient_accumulation_fusion"]  # no APEX here
+
+
+def test_gradient_accumulation_fusion_stays_on_where_apex_is_installed(checkpoint, tmp_path):
+    run, nodes = launch(checkpoint, tmp_path, "train.sh", gpus=2, APEX="1")
+    assert run.returncode == 0, run.stderr
+    args = megatron_args(torchrun_args(nodes["node-0"][0]).training_script_args, world_size=2)
+    assert args["gradient_accumulation_fusion"]
 
 
 def test_torchrun_line_on_one_node(checkpoint, tmp_path):

@@ -61,8 +61,13 @@ TRAIN_ARGS=(
     --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "${{GLOBAL_BATCH_SIZE:-$((MICRO_BATCH_SIZE * DATA_PARALLEL))}}"
     --train-iters "${{TRAIN_ITERS:-1000}}" --lr "${{LR:-1e-5}}" --min-lr "${{MIN_LR:-1e-6}}" --lr-decay-style cosine
     --lr-warmup-iters "${{LR_WARMUP_ITERS:-0}}" --weight-decay 0.1 --clip-grad 1.0
-    --log-interval "${{LOG_INTERVAL:-1}}" --eval-iters "${{EVAL_ITERS:-0}}"
+    --log-interval "${{LOG_INTERVAL:-1}}" --eval-iters "${{EVAL_ITERS:-0}}" --eval-interval "${{EVAL_INTERVAL:-1000}}"
 )
+# Megatron-LM's default gradient accumulation fusion is APEX's CUDA extension: without APEX installed its first
+# training forward stops in ColumnParallelLinear.
+if ! has_flag --no-gradient-accumulation-fusion && ! python -c "import fused_weight_gradient_mlp_cuda" 2>/dev/null; then
+    TRAIN_ARGS+=(--no-gradient-accumulation-fusion)
+fi
 (( CP > 1 )) && TRAIN_ARGS+=(--context-parallel-size "$CP")
 has_flag --seq-length || TRAIN_ARGS+=(--seq-length "${{SEQ_LENGTH:-4096}}")
 if ! has_flag --tokenizer-type; then
@@ -85,7 +90,8 @@ _TORCHRUN = r"""#!/bin/bash
 # Fine-tunes the checkpoint in this directory with Megatron-LM on this node: torchrun, one process per GPU.
 #   MEGATRON_LM=/path/to/Megatron-LM bash {script} [more pretrain_gpt.py flags]
 # Environment: GPUS_PER_NODE (default {gpus}), DATA_PATH (mock data when unset), TOKENIZER_MODEL, TRAIN_ITERS,
-# MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE, LR, SEQ_LENGTH, SAVE_DIR, CP, CHECKPOINT_DIR. Written by mconvert.
+# MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE, LR, SEQ_LENGTH, EVAL_ITERS, EVAL_INTERVAL, SAVE_DIR, CP, CHECKPOINT_DIR.
+# Written by mconvert.
 set -euo pipefail
 NNODES=1 NODE_RANK=0 MASTER_ADDR=localhost MASTER_PORT=${{MASTER_PORT:-{port}}}
 GPUS_PER_NODE=${{GPUS_PER_NODE:-{gpus}}}
