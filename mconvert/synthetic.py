@@ -23,6 +23,24 @@ def real_config(name: str) -> dict[str, Any]:
     return json.loads(resources.files("mconvert").joinpath("configs", f"{name}.json").read_text())
 
 
+def model_config(model: str) -> dict[str, Any]:
+    """A real config as the scripts name it: NAME[@LAYERS][+FIELD=VALUE...], the config of NAME (mconvert/configs)
+    cut to its first LAYERS layers, with config fields set (VALUE read as JSON, else as a string). E.g.
+    `deepseek-v3@2+first_k_dense_replace=1`: its first dense and first MoE layer at full width."""
+    name, *fields = model.split("+")
+    name, _, layers = name.partition("@")
+    config = real_config(name)
+    if layers:
+        config["num_hidden_layers"] = int(layers)
+    for field in fields:
+        key, _, value = field.partition("=")
+        try:
+            config[key] = json.loads(value)
+        except json.JSONDecodeError:
+            config[key] = value
+    return config
+
+
 def shrink(config: dict[str, Any], layers: int = 2, **overrides: Any) -> dict[str, Any]:
     """The same architecture at test size, keeping what distinguishes it: GQA or MHA, a head_dim that differs
     from hidden/heads, biases, rope settings, MoE with shared experts and dense layers mixed in."""

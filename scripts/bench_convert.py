@@ -78,20 +78,16 @@ def remove(path: Path) -> None:
 
 
 def make_source(model: str, work_dir: Path) -> Path:
-    """MODEL or MODEL@LAYERS: the real config, cut to its first LAYERS layers when given (a MoE model's
-    thousands of small expert tensors are measured well by a few layers)."""
-    from mconvert.synthetic import real_config, write_random_hf_checkpoint
+    """MODEL[@LAYERS][+FIELD=VALUE...] (mconvert.synthetic.model_config): the real config, cut to its first
+    LAYERS layers when given (a MoE model's thousands of small expert tensors are measured well by a few layers)."""
+    from mconvert.synthetic import model_config, write_random_hf_checkpoint
 
     source = work_dir / model
     if not (source / COMPLETE_MARK).exists():
         if source.exists():
             shutil.rmtree(source)
         print(f"writing random {model} to {source} ...", flush=True)
-        name, _, layers = model.partition("@")
-        config = real_config(name)
-        if layers:
-            config["num_hidden_layers"] = int(layers)
-        write_random_hf_checkpoint(config, source)
+        write_random_hf_checkpoint(model_config(model), source)
         (source / COMPLETE_MARK).touch()
     return source
 

@@ -111,15 +111,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     options = parser.parse_args()
 
-    from mconvert.synthetic import real_config, shrink
+    from mconvert.synthetic import model_config, shrink
     from mconvert.verify.distributed import run_ranks
 
-    name, _, layers = options.model.partition("@")
-    config = real_config(name)
-    if layers:
-        config["num_hidden_layers"] = int(layers)
+    config = model_config(options.model)
     if options.shrink:
-        config = shrink(config, layers=int(layers or 2))
+        config = shrink(config, layers=config["num_hidden_layers"] if "@" in options.model else 2)
     result = run_ranks(sync_ranks, config, options.repeats, options.device, tp=options.tp, ep=options.ep, device=options.device, timeout_s=3000)
 
     print(f"{options.model}{' (shrunk)' if options.shrink else ''}, TP={options.tp} EP={options.ep}, {options.device}, "

@@ -7,17 +7,20 @@
 #   there:  bash scripts/gpu_session.sh part N                   # N = 1..4, one call each, carrying .tepN
 #   there:  bash scripts/gpu_session.sh run 540 install train    # carrying .tep5, .tebuild and .whl
 #   there:  bash scripts/gpu_session.sh run 540 install verify   # carrying .tebuild and .whl (install: done)
-#   there:  bash scripts/gpu_session.sh run 300 install te-export train   # the export check, and training jobs
-#                                                                # the first call had no time for
+#   there:  bash scripts/gpu_session.sh run 540 install train te-export launch verify-mla   # what is left
 #
 # `run SECONDS STAGE...` runs the stages in order and stops starting work at SECONDS after its start, so that the
 # call returns its results within the machine's 10 minutes a command. Each stage writes its results to $OUT as
-# they come (train.jsonl, verify/results.jsonl, te_export.jsonl, plus env.txt and logs); a stage done in an
-# earlier call of the same session is skipped (marker in /tmp/mconvert-session).
-#   install    megatron-core 0.19.2 and Transformer Engine 2.20.2 into /tmp/site (scripts/gpu_te_setup.sh)
-#   train      Megatron-LM training steps from converted checkpoints (scripts/gpu_train.py)
-#   verify     mconvert verify --spec te on real shapes (scripts/gpu_verify.py)
-#   te-export  megatron-core's own TE-spec grouped-GEMM saves exported bit-exactly (scripts/gpu_te_export.py)
+# they come (train.jsonl, verify/results.jsonl, te_export.jsonl, a log per stage, the versions in
+# session.log: at most 8 files come back from a call); a stage done in an earlier call of the same session is
+# skipped (marker in /tmp/mconvert-session).
+#   install     megatron-core 0.19.2 and Transformer Engine 2.20.2 into /tmp/site (scripts/gpu_te_setup.sh)
+#   train       Megatron-LM training steps from converted checkpoints (scripts/gpu_train.py)
+#   launch      the same through the train.sh a conversion writes (scripts/gpu_train.py --launcher train.sh)
+#   verify      mconvert verify --spec te on real shapes (scripts/gpu_verify.py)
+#   verify-mla  the same for GLM-4.5-Air, DeepSeek-V3 and DeepSeek-V2-Lite, cut to a few layers
+#   te-export   megatron-core's own TE-spec grouped-GEMM saves exported bit-exactly (scripts/gpu_te_export.py)
+#   bench       weight sync (gather_hf_weights) at TP=2 and EP=2, and loading, on the GPUs
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -60,7 +63,7 @@ note() { echo "[$(date -u +%H:%M:%S) +$(($(date +%s) - start))s] $*" | tee -a "$
 {
   nvidia-smi -L
   python3 -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
-} > "$OUT/env.txt" 2>&1
+} >> "$OUT/session.log" 2>&1
 
 for stage in "$@"; do
   if stage_done "$stage"; then note "$stage: done in an earlier call"; continue; fi
@@ -79,9 +82,9 @@ for stage in "$@"; do
       note "install: exit $code in $(($(date +%s) - t0)) s"
       python3 -c "import megatron.training" 2>/dev/null && mark install
     fi
-    python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" >> "$OUT/env.txt" 2>&1
-    python3 -c "import transformer_engine as te; print('transformer_engine', te.__version__)" >> "$OUT/env.txt" 2>&1 \
-      || echo "transformer_engine: not importable (local spec only)" >> "$OUT/env.txt"
+    python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" >> "$OUT/session.log" 2>&1
+    python3 -c "import transformer_engine as te; print('transformer_engine', te.__version__)" >> "$OUT/session.log" 2>&1 \
+      || echo "transformer_engine: not importable (local spec only)" >> "$OUT/session.log"
     ;;
   train)
     # Dense TP=2 and PP=2 on Qwen2.5-0.5B's shape (all 24 layers, tied embeddings), MoE EP=2 on Qwen3-30B-A3B's
@@ -100,6 +103,30 @@ for stage in "$@"; do
       qwen3-30b-a3b@8:ep2 qwen3-30b-a3b@8:tp2ep2etp1 qwen1.5-moe-a2.7b@8:ep2 > "$OUT/verify.log" 2>&1
     note "verify: exit $?"
     mark verify
+    ;;
+  launch)
+    python3 scripts/gpu_train.py --launcher train.sh --work "$WORK/launch" --out "$OUT" --deadline-s "$(left)" \
+      --done-dir "$STATE" qwen2.5-0.5b:tp2 > "$OUT/launch.log" 2>&1
+    code=$?
+    note "launch: exit $code"
+    [ "$code" = 3 ] || mark launch
+    ;;
+  verify-mla)
+    # Multi-latent attention and sigmoid-routed MoE at real widths: GLM-4.5-Air's first dense and first MoE
+    # layer, DeepSeek-V3's (its first three layers are dense), DeepSeek-V2-Lite's first three.
+    python3 scripts/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) - 60))" \
+      glm-4.5-air@2:tp2ep2 'deepseek-v3@2+first_k_dense_replace=1:ep2' deepseek-v2-lite@3:ep2 > "$OUT/verify-mla.log" 2>&1
+    note "verify-mla: exit $?"
+    mark verify-mla
+    ;;
+  bench)
+    {
+      timeout "$(left)" python3 scripts/bench_weight_sync.py --model qwen2.5-7b-instruct@8 --tp 2 --device cuda
+      timeout "$(left)" python3 scripts/bench_weight_sync.py --model qwen3-30b-a3b@4 --ep 2 --device cuda
+      timeout "$(left)" python3 scripts/bench_load.py --model qwen2.5-7b-instruct@8 --work-dir "$WORK/load" --tp 2 --device cuda
+    } > "$OUT/bench.log" 2>&1
+    note "bench: exit $?"
+    mark bench
     ;;
   te-export)
     timeout "$(left)" python3 scripts/gpu_te_export.py --work "$WORK/te-export" --out "$OUT" > "$OUT/te_export.log" 2>&1

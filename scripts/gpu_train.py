@@ -2,10 +2,11 @@
 
     python scripts/gpu_train.py --work /tmp/gt --out results/ qwen2.5-0.5b:tp2 qwen2.5-0.5b:pp2 qwen3-30b-a3b@2:ep2
 
-A job is CONFIG[@LAYERS]:LAYOUT as in scripts/gpu_verify.py. For each: a random-init HF model of that shape
-(bf16), `mconvert hf-to-mcore --dtype fp32` at the layout, a token file of --rows rows (one global batch), then
-two runs of `torchrun scripts/megatron_train.py` with exactly the checkpoint's MODEL_ARGS (from
-megatron_args.sh) plus the load, data and optimizer flags:
+A job is MODEL:LAYOUT as in scripts/gpu_verify.py. For each: a random-init HF model of that shape (bf16),
+`mconvert hf-to-mcore --dtype fp32` at the layout, a token file of --rows rows (one global batch), then two
+runs of `torchrun scripts/megatron_train.py` with exactly the checkpoint's MODEL_ARGS (from megatron_args.sh)
+plus the load, data and optimizer flags (with `--launcher train.sh`: two runs of the train.sh the conversion
+wrote, MEGATRON_LM naming a folder whose pretrain_gpt.py is that driver, the schedule in its environment):
 - --lr 0 for 2 steps with --save: its loss must equal transformers' and its training save must export to the
   HF input bit for bit;
 - --lr LR for --steps steps: its loss must fall at every step;
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import re
 import shlex
 import shutil
@@ -35,9 +37,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 import torch  # noqa: E402
-from gpu_verify import parse_job  # noqa: E402
+from gpu_verify import parse_job, write_hf_model  # noqa: E402
 from megatron_train_check import write_tokens  # noqa: E402
-from mconvert.synthetic import real_config, write_random_hf_checkpoint  # noqa: E402
 
 # What Megatron-LM's defaults take from Transformer Engine, off for the local spec.
 WITHOUT_TE = ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion"]
@@ -49,11 +50,52 @@ def model_args(ckpt: Path) -> list[str]:
     return shlex.split(block, comments=True)
 
 
-def run(command: list[str], timeout_s: float, log: Path) -> tuple[int, float]:
+def torchrun(options, ckpt: Path, have_te: bool, data: list[str], lr: float, iters: int, save: Path | None,
+             loss_log: Path) -> tuple[list[str], dict[str, str]]:
+    """The driver under torchrun with MODEL_ARGS and the load flags, as the README's commands run it."""
+    flags = model_args(ckpt)
+    if not have_te:
+        flags = [flag for flag in flags if flag != "--moe-grouped-gemm"] + WITHOUT_TE
+    elif importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        # Megatron-LM's default gradient accumulation fusion is APEX's CUDA extension (seen missing on the GPU
+        # machine: its first training forward stopped there).
+        flags = [*flags, "--no-gradient-accumulation-fusion"]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(options.nproc),
+        "scripts/megatron_train.py", *flags,
+        "--load", str(ckpt), "--finetune", "--no-load-optim", "--no-load-rng", "--ckpt-format", "torch_dist",
+        "--micro-batch-size", str(options.micro_batch_size), "--global-batch-size", str(options.rows),
+        "--lr", str(lr), "--train-iters", str(iters), "--loss-log", str(loss_log), *data,
+    ]
+    if save:
+        command += ["--save", str(save), "--save-interval", "1000"]
+    return command, {}
+
+
+def train_sh(options, ckpt: Path, have_te: bool, data: list[str], lr: float, iters: int, save: Path | None,
+             loss_log: Path) -> tuple[list[str], dict[str, str]]:
+    """The checkpoint's own train.sh, as a user runs it: MEGATRON_LM names a folder whose pretrain_gpt.py is
+    the driver, the schedule comes from its environment variables, the data flags last."""
+    megatron_lm = options.work / "megatron-lm"
+    megatron_lm.mkdir(exist_ok=True)
+    if not (megatron_lm / "pretrain_gpt.py").exists():
+        (megatron_lm / "pretrain_gpt.py").symlink_to(REPO / "scripts" / "megatron_train.py")
+    env = {
+        "MEGATRON_LM": str(megatron_lm), "GPUS_PER_NODE": str(options.nproc), "TRAIN_ITERS": str(iters),
+        "MICRO_BATCH_SIZE": str(options.micro_batch_size), "GLOBAL_BATCH_SIZE": str(options.rows),
+        "LR": str(lr), "MIN_LR": str(lr), "SAVE_DIR": str(save or loss_log.with_name(loss_log.name + "-save")),
+        "MASTER_PORT": "29511",
+    }
+    # Without TE, what Megatron-LM's defaults take from it goes last (a MoE model's --moe-grouped-gemm stays).
+    return ["bash", str(ckpt / "train.sh"), "--loss-log", str(loss_log), *data, *([] if have_te else WITHOUT_TE)], env
+
+
+def run(command: list[str], timeout_s: float, log: Path, env: dict[str, str] | None = None) -> tuple[int, float]:
     started = time.perf_counter()
     with open(log, "w") as out:
         try:
-            code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=max(timeout_s, 1), cwd=REPO).returncode
+            code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=max(timeout_s, 1), cwd=REPO,
+                                  env={**os.environ, **(env or {})}).returncode
         except subprocess.TimeoutExpired:
             code = 124
     return code, round(time.perf_counter() - started, 1)
@@ -76,6 +118,8 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--done-dir", type=Path, help="a marker per finished job here; jobs marked are skipped")
+    parser.add_argument("--launcher", choices=("torchrun", "train.sh"), default="torchrun",
+                        help="the driver under torchrun with MODEL_ARGS, or the train.sh the conversion wrote")
     options = parser.parse_args()
     options.out.mkdir(parents=True, exist_ok=True)
     have_te = importlib.util.find_spec("transformer_engine") is not None
@@ -86,7 +130,7 @@ def main() -> int:
 
     skipped = 0
     for job in options.jobs:
-        marker = options.done_dir / f"train-{job.replace(':', '-')}" if options.done_dir else None
+        marker = options.done_dir / f"train-{options.launcher}-{job.replace(':', '-')}" if options.done_dir else None
         if marker and marker.exists():
             print(f"skipped {job}: done in an earlier run", flush=True)
             continue
@@ -94,21 +138,14 @@ def main() -> int:
             print(f"skipped {job}: deadline", flush=True)
             skipped += 1
             continue
-        name, layers, sizes, _ = parse_job(job)
-        tag = f"{name}@{layers or 'all'}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}"
+        model, sizes, _ = parse_job(job)
+        tag = f"{model}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}"
         work = options.work / tag
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        hf = options.work / f"{name}@{layers or 'all'}"
-        result: dict = {"job": job, "transformer_engine": have_te}
-        t0 = time.perf_counter()
-        if not (hf / "config.json").exists():
-            config = real_config(name)
-            if layers:
-                config["num_hidden_layers"] = layers
-            config["torch_dtype"] = "bfloat16"
-            write_random_hf_checkpoint(config, hf, device="cuda" if torch.cuda.is_available() else "cpu")
-        result["make_hf_s"] = round(time.perf_counter() - t0, 1)
+        hf = options.work / model
+        result: dict = {"job": job, "launcher": options.launcher, "transformer_engine": have_te}
+        result["make_hf_s"] = write_hf_model(model, hf, "cuda" if torch.cuda.is_available() else "cpu")
         ckpt = work / "mcore"
         code, result["convert_s"] = run(
             [sys.executable, "-m", "mconvert.cli", "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(ckpt),
@@ -118,33 +155,23 @@ def main() -> int:
         if code:
             result.update(passed=False, convert_output=tail(work / "convert.log"))
         else:
-            flags = model_args(ckpt)
-            result["model_args"] = flags
-            if not have_te:
-                flags = [flag for flag in flags if flag != "--moe-grouped-gemm"] + WITHOUT_TE
-            elif importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
-                # Megatron-LM's default gradient accumulation fusion is APEX's CUDA extension (seen missing
-                # on the GPU machine: its first training forward stopped there).
-                flags = [*flags, "--no-gradient-accumulation-fusion"]
+            result["model_args"] = model_args(ckpt)
             write_tokens(hf, options.rows, options.seq_length, work / "tokens.npy")
-            torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                        str(options.nproc), "scripts/megatron_train.py"]
-            common = [
-                *flags, "--load", str(ckpt), "--finetune", "--no-load-optim", "--no-load-rng", "--ckpt-format", "torch_dist",
-                "--dist-ckpt-strictness", "raise_unexpected", "--tokenizer-type", "NullTokenizer",
-                "--token-file", str(work / "tokens.npy"), "--seq-length", str(options.seq_length),
-                "--micro-batch-size", str(options.micro_batch_size), "--global-batch-size", str(options.rows),
-                "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
-                "--lr-decay-style", "constant",
+            # Data, schedule and a training forward that is the model's function (no dropout), for both launchers.
+            data = [
+                "--tokenizer-type", "NullTokenizer", "--token-file", str(work / "tokens.npy"),
+                "--seq-length", str(options.seq_length), "--hidden-dropout", "0", "--attention-dropout", "0",
+                "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1", "--lr-decay-style", "constant",
+                "--dist-ckpt-strictness", "raise_unexpected",
             ]
-            lr0 = [*common, "--lr", "0", "--train-iters", "2", "--save", str(work / "save0"), "--save-interval", "1000",
-                   "--loss-log", str(work / "log0")]
-            trained = [*common, "--lr", str(options.lr), "--train-iters", str(options.steps), "--loss-log", str(work / "log1")]
-            result["command_lr0"] = shlex.join(["torchrun", *torchrun[3:], *lr0])
-            code0, result["lr0_s"] = run([*torchrun, *lr0], min(left(), 300), work / "lr0.log")
+            launch = train_sh if options.launcher == "train.sh" else torchrun
+            lr0 = launch(options, ckpt, have_te, data, lr=0.0, iters=2, save=work / "save0", loss_log=work / "log0")
+            trained = launch(options, ckpt, have_te, data, lr=options.lr, iters=options.steps, save=None, loss_log=work / "log1")
+            result["command_lr0"] = " ".join(f"{k}={shlex.quote(v)}" for k, v in lr0[1].items()) + " " + shlex.join(lr0[0])
+            code0, result["lr0_s"] = run(lr0[0], min(left(), 300), work / "lr0.log", lr0[1])
             code1, result["trained_s"] = (None, 0.0)
             if left() > 45:
-                code1, result["trained_s"] = run([*torchrun, *trained], min(left(), 300), work / "trained.log")
+                code1, result["trained_s"] = run(trained[0], min(left(), 300), work / "trained.log", trained[1])
             result.update(lr0_exit=code0, trained_exit=code1)
             judge = [sys.executable, "scripts/megatron_train_check.py", "judge", "--hf", str(hf), "--tokens",
                      str(work / "tokens.npy"), "--out", str(work / "judge.json")]
@@ -166,6 +193,7 @@ def main() -> int:
             f.write(json.dumps(result) + "\n")
         shutil.rmtree(work / "mcore", ignore_errors=True)
         shutil.rmtree(work / "save0", ignore_errors=True)
+        shutil.rmtree(work / "log1-save", ignore_errors=True)
         if marker:
             marker.touch()
     return 3 if skipped else 0

@@ -2,9 +2,10 @@
 
     python scripts/gpu_verify.py --work /tmp/gv --out results/ qwen3-8b:tp1 qwen3-8b:tp2 qwen3-30b-a3b@8:ep2
 
-A job is CONFIG[@LAYERS]:LAYOUT[:DTYPE]: CONFIG one of mconvert/configs (or qwen2.5-0.5b), LAYERS to cut the
-model to its first few layers (all if absent), LAYOUT like tp1, tp2, pp2, ep2, tp2pp2, tp2ep2etp1, DTYPE fp32 (default)
-or bf16. --spec te|local is passed to verify. For each job it writes the HF model once (bf16, tensor by tensor), converts it with `mconvert hf-to-mcore`
+A job is MODEL:LAYOUT[:DTYPE]: MODEL a config of mconvert/configs as CONFIG[@LAYERS][+FIELD=VALUE...] (LAYERS to
+cut the model to its first few layers, all if absent; fields of the config set, e.g.
+deepseek-v3@2+first_k_dense_replace=1 for its first dense and first MoE layer), LAYOUT like tp1, tp2, pp2, ep2,
+tp2pp2, tp2ep2etp1, DTYPE fp32 (default) or bf16. --spec te|local is passed to verify. For each job it writes the HF model once (bf16, tensor by tensor), converts it with `mconvert hf-to-mcore`
 and runs `mconvert verify --device cuda`, timing both; each result is appended to OUT/results.jsonl as it comes,
 so a run stopped at its time limit keeps what it finished. Jobs not started before --deadline-s are skipped.
 Jobs of one model should be adjacent: the HF model is deleted after its last adjacent job, each checkpoint
@@ -25,17 +26,28 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from mconvert.synthetic import real_config, write_random_hf_checkpoint  # noqa: E402
+from mconvert.synthetic import model_config, write_random_hf_checkpoint  # noqa: E402
 
 MCONVERT = [sys.executable, "-m", "mconvert.cli"]
 LAYOUT = re.compile(r"(?:tp(?P<tp>\d+))?(?:pp(?P<pp>\d+))?(?:ep(?P<ep>\d+))?(?:etp(?P<etp>\d+))?$")
 
 
-def parse_job(job: str) -> tuple[str, int | None, dict[str, str], str]:
+def parse_job(job: str) -> tuple[str, dict[str, str], str]:
+    """MODEL, the parallel sizes of LAYOUT as mconvert's flags name them, DTYPE."""
     model, layout, *rest = job.split(":")
-    name, _, layers = model.partition("@")
     sizes = {k: v for k, v in LAYOUT.match(layout).groupdict().items() if v}
-    return name, int(layers) if layers else None, sizes, rest[0] if rest else "fp32"
+    return model, sizes, rest[0] if rest else "fp32"
+
+
+def write_hf_model(model: str, hf: Path, device: str) -> float:
+    """The random-init bf16 HF checkpoint of MODEL in `hf` unless there; the seconds it took."""
+    if (hf / "config.json").exists():
+        return 0.0
+    config = model_config(model)
+    config["torch_dtype"] = "bfloat16"
+    started = time.perf_counter()
+    write_random_hf_checkpoint(config, hf, device=device)
+    return round(time.perf_counter() - started, 1)
 
 
 def run(command: list[str]) -> tuple[int, float, str]:
@@ -60,23 +72,15 @@ def main() -> int:
         if time.perf_counter() - started > options.deadline_s:
             print(f"skipped {job}: deadline", flush=True)
             continue
-        name, layers, sizes, dtype = parse_job(job)
-        hf = options.work / f"{name}@{layers or 'all'}"
-        made = 0.0
-        if not (hf / "config.json").exists():
-            config = real_config(name)
-            if layers:
-                config["num_hidden_layers"] = layers
-            config["torch_dtype"] = "bfloat16"
-            t0 = time.perf_counter()
-            write_random_hf_checkpoint(config, hf, device=options.device)
-            made = time.perf_counter() - t0
+        model, sizes, dtype = parse_job(job)
+        hf = options.work / model
+        made = write_hf_model(model, hf, options.device)
         flags = [f"--{k}={v}" for k, v in sizes.items()]
-        mcore = options.work / f"{name}@{layers or 'all'}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}"
+        mcore = options.work / f"{model}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}"
         code, convert_s, convert_out = run(
             [*MCONVERT, "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(mcore), "--overwrite", *flags]
         )
-        result = {"job": job, "make_hf_s": round(made, 1), "convert_s": round(convert_s, 1), "convert_exit": code}
+        result = {"job": job, "make_hf_s": made, "convert_s": round(convert_s, 1), "convert_exit": code}
         if code == 0:
             report = options.work / "report.json"
             code, verify_s, verify_out = run(
@@ -93,7 +97,7 @@ def main() -> int:
             f.write(json.dumps(result) + "\n")
         # Real shapes fill a disk fast: keep one HF model and no checkpoint between jobs.
         shutil.rmtree(mcore, ignore_errors=True)
-        if number + 1 == len(jobs) or parse_job(jobs[number + 1])[:2] != (name, layers):
+        if number + 1 == len(jobs) or parse_job(jobs[number + 1])[0] != model:
             shutil.rmtree(hf, ignore_errors=True)
     return 0
 

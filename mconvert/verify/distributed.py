@@ -158,11 +158,12 @@ def _init_rank(
         # The extra gloo groups serve only the distributed optimizer.
         create_gloo_process_groups=False,
     )
-    if device == "cpu":
-        # megatron's CUDA RNG tracker cannot be seeded without CUDA (the CPU shims make its fork a
-        # no-op); weights initialized on CPU (use_cpu_initialization) draw from torch's CPU RNG.
-        torch.manual_seed(seed)
-    else:
+    # As Megatron-LM seeds its ranks: torch's own generators alike on every rank, so that weights drawn from
+    # them (a replicated router, say) are the same in every replica; on GPUs also megatron's CUDA RNG tracker,
+    # which draws the tensor-parallel shards (without CUDA it cannot be seeded: the CPU shims make its fork a
+    # no-op and CPU initialization draws from torch's CPU generator).
+    torch.manual_seed(seed)
+    if device != "cpu":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
