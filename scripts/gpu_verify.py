@@ -83,6 +83,7 @@ def main() -> int:
         result = {"job": job, "make_hf_s": made, "convert_s": round(convert_s, 1), "convert_exit": code}
         if code == 0:
             report = options.work / "report.json"
+            report.unlink(missing_ok=True)  # a failed verify writes none: the last job's must not stand in for it
             code, verify_s, verify_out = run(
                 [*MCONVERT, "verify", "--hf", str(hf), "--mcore", str(mcore), "--device", options.device, "--dtype", dtype,
                  "--json", str(report), *flags, *(["--spec", options.spec] if options.spec else [])]

@@ -521,7 +521,8 @@ def not_restored_by_checkpoint_args(args: argparse.Namespace) -> list[str]:
 def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
     """What Megatron-LM's pretrain_gpt.py would build differently from these args: its model builder
     (gpt_builders.gpt_builder) passes GPTModel neither --rope-scaling-factor nor
-    --rotary-seq-len-interpolation-factor, so GPTModel's defaults (8, none) apply."""
+    --rotary-seq-len-interpolation-factor, so GPTModel's defaults (8, none) apply; and what recent
+    megatron-core builds differently (mconvert.verify.megatron_model.require_unnormalized_mla_query)."""
     caveats = []
     if args.use_rope_scaling and args.rope_scaling_factor != 8.0:
         caveats.append(
@@ -532,6 +533,11 @@ def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
         caveats.append(
             "pretrain_gpt.py builds GPTModel without --rotary-seq-len-interpolation-factor, so without position "
             "interpolation: pass seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor in its gpt_builder"
+        )
+    if getattr(args, "multi_latent_attention", False) and args.q_lora_rank is None and args.qk_layernorm:
+        caveats.append(
+            "megatron-core 0.19 and later add a layer norm before linear_q_proj in multi-latent attention without "
+            "--q-lora-rank, which this model does not have: train it with a megatron-core before 0.19"
         )
     return caveats
 

@@ -7,10 +7,12 @@ that load it: torch_dist checkpoints are layout-independent.
 """
 
 import argparse
+import importlib.util
 from typing import Literal
 
 import megatron.core
 import torch
+from packaging.version import Version
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
@@ -56,14 +58,32 @@ def padded_vocab_size_for_tp(args: argparse.Namespace, tp: int) -> int:
     return padded_vocab_size(args.padded_vocab_size, Parallelism(tp=tp, make_vocab_size_divisible_by=divisible_by))
 
 
+# Without its local label: megatron-core's version carries the git commit of the working directory it runs in.
+MEGATRON_CORE_VERSION = Version(megatron.core.__version__).public
+
+
 def require_shared_expert_gate() -> None:
     """megatron-core before 0.16 has no config field for the shared expert's sigmoid gate (Qwen2-MoE):
     its MoE spec builds shared experts without one, so the gate's weight could not be loaded."""
     if not hasattr(TransformerConfig, "moe_shared_expert_gate"):
         raise ConversionError(
-            f"megatron-core {megatron.core.__version__} cannot build this checkpoint's model: it has a shared "
+            f"megatron-core {MEGATRON_CORE_VERSION} cannot build this checkpoint's model: it has a shared "
             "expert gate (moe_shared_expert_gate), which megatron-core supports from 0.16 on; load it with "
             "megatron-core >= 0.16"
+        )
+
+
+def require_unnormalized_mla_query() -> None:
+    """With q/k layer norms (the latent kv norm), megatron-core 0.19 builds multi-latent attention without a
+    query bottleneck (q_lora_rank null: DeepSeek-V2-Lite) with a layer norm fused into linear_q_proj (its
+    mla_qk_norm_config), a norm the model does not have; before 0.19 the query is projected straight from
+    the layer's input, as the model does (0.16.1 judged in tests/test_deepseek_megatron.py; 0.17 and 0.18
+    build linear_q_proj from the spec's plain column-parallel linear)."""
+    if importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config") is not None:
+        raise ConversionError(
+            f"megatron-core {MEGATRON_CORE_VERSION} cannot build this checkpoint's model: for multi-latent "
+            "attention without q_lora_rank it adds a layer norm before linear_q_proj, which the model does not "
+            "have; load it with a megatron-core before 0.19 (0.16.1 is tested)"
         )
 
 
@@ -111,6 +131,8 @@ def transformer_config_from_args(
             moe_settings["moe_shared_expert_gate"] = True
     config_class, mla_settings = TransformerConfig, {}
     if getattr(args, "multi_latent_attention", False):
+        if args.q_lora_rank is None and getattr(args, "qk_layernorm", False):
+            require_unnormalized_mla_query()
         config_class = MLATransformerConfig
         mla_settings = dict(
             multi_latent_attention=True,

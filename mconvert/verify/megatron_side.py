@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 from megatron.core.dist_checkpointing.validation import StrictHandling
@@ -19,7 +20,8 @@ from megatron.core.models.gpt import GPTModel
 
 from mconvert.converters.rank_export import model_sharded_state_dict
 from mconvert.converters.torch_dist import iteration_dir
-from mconvert.verify.megatron_model import TransformerImpl, build_gpt_model
+from mconvert.errors import ConversionError
+from mconvert.verify.megatron_model import MEGATRON_CORE_VERSION, TransformerImpl, build_gpt_model
 
 ModelChunks = list[GPTModel]
 
@@ -45,14 +47,22 @@ def load_model(
         # Every weight is overwritten by the checkpoint.
         perform_initialization=False,
     ).to(device)
-    state_dict = dist_checkpointing.load(
-        # Nested as Megatron-LM nests it: the checkpoint's common state (args, iteration, ...) comes
-        # back beside "model". The tensors' checkpoint keys do not depend on the nesting.
-        {"model": model_sharded_state_dict(model)},
-        str(iteration_dir(Path(ckpt_dir))),
-        # megatron's "unexpected" keys are those the model asks for and the checkpoint lacks.
-        strict=StrictHandling.RAISE_UNEXPECTED,
-    )
+    try:
+        state_dict = dist_checkpointing.load(
+            # Nested as Megatron-LM nests it: the checkpoint's common state (args, iteration, ...) comes
+            # back beside "model". The tensors' checkpoint keys do not depend on the nesting.
+            {"model": model_sharded_state_dict(model)},
+            str(iteration_dir(Path(ckpt_dir))),
+            # megatron's "unexpected" keys are those the model asks for and the checkpoint lacks.
+            strict=StrictHandling.RAISE_UNEXPECTED,
+        )
+    except CheckpointingException as error:
+        # The model megatron-core builds from the stored args is not the one the checkpoint holds (another
+        # megatron-core, another spec): megatron's own account of it, on one line.
+        raise ConversionError(
+            f"{ckpt_dir}: megatron-core {MEGATRON_CORE_VERSION} ({transformer_impl} spec) cannot load it into the "
+            f"model it builds from the checkpoint's args: {' '.join(str(error).split())[:600]}"
+        ) from None
     model.load_state_dict(state_dict["model"], strict=True)
     model.eval()
     return [model]

@@ -45,6 +45,8 @@ MODELS = {
     # Multi-latent attention, sigmoid routing with expert bias, group-limited routing, yarn; GLM-4.5's partial rope.
     "deepseek-v3-tp2ep2": ("deepseek-v3", 2, {}, Parallelism(tp=2, ep=2)),
     "glm4.5-air-pp2": ("glm-4.5-air", 2, {}, Parallelism(pp=2)),
+    # Multi-latent attention without a query bottleneck (q_lora_rank null), softmax routing.
+    "deepseek-v2-lite-ep2": ("deepseek-v2-lite", 2, {}, Parallelism(ep=2)),
 }
 TOKENS = torch.randint(0, 999, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -196,3 +198,21 @@ def test_a_megatron_lm_training_save_exports_bit_identically(name, converted, tm
         assert torch.equal(exported[key], tensor), key
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["rms_norm_eps"] == json.loads((hf / "config.json").read_text())["rms_norm_eps"]
+
+
+def test_megatron_core_019_cannot_build_mla_without_q_lora_rank_and_says_so(converted):
+    """megatron-core 0.19 fuses a layer norm into linear_q_proj when q_lora_rank is null (DeepSeek-V2-Lite has
+    none: on GPUs, under Transformer Engine, its strict load asks for `linear_q_proj.layer_norm_weight`);
+    megatron_args.sh warns, and verify refuses in one line rather than comparing another model."""
+    hf, ckpt = converted("deepseek-v2-lite-ep2")
+    assert "# Caveat: megatron-core 0.19 and later add a layer norm before linear_q_proj" in (ckpt / "megatron_args.sh").read_text()
+    run = subprocess.run(
+        [sys.executable, "-m", "mconvert", "verify", "--hf", str(hf), "--mcore", str(ckpt), "--ep", "2", "--device", "cpu"],
+        capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines()[-1].startswith(
+        "mconvert verify: error: megatron-core 0.19.2 cannot build this checkpoint's model: for multi-latent attention "
+        "without q_lora_rank it adds a layer norm before linear_q_proj"
+    )
