@@ -28,13 +28,15 @@ Shape = tuple[int, ...]
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """Where one local tensor of a rank lies in its global tensor (all axes, the prepended ones included)."""
+    """Where one local tensor of a rank lies in its global tensor (all axes, the prepended ones included:
+    megatron-core's stacking axes, such as the expert index, along which the tensor has size 1)."""
 
     key: str
     offsets: Shape
     sizes: Shape
     dtype: torch.dtype
     global_shape: Shape
+    prepended: int
 
 
 def model_sharded_state_dict(model: torch.nn.Module) -> dict:
@@ -58,7 +60,10 @@ def local_shards(model: torch.nn.Module) -> dict[tuple[str, Shape], tuple[ShardI
         if not isinstance(sharded, ShardedTensor) or not sharded.key.startswith(("embedding.", "decoder.", "output_layer.")):
             continue
         sizes = (1,) * sharded.prepend_axis_num + tuple(sharded.local_shape)
-        info = ShardInfo(sharded.key, tuple(sharded.global_offset), sizes, sharded.data.dtype, tuple(sharded.global_shape))
+        info = ShardInfo(
+            sharded.key, tuple(sharded.global_offset), sizes, sharded.data.dtype, tuple(sharded.global_shape),
+            sharded.prepend_axis_num,
+        )
         shards[(info.key, info.offsets)] = (info, sharded.data.detach())
     return shards
 
@@ -88,8 +93,10 @@ def gather_hf_weights(
     plan = build_plan(family, spec, Parallelism())
     mine = local_shards(model)
     device = next(iter(mine.values()))[1].device if mine else torch.device("cpu")
-    # Every rank of a group learns which member holds which shard (the lowest-ranked one, for replicas).
-    owners: dict[int, dict[str, list[tuple[ShardInfo, int]]]] = {}
+    # Every rank of a group learns which member holds which shard (the lowest-ranked one, for replicas),
+    # filed by key and by the shard's offsets on the stacking axes (a layer's, an expert's), so that a piece
+    # looks only at the shards of its own layer and expert: a MoE layer has hundreds of expert shards per key.
+    owners: dict[int, dict[str, dict[Shape, list[tuple[ShardInfo, int]]]]] = {}
     for pg in {id(group): group, id(expert_group): expert_group}.values():
         gathered: list[list[ShardInfo]] = [[] for _ in range(dist.get_world_size(pg))]
         dist.all_gather_object(gathered, [info for info, _ in mine.values()], group=pg)
@@ -97,11 +104,13 @@ def gather_hf_weights(
         for member, infos in enumerate(gathered):
             for info in infos:
                 first_holder.setdefault((info.key, info.offsets), (info, member))
-        by_key: dict[str, list[tuple[ShardInfo, int]]] = {}
+        by_key: dict[str, dict[Shape, list[tuple[ShardInfo, int]]]] = {}
         for info, member in first_holder.values():
-            by_key.setdefault(info.key, []).append((info, member))
+            by_key.setdefault(info.key, {}).setdefault(info.offsets[: info.prepended], []).append((info, member))
         owners[id(pg)] = by_key
-    shapes = {key: held[0][0].global_shape for by_key in owners.values() for key, held in by_key.items()}
+    shapes = {
+        key: next(iter(stacks.values()))[0][0].global_shape for by_key in owners.values() for key, stacks in by_key.items()
+    }
 
     for piece in plan.pieces:
         is_expert = megatron.EXPERTS_PREFIX in piece.key
@@ -110,9 +119,11 @@ def gather_hf_weights(
         if key not in shapes:
             continue  # not on this pipeline stage
         offsets, region_shape = piece_region(piece, shapes[key])
+        stacks = owners[id(pg)].get(key, {})
+        prepended = next(iter(stacks.values()))[0][0].prepended if stacks else 0
         held = [
             (info, member)
-            for info, member in owners[id(pg)].get(key, ())
+            for info, member in stacks.get(offsets[:prepended], ())
             if region_overlap(info.offsets, info.sizes, offsets, region_shape) is not None
         ]
         if not held:
