@@ -155,7 +155,7 @@ def add_mtp_layers(hf_dir: str | os.PathLike, seed: int = 0) -> Path:
     return hf_dir
 
 
-SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float8_e4m3fn": "F8_E4M3"}
 # Elements generated at a time while writing a random tensor: bounds memory for the largest embeddings.
 RANDOM_BLOCK = 1 << 24
 
@@ -218,6 +218,31 @@ def _write_random_safetensors(path: Path, parameters: list[tuple[str, Any]], gen
                 remaining -= len(values)
 
 
+def is_fp8_on_the_hub(name: str) -> bool:
+    """Which weights DeepSeek-V3's hub checkpoints store block-quantized in FP8: the linear layers of attention
+    and MLPs (experts included); not embeddings, norms, routers or the output layer."""
+    return name.endswith(("proj.weight", "proj_with_mqa.weight"))
+
+
+def _fp8_blocks(parameters: list[tuple[str, Any]], block: tuple[int, int]) -> list[tuple[str, Any]]:
+    """The hub's FP8 layout: each quantized weight in float8_e4m3fn, followed by its `_scale_inv`, one fp32
+    factor per block (partial blocks at the edges count)."""
+    import torch
+
+    out = []
+    for name, parameter in parameters:
+        if not is_fp8_on_the_hub(name):
+            out.append((name, parameter))
+            continue
+        rows, cols = parameter.shape
+        grid = (-(-rows // block[0]), -(-cols // block[1]))
+        out += [
+            (name, torch.empty(parameter.shape, dtype=torch.float8_e4m3fn, device="meta")),
+            (name + "_scale_inv", torch.empty(grid, dtype=torch.float32, device="meta")),
+        ]
+    return out
+
+
 def _per_expert(parameters: list[tuple[str, Any]], config: dict[str, Any]) -> list[tuple[str, Any]]:
     """The hub's layout of MoE experts, one tensor per expert, in place of the fused 3-D tensors transformers
     holds in memory; the family's table says how the two layouts correspond."""
@@ -258,15 +283,21 @@ def write_random_hf_checkpoint(
     max_shard_bytes: int = 5 * 10**9,
     device: str = "cpu",
     fused_experts: bool = False,
+    fp8: bool = False,
 ) -> Path:
     """A random-init checkpoint of `config` at full size, written tensor by tensor without ever building the
     model: names, shapes and dtypes come from transformers' model built on the meta device, the files are
     sharded as the hub's are (`max_shard_bytes` each, with an index when there are several). MoE experts are
-    stored one tensor per expert as on the hub, or fused in 3-D tensors with `fused_experts`."""
+    stored one tensor per expert as on the hub, or fused in 3-D tensors with `fused_experts`. With `fp8`, the
+    weights the hub quantizes are random FP8 values with random block scales, in the block size of the
+    config's quantization_config, which config.json keeps; otherwise everything is unquantized and config.json
+    has no quantization_config."""
     import torch
     import transformers
 
-    # Random weights are written unquantized (a quantization_config would have transformers quantize the model).
+    quantization = config.get("quantization_config")
+    block = tuple(quantization["weight_block_size"]) if fp8 and quantization else None
+    # transformers' model is built unquantized (a quantization_config would have it quantize the model).
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     hf_config = transformers.AutoConfig.for_model(**config)
     dtype = getattr(torch, config.get("torch_dtype", "float32"))
@@ -276,10 +307,14 @@ def write_random_hf_checkpoint(
     # Persistent buffers (a router's expert bias) are stored too.
     stored = model.state_dict()
     parameters = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in stored]
-    shards = _shards(parameters if fused_experts else _per_expert(parameters, config), max_shard_bytes)
+    parameters = parameters if fused_experts else _per_expert(parameters, config)
+    shards = _shards(_fp8_blocks(parameters, block) if block else parameters, max_shard_bytes)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(out_dir)
+    if block:
+        written = json.loads((out_dir / "config.json").read_text())
+        (out_dir / "config.json").write_text(json.dumps({**written, "quantization_config": quantization}, indent=2) + "\n")
     # On a GPU the random numbers of an 8B model take seconds instead of minutes.
     generator = torch.Generator(device=device).manual_seed(seed)
     if len(shards) == 1:

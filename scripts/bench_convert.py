@@ -16,6 +16,7 @@ a fixed cost of each conversion, which weighs on small models.
 Targets: conversion / cp <= 1.3, and peak RSS < 1 GiB + 2 x the largest tensor.
 
     python scripts/bench_convert.py --models qwen2.5-0.5b qwen2.5-7b-instruct --work-dir /work/bench-data
+    python scripts/bench_convert.py --models 'deepseek-v3@2+first_k_dense_replace=1' --fp8 --ep 8 --work-dir ...
 """
 
 from __future__ import annotations
@@ -77,17 +78,18 @@ def remove(path: Path) -> None:
     os.sync()  # freeing the blocks should not be charged to the next timed command
 
 
-def make_source(model: str, work_dir: Path) -> Path:
+def make_source(model: str, work_dir: Path, fp8: bool = False) -> Path:
     """MODEL[@LAYERS][+FIELD=VALUE...] (mconvert.synthetic.model_config): the real config, cut to its first
-    LAYERS layers when given (a MoE model's thousands of small expert tensors are measured well by a few layers)."""
+    LAYERS layers when given (a MoE model's thousands of small expert tensors are measured well by a few layers);
+    with `fp8`, in the hub's block-quantized FP8 where the config says so (DeepSeek-V3)."""
     from mconvert.synthetic import model_config, write_random_hf_checkpoint
 
-    source = work_dir / model
+    source = work_dir / (model + ("-fp8" if fp8 else ""))
     if not (source / COMPLETE_MARK).exists():
         if source.exists():
             shutil.rmtree(source)
         print(f"writing random {model} to {source} ...", flush=True)
-        write_random_hf_checkpoint(model_config(model), source)
+        write_random_hf_checkpoint(model_config(model), source, fp8=fp8)
         (source / COMPLETE_MARK).touch()
     return source
 
@@ -100,11 +102,13 @@ def main() -> int:
     from mconvert.converters.safetensors_io import HFCheckpoint
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b"], help="configs from mconvert/configs, NAME@LAYERS for the first LAYERS layers")
+    parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b"], help="configs from mconvert/configs as NAME[@LAYERS][+FIELD=VALUE...]")
     parser.add_argument("--work-dir", type=Path, required=True, help="where sources and outputs go (one disk)")
     parser.add_argument("--conditions", nargs="+", choices=("cold", "warm"), default=["cold", "warm"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--fp8", action="store_true", help="FP8 sources where the config names block quantization")
     options = parser.parse_args()
     if "cold" in options.conditions and not os.access(DROP_CACHES, os.W_OK):
         raise SystemExit(f"{DROP_CACHES} is not writable here: run as root or pass --conditions warm")
@@ -112,7 +116,7 @@ def main() -> int:
 
     rows = []
     for model in options.models:
-        source = make_source(model, options.work_dir)
+        source = make_source(model, options.work_dir, options.fp8)
         tensors = HFCheckpoint(source).tensors
         largest = max(stored.end - stored.begin for stored in tensors.values())
         total = sum(stored.end - stored.begin for stored in tensors.values())
@@ -123,7 +127,7 @@ def main() -> int:
                 remove(path)
         convert = [
             sys.executable, "-m", "mconvert.cli", "hf-to-mcore",
-            "--load-dir", str(source), "--save-dir", str(convert_target), "--tp", str(options.tp),
+            "--load-dir", str(source), "--save-dir", str(convert_target), "--tp", str(options.tp), "--ep", str(options.ep),
         ]
         for condition in options.conditions:
             copies, conversions, starts = [], [], []
@@ -164,7 +168,7 @@ def main() -> int:
     print("|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    print(f"\nmedians of {options.repeats} runs; peak RSS is the largest of them; tp={options.tp}")
+    print(f"\nmedians of {options.repeats} runs; peak RSS is the largest of them; tp={options.tp} ep={options.ep}")
     return 0
 
 

@@ -14,7 +14,7 @@ from mconvert.cli import main
 from mconvert.converters import torch_dist
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.megatron import Parallelism
-from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
+from mconvert.synthetic import is_fp8_on_the_hub, make_hf_checkpoint, real_config, shrink, write_random_hf_checkpoint
 
 # Smaller than the hub's 128 x 128, and not square, so that the test's widths (24 to 128) span several
 # blocks, some partial.
@@ -43,11 +43,6 @@ def dequantize(quantized: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor
     return out
 
 
-def is_quantized(name: str) -> bool:
-    """The hub quantizes the linear layers of attention and MLPs; not embeddings, norms, routers, the head."""
-    return name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight")
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """(FP8 checkpoint, the same dequantized by this test), both with the hub's config."""
@@ -55,7 +50,7 @@ def checkpoints(tmp_path_factory):
     source = make_hf_checkpoint(shrink(real_config("deepseek-v3")), root / "source")
     fp8, dequantized = root / "fp8", root / "dequantized"
     tensors = load_file(source / "model.safetensors")
-    quantized = {name: quantize(t) for name, t in tensors.items() if is_quantized(name)}
+    quantized = {name: quantize(t) for name, t in tensors.items() if is_fp8_on_the_hub(name)}
     assert len(quantized) > 20
     fp8_tensors, plain_tensors = dict(tensors), dict(tensors)
     for name, (q, scale_inv) in quantized.items():
@@ -84,6 +79,23 @@ def test_fp8_converts_as_its_dequantized_values(checkpoints, dtype, tmp_path):
     assert sorted(from_fp8) == sorted(from_plain)
     assert all(torch.equal(from_fp8[key], from_plain[key]) for key in from_plain)
     assert from_fp8["decoder.layers.0.self_attention.linear_q_down_proj.weight"].dtype == dtype
+
+
+def test_random_fp8_checkpoints_are_the_hubs_layout(tmp_path):
+    """What the conversion benchmark reads as a DeepSeek-V3 FP8 source: written tensor by tensor in the hub's
+    layout (FP8 weights and their block scales, the quantization_config kept), converting as its dequantized
+    values."""
+    config = {**shrink(real_config("deepseek-v3")), "torch_dtype": "bfloat16",
+              "quantization_config": {**real_config("deepseek-v3")["quantization_config"], "weight_block_size": list(BLOCK)}}
+    hf = write_random_hf_checkpoint(config, tmp_path / "hf", fp8=True)
+    assert json.loads((hf / "config.json").read_text())["quantization_config"]["weight_block_size"] == list(BLOCK)
+    tensors = load_file(hf / "model.safetensors")
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    assert tensors[name].dtype == torch.float8_e4m3fn and tensors[name + "_scale_inv"].dtype == torch.float32
+    assert tensors["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    convert_hf_to_mcore(hf, tmp_path / "mcore", dtype=torch.float32)
+    converted = stored(tmp_path / "mcore")["decoder.layers.1.mlp.experts.experts.linear_fc2.weight"][3]
+    assert torch.equal(converted, dequantize(tensors[name], tensors[name + "_scale_inv"]))
 
 
 def test_the_way_back_writes_no_quantization_config(checkpoints, tmp_path, capsys):
