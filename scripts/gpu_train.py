@@ -24,7 +24,6 @@ import argparse
 import importlib.util
 import json
 import os
-import re
 import shlex
 import shutil
 import subprocess
@@ -39,21 +38,16 @@ sys.path.insert(0, str(REPO / "scripts"))
 import torch  # noqa: E402
 from gpu_verify import parse_job, write_hf_model  # noqa: E402
 from megatron_train_check import write_tokens  # noqa: E402
+from mconvert.verify.megatron_lm import script_arrays  # noqa: E402
 
 # What Megatron-LM's defaults take from Transformer Engine, off for the local spec.
 WITHOUT_TE = ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion"]
 
 
-def model_args(ckpt: Path) -> list[str]:
-    """MODEL_ARGS, exactly as the converter wrote them to megatron_args.sh."""
-    block = re.search(r"MODEL_ARGS=\((.*?)\)", (ckpt / "megatron_args.sh").read_text(), re.S).group(1)
-    return shlex.split(block, comments=True)
-
-
 def torchrun(options, ckpt: Path, have_te: bool, data: list[str], lr: float, iters: int, save: Path | None,
              loss_log: Path) -> tuple[list[str], dict[str, str]]:
     """The driver under torchrun with MODEL_ARGS and the load flags, as the README's commands run it."""
-    flags = model_args(ckpt)
+    flags = script_arrays(ckpt, "MODEL_ARGS")
     if not have_te:
         flags = [flag for flag in flags if flag != "--moe-grouped-gemm"] + WITHOUT_TE
     elif importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
@@ -155,7 +149,7 @@ def main() -> int:
         if code:
             result.update(passed=False, convert_output=tail(work / "convert.log"))
         else:
-            result["model_args"] = model_args(ckpt)
+            result["model_args"] = script_arrays(ckpt, "MODEL_ARGS")
             write_tokens(hf, options.rows, options.seq_length, work / "tokens.npy")
             # Data, schedule and a training forward that is the model's function (no dropout), for both launchers.
             data = [

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 # Flags a test or driver adds to MODEL_ARGS + LOAD_ARGS: what a training command line has besides the model.
@@ -22,6 +24,16 @@ CPU_FLAGS = [
     "--transformer-impl", "local", "--use-cpu-initialization", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
     "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
 ]
+
+
+def script_arrays(checkpoint_dir: Path, *arrays: str) -> list[str]:
+    """The words of bash arrays of a checkpoint's megatron_args.sh (MODEL_ARGS, LOAD_ARGS), as bash expands
+    them when a launch script sources the file."""
+    expand = " ".join(f'"${{{name}[@]}}"' for name in arrays)
+    return subprocess.run(
+        ["bash", "-c", f'source "$1" && printf "%s\\n" {expand}', "_", str(Path(checkpoint_dir) / "megatron_args.sh")],
+        capture_output=True, text=True, check=True,
+    ).stdout.splitlines()
 
 
 @contextmanager

@@ -27,7 +27,13 @@ from mconvert.converters.megatron import Parallelism  # noqa: E402
 from mconvert.converters.torch_dist import iteration_dir, read_args  # noqa: E402
 from mconvert.synthetic import write_word_tokenizer  # noqa: E402
 from mconvert.verify.distributed import ParallelLayout, run_ranks  # noqa: E402
-from mconvert.verify.megatron_lm import CPU_FLAGS, RUN_FLAGS, load_as_megatron_lm, parse_megatron_lm_args  # noqa: E402
+from mconvert.verify.megatron_lm import (  # noqa: E402
+    CPU_FLAGS,
+    RUN_FLAGS,
+    load_as_megatron_lm,
+    parse_megatron_lm_args,
+    script_arrays,
+)
 from mconvert.verify.megatron_side import forward_logits  # noqa: E402
 
 MISTRAL = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 5, "num_key_value_heads": 2}
@@ -68,15 +74,6 @@ def converted(hf_model_factory, tmp_path_factory):
         return made[name]
 
     return convert
-
-
-def script_arrays(ckpt: Path, *arrays: str) -> list[str]:
-    """The words of bash arrays of megatron_args.sh, as bash expands them."""
-    expand = " ".join(f'"${{{name}[@]}}"' for name in arrays)
-    return subprocess.run(
-        ["bash", "-c", f'source "$1" && printf "%s\\n" {expand}', "_", str(ckpt / "megatron_args.sh")],
-        capture_output=True, text=True, check=True,
-    ).stdout.splitlines()
 
 
 def world_size(parallelism: Parallelism) -> int:

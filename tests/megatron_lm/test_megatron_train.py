@@ -21,6 +21,7 @@ pytest.importorskip("megatron.training.argument_utils")
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
 from mconvert.converters.megatron import Parallelism  # noqa: E402
 from mconvert.verify.distributed import run_ranks  # noqa: E402
+from mconvert.verify.megatron_lm import script_arrays  # noqa: E402
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
@@ -34,7 +35,7 @@ def _script(name: str):
 
 def driver_command_line(ckpt: Path, tokens: Path, log: Path, seq_length: int, rows: int) -> list[str]:
     return [
-        *_script("gpu_train").model_args(ckpt),  # MODEL_ARGS, exactly as the converter wrote them
+        *script_arrays(ckpt, "MODEL_ARGS"),  # MODEL_ARGS, exactly as the converter wrote them
         "--load", str(ckpt), "--finetune", "--no-load-optim", "--no-load-rng", "--ckpt-format", "torch_dist",
         "--dist-ckpt-strictness", "raise_unexpected", "--tokenizer-type", "NullTokenizer",
         "--token-file", str(tokens), "--loss-log", str(log), "--seq-length", str(seq_length),
