@@ -3,12 +3,15 @@ trainer's TP/EP-sharded parameters are handed, HF-named and whole, to an inferen
 
 Which rank holds which part of which tensor is taken from megatron-core itself (the model's
 `sharded_state_dict()`: the same metadata its checkpoints are written from), so every spec and layout that
-megatron-core can save is covered. The parts are gathered piece by piece (one layer's, or one expert's,
-tensor) over the given process groups, so memory stays at one piece beyond the model.
+megatron-core can save is covered. The parts are gathered over the given process groups in batches of
+consecutive pieces (one layer's, or one expert's, tensor each) of at most BATCH_BYTES, one broadcast per
+member holding parts of a batch: a MoE layer's hundreds of small expert tensors do not each pay a collective's
+latency, and memory stays at about two batches (or one piece, if larger) beyond the model.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -24,6 +27,8 @@ from mconvert.errors import ConversionError
 from mconvert.mappings import get_mapping
 
 Shape = tuple[int, ...]
+# Bytes of consecutive pieces gathered with one broadcast per member that holds parts of them.
+BATCH_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -112,9 +117,10 @@ def gather_hf_weights(
         key: next(iter(stacks.values()))[0][0].global_shape for by_key in owners.values() for key, stacks in by_key.items()
     }
 
+    batch: list[tuple[Any, str, Shape, Shape, list[tuple[ShardInfo, int]]]] = []
+    batch_group, batch_bytes = None, 0
     for piece in plan.pieces:
-        is_expert = megatron.EXPERTS_PREFIX in piece.key
-        pg = expert_group if is_expert else group
+        pg = expert_group if megatron.EXPERTS_PREFIX in piece.key else group
         key = stored_key(piece, shapes)
         if key not in shapes:
             continue  # not on this pipeline stage
@@ -128,17 +134,51 @@ def gather_hf_weights(
         ]
         if not held:
             continue  # another pipeline stage's layer
+        nbytes = math.prod(region_shape) * held[0][0].dtype.itemsize
+        if batch and (pg is not batch_group or batch_bytes + nbytes > BATCH_BYTES):
+            yield from _gathered(batch, batch_group, mine, device, spec, dtype)
+            batch, batch_bytes = [], 0
+        batch.append((piece, key, offsets, region_shape, held))
+        batch_group, batch_bytes = pg, batch_bytes + nbytes
+    if batch:
+        yield from _gathered(batch, batch_group, mine, device, spec, dtype)
+
+
+def _gathered(
+    batch: list[tuple[Any, str, Shape, Shape, list[tuple[ShardInfo, int]]]],
+    pg: dist.ProcessGroup,
+    mine: dict[tuple[str, Shape], tuple[ShardInfo, torch.Tensor]],
+    device: torch.device,
+    spec: Any,
+    dtype: torch.dtype | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The HF tensors of a batch of pieces: every shard they need, one broadcast per (member, dtype) of the
+    member's shards laid end to end, then each piece's region cut from them. Every rank of `pg` holds the same
+    batch (built from the same gathered metadata), so the broadcasts match."""
+    needed: dict[tuple[str, Shape], tuple[ShardInfo, int]] = {}
+    for *_, held in batch:
+        for info, member in held:
+            needed.setdefault((info.key, info.offsets), (info, member))
+    by_source: dict[tuple[int, str], list[ShardInfo]] = {}
+    for info, member in needed.values():
+        by_source.setdefault((member, str(info.dtype)), []).append(info)
+    ranks = dist.get_process_group_ranks(pg)
+    shards: dict[tuple[str, Shape], torch.Tensor] = {}
+    for (member, _), infos in sorted(by_source.items()):
+        counts = [math.prod(info.sizes) for info in infos]
+        if ranks[member] == dist.get_rank():
+            flat = torch.cat([mine[(info.key, info.offsets)][1].reshape(-1) for info in infos])
+        else:
+            flat = torch.empty(sum(counts), dtype=infos[0].dtype, device=device)
+        dist.broadcast(flat, src=ranks[member], group=pg)
+        for info, part in zip(infos, flat.split(counts)):
+            shards[(info.key, info.offsets)] = part.view(info.sizes)
+    for piece, key, offsets, region_shape, held in batch:
         region = torch.empty(region_shape, dtype=held[0][0].dtype, device=device)
         covered = 0
-        ranks = dist.get_process_group_ranks(pg)
-        for info, member in held:
-            if ranks[member] == dist.get_rank():
-                data = mine[(info.key, info.offsets)][1].reshape(info.sizes).contiguous()
-            else:
-                data = torch.empty(info.sizes, dtype=info.dtype, device=device)
-            dist.broadcast(data, src=ranks[member], group=pg)
+        for info, _ in held:
             in_shard, in_region = region_overlap(info.offsets, info.sizes, offsets, region_shape)
-            part = data[in_shard]
+            part = shards[(info.key, info.offsets)][in_shard]
             region[in_region] = part
             covered += part.numel()
         if covered != region.numel():
