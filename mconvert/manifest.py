@@ -9,6 +9,7 @@ start. The others (small, or written by several processes) are hashed when the m
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +20,8 @@ from typing import Callable, Iterator
 from mconvert.errors import ConversionError
 
 MANIFEST = "mconvert.sha256"
-_BLOCK = 16 << 20
+# Bytes of a file mapped at a time to hash them.
+_WINDOW = 64 << 20
 # How long the following hasher waits for the writer when it has caught up.
 _FOLLOW_POLL_S = 0.05
 # Digests of files hashed while written, by absolute path: (size, mtime_ns, sha256).
@@ -27,13 +29,23 @@ _hashed_while_written: dict[Path, tuple[int, int, str]] = {}
 _hashed_lock = threading.Lock()
 
 
+def _hash_window(digest, fd: int, start: int, end: int) -> int:
+    """Add the bytes of file `fd` from `start` to `end`, or to the end of the window that starts there, to
+    `digest`; return where it stopped. The bytes are hashed in place through a memory map of the page cache:
+    reading them into a buffer cost the kernel a copy of each, a third of the hashing's CPU time."""
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    stop = min(end, base + _WINDOW)
+    with mmap.mmap(fd, stop - base, prot=mmap.PROT_READ, offset=base) as window, memoryview(window) as view:
+        digest.update(view[start - base :])  # hashlib lets go of the GIL here: files hash in parallel threads
+    return stop
+
+
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
-    block = bytearray(_BLOCK)
-    view = memoryview(block)
     with open(path, "rb", buffering=0) as f:
-        while count := f.readinto(block):
-            digest.update(view[:count])  # hashlib lets go of the GIL here: files hash in parallel threads
+        position, size = 0, os.fstat(f.fileno()).st_size
+        while position < size:
+            position = _hash_window(digest, f.fileno(), position, size)
     return digest.hexdigest()
 
 
@@ -49,19 +61,13 @@ def hashed_while_written(path: Path, written: Callable[[], int] | None = None) -
 
     def follow() -> None:
         digest = hashlib.sha256()
-        block = bytearray(_BLOCK)
-        view = memoryview(block)
         position = 0
         with open(path, "rb", buffering=0) as f:
             while True:
                 finished = done.is_set()  # read before the last pass, so that nothing written is missed
-                limit = None if finished or written is None else written()
-                while (limit is None or position < limit) and not dropped.is_set():
-                    count = f.readinto(view if limit is None else view[: min(_BLOCK, limit - position)])
-                    if not count:
-                        break
-                    digest.update(view[:count])
-                    position += count
+                limit = os.fstat(f.fileno()).st_size if finished or written is None else written()
+                while position < limit and not dropped.is_set():
+                    position = _hash_window(digest, f.fileno(), position, limit)
                 if finished or dropped.is_set():
                     break
                 done.wait(_FOLLOW_POLL_S)
