@@ -1,24 +1,27 @@
 """The manifest every conversion writes into its output: the sha256 of every file, in `sha256sum`'s format
 (so `sha256sum -c mconvert.sha256` checks it too), and the check that re-reads the files against it.
 
-A file written front to back (torch_dist's data file) is hashed while it is written, by a thread that reads
-just behind the writer from the page cache, on the core the conversion leaves idle; the others (small, or
-written out of order) are hashed when the manifest is written."""
+A large file is hashed while it is written, by a thread that reads just behind the writer from the page
+cache, on the core the conversion leaves idle: torch_dist's data file, written front to back, and the HF
+safetensors files, filled out of order but mostly front to back, hashed as far as they are filled from the
+start. The others (small, or written by several processes) are hashed when the manifest is written."""
 
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from mconvert.errors import ConversionError
 
 MANIFEST = "mconvert.sha256"
-_BLOCK = 16 << 20
+# Bytes of a file mapped at a time to hash them.
+_WINDOW = 64 << 20
 # How long the following hasher waits for the writer when it has caught up.
 _FOLLOW_POLL_S = 0.05
 # Digests of files hashed while written, by absolute path: (size, mtime_ns, sha256).
@@ -26,43 +29,57 @@ _hashed_while_written: dict[Path, tuple[int, int, str]] = {}
 _hashed_lock = threading.Lock()
 
 
+def _hash_window(digest, fd: int, start: int, end: int) -> int:
+    """Add the bytes of file `fd` from `start` to `end`, or to the end of the window that starts there, to
+    `digest`; return where it stopped. The bytes are hashed in place through a memory map of the page cache:
+    reading them into a buffer cost the kernel a copy of each, a third of the hashing's CPU time."""
+    base = start - start % mmap.ALLOCATIONGRANULARITY
+    stop = min(end, base + _WINDOW)
+    with mmap.mmap(fd, stop - base, prot=mmap.PROT_READ, offset=base) as window, memoryview(window) as view:
+        digest.update(view[start - base :])  # hashlib lets go of the GIL here: files hash in parallel threads
+    return stop
+
+
 def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
-    block = bytearray(_BLOCK)
-    view = memoryview(block)
     with open(path, "rb", buffering=0) as f:
-        while count := f.readinto(block):
-            digest.update(view[:count])  # hashlib lets go of the GIL here: files hash in parallel threads
+        position, size = 0, os.fstat(f.fileno()).st_size
+        while position < size:
+            position = _hash_window(digest, f.fileno(), position, size)
     return digest.hexdigest()
 
 
 @contextmanager
-def hashed_while_written(path: Path) -> Iterator[None]:
-    """Hash `path` while the body of the `with` appends to it (never seeking back). On a normal exit the
-    digest is kept for `write_manifest`; after an exception the hashing is dropped."""
+def hashed_while_written(path: Path, written: Callable[[], int] | None = None) -> Iterator[None]:
+    """Hash `path` while the body of the `with` writes it: appending to it (never seeking back), or, with
+    `written`, filling a file already at its full size, of which `written()` says how many bytes from the
+    start are in place. On a normal exit the digest is kept for `write_manifest`; after an exception the
+    hashing is dropped."""
     path = path.absolute()
-    done = threading.Event()
+    done, dropped = threading.Event(), threading.Event()
     result: list[str] = []
 
     def follow() -> None:
         digest = hashlib.sha256()
-        block = bytearray(_BLOCK)
-        view = memoryview(block)
+        position = 0
         with open(path, "rb", buffering=0) as f:
             while True:
                 finished = done.is_set()  # read before the last pass, so that nothing written is missed
-                while count := f.readinto(block):
-                    digest.update(view[:count])
-                if finished:
+                limit = os.fstat(f.fileno()).st_size if finished or written is None else written()
+                while position < limit and not dropped.is_set():
+                    position = _hash_window(digest, f.fileno(), position, limit)
+                if finished or dropped.is_set():
                     break
                 done.wait(_FOLLOW_POLL_S)
-        result.append(digest.hexdigest())
+        if not dropped.is_set():
+            result.append(digest.hexdigest())
 
     follower = threading.Thread(target=follow, name=f"sha256 {path.name}", daemon=True)
     follower.start()
     try:
         yield
     except BaseException:
+        dropped.set()
         done.set()
         follower.join()
         raise

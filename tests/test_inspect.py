@@ -152,3 +152,32 @@ def test_a_file_hashed_while_written_has_the_digest_of_its_bytes(tmp_path):
     manifest.write_manifest(path.parent)
     assert (path.parent / MANIFEST).read_text() == f"{digest}  data\n"
     assert path.absolute() not in manifest._hashed_while_written
+
+
+def test_a_file_filled_out_of_order_is_hashed_as_its_front_fills(tmp_path):
+    """mcore-to-hf's safetensors files exist at their full size from the start and are filled tensor by
+    tensor in any order: the hasher follows only as far as they are filled from the start."""
+    import functools
+    import hashlib
+    import time
+
+    import torch
+
+    from mconvert import manifest
+    from mconvert.converters.safetensors_io import SafetensorsWriter
+
+    shapes = {f"t{i}": (torch.float32, (50_000 + i,)) for i in range(6)}
+    writer = SafetensorsWriter(tmp_path, shapes, max_shard_size=1 << 30)
+    (path,) = writer.files
+    header_end = writer.written_prefix(path)
+    ends = {name: writer.places[name][1] + writer.sizes[name] for name in shapes}
+    prefixes = []
+    with manifest.hashed_while_written(path, functools.partial(writer.written_prefix, path)):
+        for name in ["t1", "t3", "t0", "t2", "t5", "t4"]:
+            writer.write(name, torch.randn(shapes[name][1]))
+            prefixes.append(writer.written_prefix(path))
+            time.sleep(0.06)  # the hasher catches up between writes
+        writer.close()
+    assert prefixes == [header_end, header_end, ends["t1"], ends["t3"], ends["t3"], ends["t5"]]
+    size, _, digest = manifest._hashed_while_written.pop(path.absolute())
+    assert (size, digest) == (path.stat().st_size, hashlib.sha256(path.read_bytes()).hexdigest())

@@ -151,3 +151,16 @@ def test_a_failing_rank_fails_the_run_and_leaves_nothing_complete(hf_model_facto
     assert done.stderr.count("decoder.final_layernorm.weight") >= 2 and "failed, so nothing was finished" in done.stderr
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+
+
+def test_run_pieces_stores_every_small_item_once_in_order():
+    """Small items go between threads in runs: each still loaded, stored and reported once, and each writer
+    stores its items in their order."""
+    stored, finished = [], []
+    items = list(range(500))
+    run_pieces(items, [1 << 20] * len(items), lambda item: item * 2, lambda worker, item, value: stored.append((worker, item, value)), workers=2, done=finished.append)
+    assert sorted(item for _, item, _ in stored) == items and sorted(finished) == items
+    assert all(value == 2 * item for _, item, value in stored)
+    for worker in (0, 1):
+        mine = [item for w, item, _ in stored if w == worker]
+        assert mine == sorted(mine)

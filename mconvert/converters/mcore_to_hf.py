@@ -7,7 +7,9 @@ safetensors files, whose layout was computed from the plan before any weight was
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -26,6 +28,7 @@ from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
 from mconvert.converters.safetensors_io import SafetensorsWriter, parse_size, read_hf_config
 from mconvert.errors import ConversionError
 from mconvert.hub import HF_SIDE_FILES
+from mconvert.manifest import hashed_while_written
 from mconvert.mappings import family_for_model_size, family_for_spec, get_mapping, write_hf_config
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
@@ -345,10 +348,14 @@ def convert_mcore_to_hf(
         dtypes = {ref.name: plan.dtype_of(piece) for piece in plan.pieces for ref in piece.sources}
         writer = SafetensorsWriter(work, {name: (dtypes[name], shape) for name, shape in hf_shapes.items()}, shard_bytes, create=ranks.is_first)
         ranks.barrier()  # the files exist, at their full size, before any rank writes into them
-        try:
-            write_hf_pieces(plan, source, writer, workers, ranks, progress)
-        finally:
-            writer.close()
+        with contextlib.ExitStack() as hashing:
+            if ranks.world == 1:  # one process writes every tensor: each file is hashed as it fills from the start
+                for path in writer.files:
+                    hashing.enter_context(hashed_while_written(path, functools.partial(writer.written_prefix, path)))
+            try:
+                write_hf_pieces(plan, source, writer, workers, ranks, progress)
+            finally:
+                writer.close()
         ranks.settle()  # every rank's tensors are on disk
         written = ranks.gather(writer.written)
         if ranks.is_first:

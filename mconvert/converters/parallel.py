@@ -32,6 +32,9 @@ Loaded = TypeVar("Loaded")
 # How much of the pieces that follow the ones being written each worker may hold read in advance: about a
 # layer of a 7B model, small next to what its largest tensors take anyway.
 READ_AHEAD_BYTES = 512 << 20
+# Consecutive items smaller than this go between threads together: a hand-off (a future, a wake-up) per item
+# costs more than the work of a small one (a MoE expert's few MB, copied file to file by the kernel).
+HAND_OFF_BYTES = 64 << 20
 # Memory the default worker count leaves per worker: a read-ahead window and a large piece being written.
 MEMORY_PER_WORKER = 2 << 30
 MAX_DEFAULT_WORKERS = 8
@@ -98,24 +101,38 @@ def run_pieces(
     `done(item)` after each store, one at a time (e.g. to report progress).
 
     Items are loaded in order, ahead of their store, while the loaded and unstored ones take at most
-    `workers` x max(largest item, READ_AHEAD_BYTES) bytes (`sizes`); each writer always has one item coming.
-    The first failure stops the loading and is raised once the writers have stopped."""
+    `workers` x max(largest item, READ_AHEAD_BYTES) bytes (`sizes`); each writer always has one run of items
+    coming. Consecutive items go from a loading thread to a writer in runs of up to HAND_OFF_BYTES (one item
+    when larger), stored in order by one writer. The first failure stops the loading and is raised once the
+    writers have stopped."""
     if not items:
         return
+    runs: list[list[int]] = []
+    run_sizes: list[int] = []
+    for index, size in enumerate(sizes):
+        if runs and run_sizes[-1] + size <= HAND_OFF_BYTES:
+            runs[-1].append(index)
+            run_sizes[-1] += size
+        else:
+            runs.append([index])
+            run_sizes.append(size)
     budget = workers * max(max(sizes), READ_AHEAD_BYTES)
     lock = threading.Condition()
-    pending: deque[tuple[int, Future[Loaded]]] = deque()
+    pending: deque[tuple[int, Future[list[Loaded]]]] = deque()
     state = {"queued": 0, "in_flight": 0, "failed": None}
     loader = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mconvert-load")
 
+    def load_run(run: list[int]) -> list[Loaded]:
+        return [load(items[index]) for index in run]
+
     def refill() -> None:
         """Queue loads while the budget allows (under `lock`); at least one per writer waiting."""
-        while state["queued"] < len(items) and state["failed"] is None and (
-            len(pending) < workers or state["in_flight"] + sizes[state["queued"]] <= budget
+        while state["queued"] < len(runs) and state["failed"] is None and (
+            len(pending) < workers or state["in_flight"] + run_sizes[state["queued"]] <= budget
         ):
-            index = state["queued"]
-            pending.append((index, loader.submit(load, items[index])))
-            state["in_flight"] += sizes[index]
+            number = state["queued"]
+            pending.append((number, loader.submit(load_run, runs[number])))
+            state["in_flight"] += run_sizes[number]
             state["queued"] += 1
 
     def write(worker: int) -> None:
@@ -124,10 +141,12 @@ def run_pieces(
                 refill()
                 if not pending or state["failed"] is not None:
                     return
-                index, future = pending.popleft()
+                number, future = pending.popleft()
             try:
                 loaded = future.result()
-                store(worker, items[index], loaded)
+                for position, index in enumerate(runs[number]):
+                    store(worker, items[index], loaded[position])
+                    loaded[position] = None  # its memory may go (or back to its pool) before the run ends
                 del loaded
             except BaseException as error:  # noqa: BLE001 - handed to the caller's thread below
                 with lock:
@@ -135,8 +154,9 @@ def run_pieces(
                         state["failed"] = error
                 return
             with lock:
-                state["in_flight"] -= sizes[index]
-                done(items[index])
+                state["in_flight"] -= run_sizes[number]
+                for index in runs[number]:
+                    done(items[index])
 
     writers = [threading.Thread(target=write, args=(w,), name=f"mconvert-write-{w}") for w in range(workers)]
     try:

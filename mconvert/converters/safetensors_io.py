@@ -296,6 +296,9 @@ class SafetensorsWriter:
         self.weight_map: dict[str, str] = {}
         self.sizes: dict[str, int] = {}
         self.written: dict[str, int] = {}  # bytes written by this process, by tensor
+        self.files: dict[Path, list[str]] = {}  # each file's tensors, in their order there
+        # Per file: how many of its tensors, from the first, this process wrote in full, and where they end.
+        self._prefix: dict[Path, tuple[int, int]] = {}
         self.total_bytes = 0
         for number, names in enumerate(groups, 1):
             file = f"model-{number:05d}-of-{len(groups):05d}.safetensors"
@@ -314,6 +317,7 @@ class SafetensorsWriter:
                     f.write(struct.pack("<Q", len(encoded)) + encoded)
                     f.truncate(8 + len(encoded) + offset)
             base = 8 + len(encoded)
+            self.files[path], self._prefix[path] = names, (0, base)
             for name in names:
                 dtype, shape = tensors[name]
                 self.places[name] = (path, base + header[name]["data_offsets"][0], dtype, tuple(shape))
@@ -321,14 +325,27 @@ class SafetensorsWriter:
                 self.sizes[name] = math.prod(shape) * dtype.itemsize
                 self.written[name] = 0
             self.total_bytes += offset
-        self._files: dict[Path, int] = {}
+        self._files: dict[tuple[Path, int], int] = {}  # (path, open flags) -> descriptor
         self._lock = threading.Lock()
 
-    def _fd(self, path: Path) -> int:
+    def _fd(self, path: Path, flags: int = os.O_WRONLY) -> int:
+        """The file opened once for all threads (written to and read from only at given offsets)."""
         with self._lock:
-            if path not in self._files:
-                self._files[path] = os.open(path, os.O_WRONLY)
-            return self._files[path]
+            if (path, flags) not in self._files:
+                self._files[path, flags] = os.open(path, flags)
+            return self._files[path, flags]
+
+    def written_prefix(self, path: Path) -> int:
+        """How many bytes from the start of file `path` are in place: its header, then its tensors in order up
+        to the first that this process has not written in full (what other processes wrote is not counted)."""
+        with self._lock:
+            count, end = self._prefix[path]
+            names = self.files[path]
+            while count < len(names) and self.written[names[count]] == self.sizes[names[count]]:
+                end = self.places[names[count]][1] + self.sizes[names[count]]
+                count += 1
+            self._prefix[path] = count, end
+            return end
 
     def nbytes(self, name: str, index: int | None = None) -> int:
         """The bytes of tensor `name`, or of its slice `index` along the first axis."""
@@ -358,13 +375,12 @@ class SafetensorsWriter:
             begin += index * math.prod(shape[1:]) * dtype.itemsize
             shape = shape[1:]
         length = math.prod(shape) * dtype.itemsize
-        fd, done = self._fd(path), 0
-        with open(source, "rb", buffering=0) as src:
-            while done < length:
-                copied = os.copy_file_range(src.fileno(), fd, length - done, position + done, begin + done)
-                if not copied:
-                    raise ConversionError(f"{source}: truncated while copying tensor '{name}'")
-                done += copied
+        fd, source_fd, done = self._fd(path), self._fd(source, os.O_RDONLY), 0
+        while done < length:
+            copied = os.copy_file_range(source_fd, fd, length - done, position + done, begin + done)
+            if not copied:
+                raise ConversionError(f"{source}: truncated while copying tensor '{name}'")
+            done += copied
         with self._lock:
             self.written[name] += length
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
 import math
 import os
@@ -270,7 +271,8 @@ class DCPCheckpoint:
             if isinstance(meta, TensorStorageMetadata)
         }
         self.object_keys = [k for k, m in metadata.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)]
-        self._chunk_index: dict[str, tuple[dict[int, list[int]], list[int]]] = {}
+        # Per key: chunk numbers by the count of their leading axes of size 1, then by their offsets there.
+        self._chunk_index: dict[str, dict[int, dict[tuple[int, ...], list[int]]]] = {}
         self._records: dict[tuple[str, int], int | None] = {}
         self._threads = threading.local()
         for data_file in sorted({info.relative_path for info in metadata.storage_data.values()}):
@@ -315,18 +317,21 @@ class DCPCheckpoint:
     def chunks_of(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> list[int]:
         """Numbers of the stored chunks of `key` that the region (offsets, shape) intersects."""
         if key not in self._chunk_index:
-            # Chunks one row thick along the first axis (a layer's) are found by that row, not by a scan.
-            thin: dict[int, list[int]] = {}
-            wide: list[int] = []
+            # Chunks one element thick along their first axes (a layer's, or a layer's expert's) are found by
+            # their offsets along those axes, not by a scan: a layer holds thousands of expert chunks.
+            index: dict[int, dict[tuple[int, ...], list[int]]] = {}
             for n, chunk in enumerate(self.metadata.state_dict_metadata[key].chunks):
-                if len(chunk.sizes) and chunk.sizes[0] == 1:
-                    thin.setdefault(chunk.offsets[0], []).append(n)
-                else:
-                    wide.append(n)
-            self._chunk_index[key] = (thin, wide)
-        thin, wide = self._chunk_index[key]
-        candidates = wide + [n for row in range(offsets[0], offsets[0] + shape[0]) for n in thin.get(row, ())] if shape else wide
+                depth = next((axis for axis, size in enumerate(chunk.sizes) if size != 1), len(chunk.sizes))
+                index.setdefault(depth, {}).setdefault(tuple(chunk.offsets[:depth]), []).append(n)
+            self._chunk_index[key] = index
         chunks = self.metadata.state_dict_metadata[key].chunks
+        candidates = []
+        for depth, by_offsets in self._chunk_index[key].items():
+            ranges = [range(o, o + n) for o, n in zip(offsets[:depth], shape[:depth])]
+            if math.prod(map(len, ranges)) <= len(by_offsets):
+                candidates += [n for at in itertools.product(*ranges) for n in by_offsets.get(at, ())]
+            else:
+                candidates += [n for numbers in by_offsets.values() for n in numbers]
         return sorted(n for n in candidates if region_overlap(chunks[n].offsets, chunks[n].sizes, offsets, shape) is not None)
 
     def read_region(
