@@ -99,7 +99,7 @@ def human_bytes(n: float) -> str:
 
 
 def main() -> int:
-    from mconvert.converters.safetensors_io import HFCheckpoint
+    from mconvert.converters.safetensors_io import HFCheckpoint, fp8_block_size, read_hf_config
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b"], help="configs from mconvert/configs as NAME[@LAYERS][+FIELD=VALUE...]")
@@ -117,7 +117,7 @@ def main() -> int:
     rows = []
     for model in options.models:
         source = make_source(model, options.work_dir, options.fp8)
-        tensors = HFCheckpoint(source).tensors
+        tensors = HFCheckpoint(source, fp8_block_size(read_hf_config(source, "--models"))).tensors
         largest = max(stored.end - stored.begin for stored in tensors.values())
         total = sum(stored.end - stored.begin for stored in tensors.values())
         rss_limit = GiB + 2 * largest

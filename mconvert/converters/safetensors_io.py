@@ -238,8 +238,14 @@ class HFCheckpoint:
         if index is not None:
             scales = scales[index]
         rows, cols = tensor.shape[-2:]
-        factors = scales.float().repeat_interleave(block_rows, -2)[..., :rows, :].repeat_interleave(block_cols, -1)[..., :cols]
-        return tensor.float() * factors
+        if rows % block_rows or cols % block_cols:  # partial blocks at the edges: each scale spread over its block
+            factors = scales.float().repeat_interleave(block_rows, -2)[..., :rows, :].repeat_interleave(block_cols, -1)[..., :cols]
+            return tensor.float() * factors
+        # Whole blocks: the scales broadcast over a blocked view, in place (no tensor-sized factors).
+        values = tensor.float()
+        blocked = values.view(*values.shape[:-2], rows // block_rows, block_rows, cols // block_cols, block_cols)
+        blocked.mul_(scales.float()[..., :, None, :, None])
+        return values
 
 
 _ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}
