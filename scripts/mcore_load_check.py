@@ -35,9 +35,14 @@ class Model:
     name: str
     config: str
     parallelism: Parallelism
-    # The first megatron-core that can build the model; verify refuses it with this message before.
+    # The megatron-core versions that can build the model, from `since` and before `until`; verify refuses it
+    # with this message outside them.
     since: Version | None = None
+    until: Version | None = None
     refusal: str = ""
+
+    def builds_in(self, version: Version) -> bool:
+        return (self.since is None or version >= self.since) and (self.until is None or version < self.until)
 
     @property
     def layout_flags(self) -> list[str]:
@@ -57,12 +62,22 @@ MODELS = {
         since=Version("0.16"),
         refusal="has a shared expert gate (moe_shared_expert_gate), which megatron-core supports from 0.16 on",
     ),
+    # Multi-latent attention without a query bottleneck (q_lora_rank null), which megatron-core 0.19 builds with a
+    # layer norm fused into linear_q_proj that the model does not have.
+    "mla": Model(
+        "MLA without q_lora_rank: DeepSeek-V2-Lite, EP=2",
+        "deepseek-v2-lite",
+        Parallelism(ep=2),
+        until=Version("0.19"),
+        refusal="for multi-latent attention without q_lora_rank it adds a layer norm before linear_q_proj",
+    ),
     # The other families, for a wider run (--models).
     "llama": Model("dense: Llama-3.1 (llama3 rope scaling), TP=2", "llama-3.1-8b", Parallelism(tp=2)),
     "qwen2": Model("dense: Qwen2.5 (QKV bias), PP=2", "qwen2.5-7b-instruct", Parallelism(pp=2)),
     "mixtral": Model("MoE: Mixtral, PP=2 x EP=2", "mixtral-8x7b-v0.1", Parallelism(pp=2, ep=2)),
+    "deepseek": Model("MLA, sigmoid routing with expert bias, YaRN: DeepSeek-V3, EP=2", "deepseek-v3", Parallelism(ep=2)),
 }
-DEFAULT_MODELS = ("dense", "moe", "gated")
+DEFAULT_MODELS = ("dense", "moe", "gated", "mla")
 
 
 def imported_version() -> str:
@@ -105,7 +120,7 @@ def check(model: Model, work: Path, version: Version) -> Outcome:
             ["verify", "--hf", str(hf), "--mcore", str(mcore), "--device", "cpu", *model.layout_flags, "--json", str(report)]
         )
     last_line = (err.getvalue().strip() or out.getvalue().strip() or "(no output)").splitlines()[-1]
-    if model.since is not None and version < model.since:
+    if not model.builds_in(version):
         one_line = len(err.getvalue().strip().splitlines()) == 1
         return Outcome(code == 2 and one_line and model.refusal in last_line, "refused, as expected", note=f"`{last_line}`")
     if code != 0:

@@ -7,13 +7,13 @@
 # Each PYTHON runs its VERSIONs. A version other than the one installed in PYTHON's environment is installed alone
 # (--no-deps: the environment's torch and numpy serve it, though 0.13 to 0.15 declare numpy<2) into
 # .mcore/pyX.Y/VERSION and put in front of it with PYTHONPATH. Default: the Python 3.11 venv (scripts/install.sh)
-# with 0.13.1 0.14.0 0.15.3 0.16.1, and the Python 3.12 venv (VENV312, default .venv312) with 0.19.2, which needs
-# Python >= 3.12. The models: scripts/mcore_load_check.py's default, or MCORE_CHECK_MODELS="dense moe gated llama
-# qwen2 mixtral". Exit 1 when any row is not as expected.
+# with 0.13.1 0.14.0 0.15.3 0.16.1, and the Python 3.12 venv (VENV312, default .venv312) with 0.17.0 0.18.0 0.19.2,
+# which need Python >= 3.12. The models: scripts/mcore_load_check.py's default, or MCORE_CHECK_MODELS="dense moe
+# gated mla llama qwen2 mixtral deepseek". Exit 1 when any row is not as expected.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -eq 0 ]; then
-    set -- "${VENV:-.venv}/bin/python" "0.13.1 0.14.0 0.15.3 0.16.1" "${VENV312:-.venv312}/bin/python" "0.19.2"
+    set -- "${VENV:-.venv}/bin/python" "0.13.1 0.14.0 0.15.3 0.16.1" "${VENV312:-.venv312}/bin/python" "0.17.0 0.18.0 0.19.2"
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

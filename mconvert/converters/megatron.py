@@ -537,7 +537,7 @@ def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
     if getattr(args, "multi_latent_attention", False) and args.q_lora_rank is None and args.qk_layernorm:
         caveats.append(
             "megatron-core 0.19 and later add a layer norm before linear_q_proj in multi-latent attention without "
-            "--q-lora-rank, which this model does not have: train it with a megatron-core before 0.19"
+            "--q-lora-rank, which this model does not have: train it with megatron-core 0.13 to 0.18"
         )
     return caveats
 

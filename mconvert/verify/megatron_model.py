@@ -76,14 +76,13 @@ def require_shared_expert_gate() -> None:
 def require_unnormalized_mla_query() -> None:
     """With q/k layer norms (the latent kv norm), megatron-core 0.19 builds multi-latent attention without a
     query bottleneck (q_lora_rank null: DeepSeek-V2-Lite) with a layer norm fused into linear_q_proj (its
-    mla_qk_norm_config), a norm the model does not have; before 0.19 the query is projected straight from
-    the layer's input, as the model does (0.16.1 judged in tests/test_deepseek_megatron.py; 0.17 and 0.18
-    build linear_q_proj from the spec's plain column-parallel linear)."""
+    mla_qk_norm_config), a norm the model does not have; 0.13 to 0.18 project the query straight from the
+    layer's input, as the model does (scripts/mcore_versions.sh loads it with each)."""
     if importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config") is not None:
         raise ConversionError(
             f"megatron-core {MEGATRON_CORE_VERSION} cannot build this checkpoint's model: for multi-latent "
             "attention without q_lora_rank it adds a layer norm before linear_q_proj, which the model does not "
-            "have; load it with a megatron-core before 0.19 (0.16.1 is tested)"
+            "have; load it with megatron-core 0.13 to 0.18"
         )
 
 
@@ -151,6 +150,9 @@ def transformer_config_from_args(
         for name in ("original_max_position_embeddings", "beta_fast", "beta_slow"):
             if getattr(args, name, None) is not None:
                 mla_settings[name] = getattr(args, name)
+        if "original_max_position_embeddings" in mla_settings and not hasattr(MLATransformerConfig, "original_max_position_embeddings"):
+            # megatron-core 0.13 names YaRN's original length max_position_embeddings.
+            mla_settings["max_position_embeddings"] = mla_settings.pop("original_max_position_embeddings")
     return config_class(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
