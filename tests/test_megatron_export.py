@@ -25,6 +25,7 @@ from mconvert.converters.rank_export import gather_hf_weights
 from mconvert.converters.safetensors_io import HFCheckpoint
 from mconvert.converters.state_dict import mcore_to_hf_state_dict
 from mconvert.converters.torch_dist import TRACKER_FILE, read_args, RELEASE
+from mconvert.synthetic import add_mtp_layers
 
 # The megatron-core harness (CPU shims, gloo ranks, model loading) lives in mconvert.verify.
 run_ranks = pytest.importorskip("mconvert.verify.distributed").run_ranks
@@ -174,3 +175,21 @@ def test_moe_checkpoints_megatron_core_saved_export_bit_exact(layout, hf_model_f
             assert sorted(back) == sorted(original), (name, fmt)
             for k in original:
                 assert torch.equal(back[k], megatron_view[k]) and torch.equal(back[k], original[k]), (name, fmt, k)
+
+
+def test_multi_token_prediction_layers_are_handed_out_and_exported(hf_model_factory, tmp_path, capsys):
+    """DeepSeek-V3 with its MTP layer (multi-latent attention, sigmoid routing with expert bias): the live ranks
+    hand out every HF tensor, the MTP layer's included; a torch_dist checkpoint whose args name the MTP layers
+    exports them with --hf-config too (the HF config names them whether or not HF weights hold them)."""
+    hf = add_mtp_layers(hf_model_factory("deepseek-v3"))
+    results = run_megatron_saves(tmp_path, {"deepseek": hf}, Parallelism(ep=2))
+    original = read_hf(hf)
+    assert any(".layers.2." in name for name in original)  # the MTP layer, after the model's 2
+    produced, _ = results["deepseek"]
+    assert produced == sorted(original)
+    for flags in ([], ["--hf-config", str(hf)]):
+        out = tmp_path / f"back{len(flags)}"
+        assert main(["mcore-to-hf", "--load-dir", str(tmp_path / "deepseek-ours"), "--save-dir", str(out), *flags]) == 0, capsys.readouterr().err
+        back = read_hf(out)
+        assert sorted(back) == sorted(original), flags
+        assert all(torch.equal(back[k], original[k]) for k in original), flags

@@ -159,6 +159,9 @@ def resolve_model(
                     raise ConversionError(
                         f"--hf-config says {name}={getattr(spec, name)}, the checkpoint's args say {getattr(from_args, name)}"
                     )
+            # The multi-token prediction layers the checkpoint was trained with (an HF config names them whether or
+            # not the HF weights hold them).
+            spec = dataclasses.replace(spec, mtp_layers=from_args.mtp_layers)
         return family, spec
     if args is None:
         raise ConversionError(f"{location}: no Megatron args stored with the checkpoint: pass --hf-config")

@@ -11,6 +11,7 @@ latency, and memory stays at about two batches (or one piece, if larger) beyond 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -62,7 +63,7 @@ def local_shards(model: torch.nn.Module) -> dict[tuple[str, Shape], tuple[ShardI
     apply_factories(sharded_state_dict)  # e.g. a swiglu fc1 becomes its gate and up fragments
     shards = {}
     for sharded in nested_values(sharded_state_dict):
-        if not isinstance(sharded, ShardedTensor) or not sharded.key.startswith(("embedding.", "decoder.", "output_layer.")):
+        if not isinstance(sharded, ShardedTensor) or not sharded.key.startswith(megatron.MODEL_KEY_PREFIXES):
             continue
         sizes = (1,) * sharded.prepend_axis_num + tuple(sharded.local_shape)
         info = ShardInfo(
@@ -95,6 +96,8 @@ def gather_hf_weights(
     if expert_group is None:
         expert_group = parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False) or group
     family, spec = get_mapping(config)
+    # The model's own multi-token prediction layers (none when it was built without them, whatever the config).
+    spec = dataclasses.replace(spec, mtp_layers=getattr(model.config, "mtp_num_layers", None) or 0)
     plan = build_plan(family, spec, Parallelism())
     mine = local_shards(model)
     device = next(iter(mine.values()))[1].device if mine else torch.device("cpu")
