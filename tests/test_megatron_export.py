@@ -179,17 +179,20 @@ def test_moe_checkpoints_megatron_core_saved_export_bit_exact(layout, hf_model_f
 
 def test_multi_token_prediction_layers_are_handed_out_and_exported(hf_model_factory, tmp_path, capsys):
     """DeepSeek-V3 with its MTP layer (multi-latent attention, sigmoid routing with expert bias): the live ranks
-    hand out every HF tensor, the MTP layer's included; a torch_dist checkpoint whose args name the MTP layers
-    exports them with --hf-config too (the HF config names them whether or not HF weights hold them)."""
+    hand out every HF tensor, the MTP layer's included; Megatron-LM's legacy per-rank save (MLA's norms under
+    the local spec's names, the MTP layer's experts numbered within each EP rank) and a torch_dist checkpoint
+    whose args name the MTP layers export to the original, with --hf-config too (the HF config names MTP layers
+    whether or not HF weights hold them)."""
     hf = add_mtp_layers(hf_model_factory("deepseek-v3"))
     results = run_megatron_saves(tmp_path, {"deepseek": hf}, Parallelism(ep=2))
     original = read_hf(hf)
     assert any(".layers.2." in name for name in original)  # the MTP layer, after the model's 2
     produced, _ = results["deepseek"]
     assert produced == sorted(original)
-    for flags in ([], ["--hf-config", str(hf)]):
-        out = tmp_path / f"back{len(flags)}"
-        assert main(["mcore-to-hf", "--load-dir", str(tmp_path / "deepseek-ours"), "--save-dir", str(out), *flags]) == 0, capsys.readouterr().err
-        back = read_hf(out)
-        assert sorted(back) == sorted(original), flags
-        assert all(torch.equal(back[k], original[k]) for k in original), flags
+    for source in ("deepseek-legacy", "deepseek-ours"):
+        for flags in ([], ["--hf-config", str(hf)]):
+            out = tmp_path / f"{source}-back{len(flags)}"
+            assert main(["mcore-to-hf", "--load-dir", str(tmp_path / source), "--save-dir", str(out), *flags]) == 0, capsys.readouterr().err
+            back = read_hf(out)
+            assert sorted(back) == sorted(original), (source, flags)
+            assert all(torch.equal(back[k], original[k]) for k in original), (source, flags)

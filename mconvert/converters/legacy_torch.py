@@ -27,6 +27,8 @@ _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+# A multi-token prediction layer's decoder layer: its own scope, its experts numbered within the EP rank too.
+_MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer\.)(.+)$")
 
 # Region index: (name within its scope, global layer or None, global expert or None).
 Where = tuple[str, int | None, int | None]
@@ -107,15 +109,17 @@ class LegacyCheckpoint:
     def _where(name: str, first_layer: int, ep_rank: int, local_experts: int) -> Where:
         layer_match = _LAYER.match(name)
         if layer_match is None:
+            if (mtp := _MTP_LAYER.match(name)) is not None:  # the stored key, with the expert's global number
+                if (m := _SEQUENTIAL_EXPERT.match(mtp[2])) is not None:
+                    return mtp[1] + megatron.EXPERTS_PREFIX + m[2], None, ep_rank * local_experts + int(m[1])
+                if (m := _GROUPED_EXPERT.match(mtp[2])) is not None:
+                    return f"{mtp[1]}{megatron.EXPERTS_PREFIX}{m[1]}.{m[2]}", None, ep_rank * local_experts + int(m[3])
             return name, None, None
         layer, sub = first_layer + int(layer_match[1]), layer_match[2]
         if (m := _SEQUENTIAL_EXPERT.match(sub)) is not None:
             return megatron.EXPERTS_PREFIX + m[2], layer, ep_rank * local_experts + int(m[1])
         if (m := _GROUPED_EXPERT.match(sub)) is not None:
             return f"{megatron.EXPERTS_PREFIX}{m[1]}.{m[2]}", layer, ep_rank * local_experts + int(m[3])
-        for local_name, stored_name in megatron.LOCAL_SPEC_RENAMES.items():
-            if sub.startswith(local_name):
-                sub = stored_name + sub.removeprefix(local_name)
         return sub, layer, None
 
     @staticmethod
@@ -124,13 +128,19 @@ class LegacyCheckpoint:
             return m[2], int(m[1]), piece.offsets[0] if piece.offsets else None
         if key.startswith("decoder.layers."):  # stacked: offsets are (layer,) or (layer, expert)
             return key.removeprefix("decoder.layers."), piece.offsets[0], piece.offsets[1] if len(piece.offsets) > 1 else None
-        return key, None, None
+        return key, None, piece.offsets[0] if piece.offsets else None  # an MTP layer's expert, or a whole tensor
 
-    def _find(self, piece: Piece) -> tuple[Where, dict[int, torch.Tensor]] | None:
+    def _find(self, piece: Piece) -> tuple[str, Where, dict[int, torch.Tensor]] | None:
+        """The piece's key and region as this checkpoint stores them: under the key's name, or under the local
+        spec's name for it (a dense layer's norms, which the local spec keeps as modules of their own)."""
         for key in piece.keys:
-            where = self._piece_where(piece, key)
-            if where in self.shards:
-                return where, self.shards[where]
+            name, layer, expert = self._piece_where(piece, key)
+            spellings = [name] + [
+                local + name.removeprefix(stored) for local, stored in megatron.LOCAL_SPEC_RENAMES.items() if name.startswith(stored)
+            ]
+            for where in ((spelling, layer, expert) for spelling in spellings):
+                if where in self.shards:
+                    return key, where, self.shards[where]
         return None
 
     @staticmethod
@@ -162,9 +172,8 @@ class LegacyCheckpoint:
             located = self._find(piece)
             if located is None:
                 continue
-            where, shards = located
+            key, where, shards = located
             found.add(where)
-            key = piece.keys[[self._piece_where(piece, k) for k in piece.keys].index(where)]
             leading = plan.shapes[piece.key][: len(piece.offsets)]
             shape = (*leading, *self._assemble_shape(piece, shards))
             if key not in shapes or shape != (*leading, *piece.layout.shape):
@@ -178,7 +187,7 @@ class LegacyCheckpoint:
     def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
         located = self._find(piece)
         assert located is not None, f"{piece.key} was checked present"
-        shards = located[1]
+        shards = located[2]
         if not self._is_split(piece, shards):
             return shards[min(shards)]
         # Rank r of n holds `per_rank` fragments along the split axis: fragments r, r + n, ... (for fc1,
