@@ -34,6 +34,15 @@ _MTP_LAYER = re.compile(r"^(mtp\.layers\.\d+\.transformer_layer\.)(.+)$")
 Where = tuple[str, int | None, int | None]
 
 
+def _expert(name: str, ep_rank: int, local_experts: int) -> tuple[str, int] | None:
+    """A layer's local expert tensor (`name` within the layer) as its stored name and global expert number."""
+    if (m := _SEQUENTIAL_EXPERT.match(name)) is not None:
+        return megatron.EXPERTS_PREFIX + m[2], ep_rank * local_experts + int(m[1])
+    if (m := _GROUPED_EXPERT.match(name)) is not None:
+        return f"{megatron.EXPERTS_PREFIX}{m[1]}.{m[2]}", ep_rank * local_experts + int(m[3])
+    return None
+
+
 def is_legacy_checkpoint(directory: Path) -> bool:
     return any(directory.glob(f"mp_rank_*/{CHECKPOINT_FILE}"))
 
@@ -109,17 +118,12 @@ class LegacyCheckpoint:
     def _where(name: str, first_layer: int, ep_rank: int, local_experts: int) -> Where:
         layer_match = _LAYER.match(name)
         if layer_match is None:
-            if (mtp := _MTP_LAYER.match(name)) is not None:  # the stored key, with the expert's global number
-                if (m := _SEQUENTIAL_EXPERT.match(mtp[2])) is not None:
-                    return mtp[1] + megatron.EXPERTS_PREFIX + m[2], None, ep_rank * local_experts + int(m[1])
-                if (m := _GROUPED_EXPERT.match(mtp[2])) is not None:
-                    return f"{mtp[1]}{megatron.EXPERTS_PREFIX}{m[1]}.{m[2]}", None, ep_rank * local_experts + int(m[3])
+            if (mtp := _MTP_LAYER.match(name)) is not None and (expert := _expert(mtp[2], ep_rank, local_experts)):
+                return mtp[1] + expert[0], None, expert[1]  # the stored key, with the expert's global number
             return name, None, None
         layer, sub = first_layer + int(layer_match[1]), layer_match[2]
-        if (m := _SEQUENTIAL_EXPERT.match(sub)) is not None:
-            return megatron.EXPERTS_PREFIX + m[2], layer, ep_rank * local_experts + int(m[1])
-        if (m := _GROUPED_EXPERT.match(sub)) is not None:
-            return f"{megatron.EXPERTS_PREFIX}{m[1]}.{m[2]}", layer, ep_rank * local_experts + int(m[3])
+        if expert := _expert(sub, ep_rank, local_experts):
+            return expert[0], layer, expert[1]
         return sub, layer, None
 
     @staticmethod

@@ -518,6 +518,13 @@ def not_restored_by_checkpoint_args(args: argparse.Namespace) -> list[str]:
     ]
 
 
+def unnormalized_mla_query(args: argparse.Namespace) -> bool:
+    """Multi-latent attention without a query bottleneck (q_lora_rank null: DeepSeek-V2-Lite) but with q/k layer
+    norms (MLA's latent kv norm): the query is projected straight from the layer's input, which megatron-core 0.19
+    cannot build (mconvert.verify.megatron_model.require_unnormalized_mla_query)."""
+    return bool(getattr(args, "multi_latent_attention", False) and args.q_lora_rank is None and getattr(args, "qk_layernorm", False))
+
+
 def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
     """What Megatron-LM's pretrain_gpt.py would build differently from these args: its model builder
     (gpt_builders.gpt_builder) passes GPTModel neither --rope-scaling-factor nor
@@ -534,7 +541,7 @@ def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
             "pretrain_gpt.py builds GPTModel without --rotary-seq-len-interpolation-factor, so without position "
             "interpolation: pass seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor in its gpt_builder"
         )
-    if getattr(args, "multi_latent_attention", False) and args.q_lora_rank is None and args.qk_layernorm:
+    if unnormalized_mla_query(args):
         caveats.append(
             "megatron-core 0.19 and later add a layer norm before linear_q_proj in multi-latent attention without "
             "--q-lora-rank, which this model does not have: train it with megatron-core 0.13 to 0.18"

@@ -12,7 +12,6 @@ from typing import Literal
 
 import megatron.core
 import torch
-from packaging.version import Version
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
@@ -26,8 +25,9 @@ from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from packaging.version import Version
 
-from mconvert.converters.megatron import Parallelism, padded_vocab_size, stored_arg
+from mconvert.converters.megatron import Parallelism, padded_vocab_size, stored_arg, unnormalized_mla_query
 from mconvert.errors import ConversionError
 from mconvert.verify import cpu_shims
 
@@ -130,7 +130,7 @@ def transformer_config_from_args(
             moe_settings["moe_shared_expert_gate"] = True
     config_class, mla_settings = TransformerConfig, {}
     if getattr(args, "multi_latent_attention", False):
-        if args.q_lora_rank is None and getattr(args, "qk_layernorm", False):
+        if unnormalized_mla_query(args):
             require_unnormalized_mla_query()
         config_class = MLATransformerConfig
         mla_settings = dict(
