@@ -23,7 +23,7 @@ from mconvert.converters import megatron
 from mconvert.converters.mcore_to_hf import piece_region, stored_key
 from mconvert.converters.plan import build_plan
 from mconvert.converters.megatron import Parallelism
-from mconvert.converters.torch_dist import region_overlap
+from mconvert.converters.torch_dist import RegionIndex, region_overlap
 from mconvert.errors import ConversionError
 from mconvert.mappings import get_mapping
 
@@ -42,7 +42,6 @@ class ShardInfo:
     sizes: Shape
     dtype: torch.dtype
     global_shape: Shape
-    prepended: int
 
 
 def model_sharded_state_dict(model: torch.nn.Module) -> dict:
@@ -66,10 +65,7 @@ def local_shards(model: torch.nn.Module) -> dict[tuple[str, Shape], tuple[ShardI
         if not isinstance(sharded, ShardedTensor) or not sharded.key.startswith(megatron.MODEL_KEY_PREFIXES):
             continue
         sizes = (1,) * sharded.prepend_axis_num + tuple(sharded.local_shape)
-        info = ShardInfo(
-            sharded.key, tuple(sharded.global_offset), sizes, sharded.data.dtype, tuple(sharded.global_shape),
-            sharded.prepend_axis_num,
-        )
+        info = ShardInfo(sharded.key, tuple(sharded.global_offset), sizes, sharded.data.dtype, tuple(sharded.global_shape))
         shards[(info.key, info.offsets)] = (info, sharded.data.detach())
     return shards
 
@@ -101,10 +97,10 @@ def gather_hf_weights(
     plan = build_plan(family, spec, Parallelism())
     mine = local_shards(model)
     device = next(iter(mine.values()))[1].device if mine else torch.device("cpu")
-    # Every rank of a group learns which member holds which shard (the lowest-ranked one, for replicas),
-    # filed by key and by the shard's offsets on the stacking axes (a layer's, an expert's), so that a piece
-    # looks only at the shards of its own layer and expert: a MoE layer has hundreds of expert shards per key.
-    owners: dict[int, dict[str, dict[Shape, list[tuple[ShardInfo, int]]]]] = {}
+    # Every rank of a group learns which member holds which shard (the lowest-ranked one, for replicas), per
+    # key in an index by region: a piece looks only at the shards of its own layer and expert.
+    owners: dict[int, dict[str, RegionIndex]] = {}
+    shapes: dict[str, Shape] = {}
     for pg in {id(group): group, id(expert_group): expert_group}.values():
         gathered: list[list[ShardInfo]] = [[] for _ in range(dist.get_world_size(pg))]
         dist.all_gather_object(gathered, [info for info, _ in mine.values()], group=pg)
@@ -112,13 +108,11 @@ def gather_hf_weights(
         for member, infos in enumerate(gathered):
             for info in infos:
                 first_holder.setdefault((info.key, info.offsets), (info, member))
-        by_key: dict[str, dict[Shape, list[tuple[ShardInfo, int]]]] = {}
+        by_key: dict[str, RegionIndex] = {}
         for info, member in first_holder.values():
-            by_key.setdefault(info.key, {}).setdefault(info.offsets[: info.prepended], []).append((info, member))
+            by_key.setdefault(info.key, RegionIndex()).add(info.offsets, info.sizes, (info, member))
+            shapes[info.key] = info.global_shape
         owners[id(pg)] = by_key
-    shapes = {
-        key: next(iter(stacks.values()))[0][0].global_shape for by_key in owners.values() for key, stacks in by_key.items()
-    }
 
     batch: list[tuple[Any, str, Shape, Shape, list[tuple[ShardInfo, int]]]] = []
     batch_group, batch_bytes = None, 0
@@ -128,13 +122,8 @@ def gather_hf_weights(
         if key not in shapes:
             continue  # not on this pipeline stage
         offsets, region_shape = piece_region(piece, shapes[key])
-        stacks = owners[id(pg)].get(key, {})
-        prepended = next(iter(stacks.values()))[0][0].prepended if stacks else 0
-        held = [
-            (info, member)
-            for info, member in stacks.get(offsets[:prepended], ())
-            if region_overlap(info.offsets, info.sizes, offsets, region_shape) is not None
-        ]
+        index = owners[id(pg)].get(key)
+        held = index.intersecting(offsets, region_shape) if index else []
         if not held:
             continue  # another pipeline stage's layer
         nbytes = math.prod(region_shape) * held[0][0].dtype.itemsize

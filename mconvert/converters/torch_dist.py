@@ -271,8 +271,7 @@ class DCPCheckpoint:
             if isinstance(meta, TensorStorageMetadata)
         }
         self.object_keys = [k for k, m in metadata.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)]
-        # Per key: chunk numbers by the count of their leading axes of size 1, then by their offsets there.
-        self._chunk_index: dict[str, dict[int, dict[tuple[int, ...], list[int]]]] = {}
+        self._chunk_index: dict[str, RegionIndex] = {}  # per key: its chunks' numbers, by their regions
         self._records: dict[tuple[str, int], int | None] = {}
         self._threads = threading.local()
         for data_file in sorted({info.relative_path for info in metadata.storage_data.values()}):
@@ -317,22 +316,11 @@ class DCPCheckpoint:
     def chunks_of(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> list[int]:
         """Numbers of the stored chunks of `key` that the region (offsets, shape) intersects."""
         if key not in self._chunk_index:
-            # Chunks one element thick along their first axes (a layer's, or a layer's expert's) are found by
-            # their offsets along those axes, not by a scan: a layer holds thousands of expert chunks.
-            index: dict[int, dict[tuple[int, ...], list[int]]] = {}
+            index = RegionIndex()
             for n, chunk in enumerate(self.metadata.state_dict_metadata[key].chunks):
-                depth = next((axis for axis, size in enumerate(chunk.sizes) if size != 1), len(chunk.sizes))
-                index.setdefault(depth, {}).setdefault(tuple(chunk.offsets[:depth]), []).append(n)
+                index.add(chunk.offsets, chunk.sizes, n)
             self._chunk_index[key] = index
-        chunks = self.metadata.state_dict_metadata[key].chunks
-        candidates = []
-        for depth, by_offsets in self._chunk_index[key].items():
-            ranges = [range(o, o + n) for o, n in zip(offsets[:depth], shape[:depth])]
-            if math.prod(map(len, ranges)) <= len(by_offsets):
-                candidates += [n for at in itertools.product(*ranges) for n in by_offsets.get(at, ())]
-            else:
-                candidates += [n for numbers in by_offsets.values() for n in numbers]
-        return sorted(n for n in candidates if region_overlap(chunks[n].offsets, chunks[n].sizes, offsets, shape) is not None)
+        return sorted(self._chunk_index[key].intersecting(offsets, shape))
 
     def read_region(
         self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...], into: torch.Tensor | None = None
@@ -524,6 +512,34 @@ def _contiguous_strides(sizes) -> tuple[int, ...]:
         strides.append(step)
         step *= size
     return tuple(reversed(strides))
+
+
+class RegionIndex:
+    """Items that each hold a region (offsets, sizes) of one tensor, found by the regions they intersect.
+
+    Regions one element thick along their first axes (a layer's, or a layer's expert's, of a stacked tensor)
+    are filed by their offsets along those axes, so that a lookup tests the regions of its own layer and expert
+    only: a MoE layer's tensor has hundreds of expert regions, and testing them all made lookups quadratic."""
+
+    def __init__(self) -> None:
+        # By the count of leading axes of size 1, then by the offsets along them.
+        self._filed: dict[int, dict[tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...], Any]]]] = {}
+
+    def add(self, offsets, sizes, item: Any) -> None:
+        depth = next((axis for axis, size in enumerate(sizes) if size != 1), len(sizes))
+        self._filed.setdefault(depth, {}).setdefault(tuple(offsets[:depth]), []).append((tuple(offsets), tuple(sizes), item))
+
+    def intersecting(self, offsets, shape) -> list[Any]:
+        """The items whose regions share elements with the region (offsets, shape)."""
+        found = []
+        for depth, by_offsets in self._filed.items():
+            ranges = [range(o, o + n) for o, n in zip(offsets[:depth], shape[:depth])]
+            if math.prod(map(len, ranges)) <= len(by_offsets):
+                candidates = [entry for at in itertools.product(*ranges) for entry in by_offsets.get(at, ())]
+            else:
+                candidates = [entry for entries in by_offsets.values() for entry in entries]
+            found += [item for at, sizes, item in candidates if region_overlap(at, sizes, offsets, shape) is not None]
+        return found
 
 
 def region_overlap(chunk_offsets, chunk_sizes, offsets, shape) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
