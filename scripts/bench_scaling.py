@@ -158,7 +158,7 @@ def main() -> int:
     for model in [*options.peers, *options.models]:
         source = options.work_dir / model
         if not (source / COMPLETE_MARK).exists():  # made in a child, which imports torch and transformers
-            subprocess.run([PYTHON, "-c", f"from bench_convert import make_source; make_source({model!r}, {str(options.work_dir)!r})"],
+            subprocess.run([PYTHON, "-c", f"from pathlib import Path; from bench_convert import make_source; make_source({model!r}, Path({str(options.work_dir)!r}))"],
                            cwd=REPO / "scripts", check=True)
         nbytes = sum(path.stat().st_size for path in source.glob("*.safetensors"))
         copy_target = options.work_dir / f"{model}.copy"

@@ -19,8 +19,10 @@
 #   launch      the same through the train.sh a conversion writes (scripts/gpu_train.py --launcher train.sh)
 #   verify      mconvert verify --spec te on real shapes (scripts/gpu_verify.py)
 #   verify-mla  the same for GLM-4.5-Air and DeepSeek-V3, cut to their first dense and first MoE layer
+#   verify-v2lite  DeepSeek-V2-Lite whole, with megatron-core 0.18.0 (carry .whl018: 0.19 cannot build it)
 #   te-export   megatron-core's own TE-spec grouped-GEMM saves exported bit-exactly (scripts/gpu_te_export.py)
 #   bench       weight sync (gather_hf_weights) at TP=2 and EP=2, and loading, on the GPUs
+#   scaling     both directions over 1 to 8 workers and ranks against cp -r, on the host's cores and disk
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -112,13 +114,35 @@ for stage in "$@"; do
     [ "$code" = 3 ] || mark launch
     ;;
   verify-mla)
-    # Multi-latent attention and sigmoid-routed MoE at real widths: GLM-4.5-Air's first dense and first MoE
-    # layer, DeepSeek-V3's (its first three layers are dense). Not DeepSeek-V2-Lite: megatron-core 0.19 cannot
-    # build it (docs/verification.md).
+    # Sigmoid-routed MoE at real widths under TE: GLM-4.5-Air's first dense and first MoE layer (partial rope,
+    # q/k/v biases) at TP2xEP2xETP1 and with the two layers on two stages; DeepSeek-V3's (multi-latent
+    # attention; its first three layers are dense, hence the field). DeepSeek-V2-Lite: verify-v2lite.
     python3 scripts/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) - 60))" \
-      glm-4.5-air@2:tp2ep2etp1 'deepseek-v3@2+first_k_dense_replace=1:ep2' > "$OUT/verify-mla.log" 2>&1
+      glm-4.5-air@2:tp2ep2etp1 glm-4.5-air@2:pp2 'deepseek-v3@2+first_k_dense_replace=1:ep2' > "$OUT/verify-mla.log" 2>&1
     note "verify-mla: exit $?"
     mark verify-mla
+    ;;
+  verify-v2lite)
+    # Megatron-core 0.19 builds a query norm that V2-Lite does not have (docs/verification.md); 0.18 is the
+    # newest that loads it. Its own folder, without Transformer Engine (local spec).
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site018 .whl018/*.whl
+    PYTHONPATH=/tmp/site018 python3 -c "import megatron.core as m; print('verify-v2lite: megatron-core', m.__version__)" >> "$OUT/session.log" 2>&1
+    PYTHONPATH=/tmp/site018:$PWD python3 scripts/gpu_verify.py --spec local --work "$WORK/verify" --out "$OUT/verify" \
+      --deadline-s "$(($(left) - 60))" deepseek-v2-lite:ep2 > "$OUT/verify-v2lite.log" 2>&1
+    note "verify-v2lite: exit $?"
+    mark verify-v2lite
+    ;;
+  scaling)
+    # Half the time left for each model; the 7B shape first (dense, few large tensors), then the MoE one.
+    half=$(($(left) / 2 - 20))
+    for model in qwen2.5-7b-instruct@14 qwen3-235b-a22b@2; do
+      timeout "$(left)" python3 scripts/bench_scaling.py --work-dir "$WORK/scaling" --out "$OUT/scaling" --models "$model" \
+        --peers $([ "$model" = qwen2.5-7b-instruct@14 ] && echo qwen2.5-0.5b) --keep-sources false --deadline-s "$half" \
+        >> "$OUT/scaling.log" 2>&1
+      note "scaling $model: exit $?"
+      half=$(($(left) - 30))
+    done
+    mark scaling
     ;;
   bench)
     {
