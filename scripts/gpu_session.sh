@@ -23,6 +23,8 @@
 #   te-export   megatron-core's own TE-spec grouped-GEMM saves exported bit-exactly (scripts/gpu_te_export.py)
 #   bench       weight sync (gather_hf_weights) at TP=2 and EP=2, and loading, on the GPUs
 #   scaling     both directions over 1 to 8 workers and ranks against cp -r, on the host's cores and disk
+#   scaling-ranks  the MoE shape's torchrun rows alone (2, 4, 8 gloo ranks), both directions
+#   profile     what bounds one worker on this host: py-spy (carry .pyspy) of both directions, MoE shape
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -143,6 +145,28 @@ for stage in "$@"; do
       half=$(($(left) - 30))
     done
     mark scaling
+    ;;
+  scaling-ranks)
+    timeout "$(left)" python3 scripts/bench_scaling.py --work-dir "$WORK/scaling" --out "$OUT/scaling" \
+      --models qwen3-235b-a22b@2 --modes ranks --counts 2 4 8 --peers --keep-sources false --deadline-s "$(($(left) - 60))" \
+      >> "$OUT/scaling.log" 2>&1
+    note "scaling-ranks: exit $?"
+    mark scaling-ranks
+    ;;
+  profile)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pyspy .pyspy/*.whl
+    model=qwen3-235b-a22b@2 dir="$WORK/profile"
+    (cd scripts && python3 -c "from pathlib import Path; from bench_convert import make_source; make_source('$model', Path('$dir'))") > "$OUT/profile.log" 2>&1
+    for direction in hf-to-mcore mcore-to-hf; do
+      if [ $direction = hf-to-mcore ]; then from="$dir/$model" to="$dir/mc"; else from="$dir/mc" to="$dir/back"; fi
+      find "$from" -type f -exec cat {} + > /dev/null
+      timeout "$(left)" /tmp/pyspy/bin/py-spy record --threads --idle --nonblocking -r 100 -f raw -o "$dir/$direction.raw" -- \
+        python3 -m mconvert $direction --load-dir "$from" --save-dir "$to" --workers 1 --overwrite >> "$OUT/profile.log" 2>&1
+    done
+    python3 scripts/profile_summary.py --rate 100 "$dir"/hf-to-mcore.raw "$dir"/mcore-to-hf.raw > "$OUT/profile.txt" 2>&1
+    note "profile: exit $?"
+    rm -rf "$dir"
+    mark profile
     ;;
   bench)
     {
