@@ -183,8 +183,7 @@ def convert_hf_to_mcore(
     args = megatron.megatron_args(spec, parallelism, plan.dtype, transformer_impl, tokenizer_dir=load_dir)
     flags = megatron.megatron_flags(args)
 
-    ranks = Ranks()
-    with atomic_directory(save_dir, overwrite, ranks) as work:
+    with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
         release = work / torch_dist.RELEASE
         if ranks.is_first:
             release.mkdir()

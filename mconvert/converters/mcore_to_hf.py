@@ -345,8 +345,7 @@ def convert_mcore_to_hf(
     reference = read_hf_config(Path(hf_config_dir), "--hf-config") if hf_config_dir is not None else None
     plan, config = plan_export(source, reference, dtype, model_size)
 
-    ranks = Ranks()
-    with atomic_directory(save_dir, overwrite, ranks) as work:
+    with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
         hf_shapes = plan.hf_shapes()
         dtypes = {ref.name: plan.dtype_of(piece) for piece in plan.pieces for ref in piece.sources}
         writer = SafetensorsWriter(work, {name: (dtypes[name], shape) for name, shape in hf_shapes.items()}, shard_bytes, create=ranks.is_first)

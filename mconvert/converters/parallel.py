@@ -187,20 +187,37 @@ class Ranks:
 
     Collectives go through a gloo group (CPU tensors and pickled objects, on any host). `settle` is the one
     point where the ranks learn whether all of them succeeded: a rank that fails before it settles with its
-    error from its error path, so that nobody waits for it and nothing is finished."""
+    error from its error path, so that nobody waits for it and nothing is finished. Used as a context manager,
+    it destroys on exit the groups it made: a gloo group left to the interpreter's teardown can abort the
+    process (SIGABRT, "terminate called without an active exception") after the conversion succeeded."""
 
     def __init__(self) -> None:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.group = None
         self.settled = False
+        self._made: list[Any] = []  # the groups this object made, to destroy: the default one as None
         if self.world > 1:
             import torch.distributed as dist
 
             if not dist.is_initialized():
                 timeout = datetime.timedelta(seconds=float(os.environ.get("MCONVERT_DIST_TIMEOUT", "3600")))
                 dist.init_process_group("gloo", timeout=timeout)
-            self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+                self._made.append(None)
+            if dist.get_backend() != "gloo":
+                self.group = dist.new_group(backend="gloo")
+                self._made.insert(0, self.group)
+
+    def __enter__(self) -> "Ranks":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._made:
+            import torch.distributed as dist
+
+            for group in self._made:
+                dist.destroy_process_group(group)
+            self._made.clear()
 
     @property
     def is_first(self) -> bool:
