@@ -159,7 +159,9 @@ def _gathered(
     for (member, _), infos in sorted(by_source.items()):
         counts = [math.prod(info.sizes) for info in infos]
         if ranks[member] == dist.get_rank():
-            flat = torch.cat([mine[(info.key, info.offsets)][1].reshape(-1) for info in infos])
+            # One shard (an embedding's, a large fc1's) is sent as it is: a copy of it would add its size.
+            parts = [mine[(info.key, info.offsets)][1].reshape(-1) for info in infos]
+            flat = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:
             flat = torch.empty(sum(counts), dtype=infos[0].dtype, device=device)
         dist.broadcast(flat, src=ranks[member], group=pg)
