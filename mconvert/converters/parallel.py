@@ -196,28 +196,28 @@ class Ranks:
         self.rank = int(os.environ.get("RANK", "0"))
         self.group = None
         self.settled = False
-        self._made: list[Any] = []  # the groups this object made, to destroy: the default one as None
+        self._made_default_group = False
         if self.world > 1:
             import torch.distributed as dist
 
             if not dist.is_initialized():
                 timeout = datetime.timedelta(seconds=float(os.environ.get("MCONVERT_DIST_TIMEOUT", "3600")))
                 dist.init_process_group("gloo", timeout=timeout)
-                self._made.append(None)
-            if dist.get_backend() != "gloo":
-                self.group = dist.new_group(backend="gloo")
-                self._made.insert(0, self.group)
+                self._made_default_group = True
+            self.group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
 
     def __enter__(self) -> "Ranks":
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._made:
-            import torch.distributed as dist
+        if self.world == 1:
+            return
+        import torch.distributed as dist
 
-            for group in self._made:
-                dist.destroy_process_group(group)
-            self._made.clear()
+        if self._made_default_group:
+            dist.destroy_process_group()  # and every group made in it
+        elif self.group is not None:
+            dist.destroy_process_group(self.group)
 
     @property
     def is_first(self) -> bool:
