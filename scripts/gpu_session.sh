@@ -15,6 +15,7 @@
 # session.log: at most 8 files come back from a call); a stage done in an earlier call of the same session is
 # skipped (marker in /tmp/mconvert-session).
 #   install     megatron-core 0.19.2 and Transformer Engine 2.20.2 into /tmp/site (scripts/gpu_te_setup.sh)
+#   mcore       megatron-core 0.19.2 alone into /tmp/site (carry .whl): enough for bench
 #   train       Megatron-LM training steps from converted checkpoints (scripts/gpu_train.py)
 #   launch      the same through the train.sh a conversion writes (scripts/gpu_train.py --launcher train.sh)
 #   verify      mconvert verify --spec te on real shapes (scripts/gpu_verify.py)
@@ -89,6 +90,11 @@ for stage in "$@"; do
     python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" >> "$OUT/session.log" 2>&1
     python3 -c "import transformer_engine as te; print('transformer_engine', te.__version__)" >> "$OUT/session.log" 2>&1 \
       || echo "transformer_engine: not importable (local spec only)" >> "$OUT/session.log"
+    ;;
+  mcore)
+    # megatron-core alone (carry .whl), for the stages that build its models with the local spec (bench).
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/megatron_core-*.whl
+    python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" >> "$OUT/session.log" 2>&1 && mark mcore
     ;;
   train)
     # Dense TP=2 and PP=2 on Qwen2.5-0.5B's shape (all 24 layers, tied embeddings), MoE EP=2 on Qwen3-30B-A3B's

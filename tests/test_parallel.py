@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 from mconvert.converters import torch_dist
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+from mconvert.manifest import check_manifest
 from mconvert.converters.megatron import Parallelism
-from mconvert.converters.parallel import READ_AHEAD_BYTES, assign, run_pieces
+from mconvert.converters.parallel import READ_AHEAD_BYTES, assign, interleave_streams, run_pieces
 from mconvert.verify.distributed import run_ranks
 
 from test_dense_megatron import TOKENS, expected_megatron_state, megatron_view
@@ -97,13 +98,16 @@ def test_workers_write_what_one_worker_writes(hf_model_factory, tmp_path, worker
     assert len(list((many / "release").glob("*.distcp"))) == workers
     assert_same(dcp_tensors(one), dcp_tensors(many))
 
+    # Several HF files, which the workers fill side by side, each hashed for the manifest as it fills.
     back_one, back_many = tmp_path / "back-one", tmp_path / "back-many"
-    convert_mcore_to_hf(one, back_one)
-    convert_mcore_to_hf(many, back_many, workers=workers)
+    convert_mcore_to_hf(one, back_one, max_shard_size="200KB")
+    convert_mcore_to_hf(many, back_many, workers=workers, max_shard_size="200KB")
+    assert len(list(back_many.glob("*.safetensors"))) > workers
     assert_same(hf_tensors(back_one), hf_tensors(back_many))
     assert_same(hf_tensors(back_one), hf_tensors(hf))
     for path in back_one.glob("*.safetensors"):
         assert path.read_bytes() == (back_many / path.name).read_bytes()
+    assert check_manifest(back_many) == []
 
 
 def test_two_torchrun_ranks_write_the_single_process_checkpoint_and_megatron_loads_it(hf_model_factory, tmp_path):
@@ -151,6 +155,28 @@ def test_a_failing_rank_fails_the_run_and_leaves_nothing_complete(hf_model_facto
     assert done.stderr.count("decoder.final_layernorm.weight") >= 2 and "failed, so nothing was finished" in done.stderr
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+
+
+def test_streams_are_worked_on_a_few_at_a_time_each_in_order_the_largest_first():
+    """Runs of streams A (three of 1 byte), B (one of 5) and C (two of 1), two streams open at a time: B, the
+    one with most left, then A; C opens when B is done; each stream's runs in their order."""
+    streams, sizes = ["A", "B", "A", "C", "A", "C"], [1, 5, 1, 1, 1, 1]
+    order = interleave_streams(streams, sizes, 2)
+    assert order == [1, 0, 2, 3, 4, 5]
+    assert interleave_streams(streams, sizes, 1) == [0, 2, 4, 1, 3, 5]
+
+
+def test_run_pieces_keeps_each_stream_in_order_and_runs_within_a_stream():
+    stored = []
+    items = list(range(300))
+    streams = [item % 3 for item in items]
+    run_pieces(items, [1 << 20] * len(items), lambda item: item, lambda worker, item, value: stored.append((worker, item)),
+               workers=3, streams=streams)
+    assert sorted(item for _, item in stored) == items
+    for worker in range(3):
+        for stream in range(3):
+            mine = [item for w, item in stored if w == worker and item % 3 == stream]
+            assert mine == sorted(mine)
 
 
 def test_run_pieces_stores_every_small_item_once_in_order():

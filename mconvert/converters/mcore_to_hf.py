@@ -275,8 +275,9 @@ def write_hf_pieces(
     """Read, transform and write this rank's share of the pieces on `workers` threads; each region is read
     into a buffer reused once its HF tensors are written (at their places: no order among the writers).
     `progress` counts this rank's HF tensors and bytes."""
-    # In the plan's order: the order in which the HF files are laid out, and the order in which hf-to-mcore
-    # writes the chunks, so that both the reads and the writes go through the files front to back.
+    # Each file's pieces in the plan's order: the order in which the HF files are laid out, and the order in
+    # which hf-to-mcore writes the chunks, so that both the reads and the writes go through the files front
+    # to back.
     pieces = plan.pieces
     shapes = source.stored_shapes(plan)
     sizes = [
@@ -307,7 +308,10 @@ def write_hf_pieces(
     def done(index: int) -> None:
         progress.advance(len(pieces[index].sources), sum(writer.nbytes(ref.name, ref.index) for ref in pieces[index].sources))
 
-    run_pieces(mine, [sizes[i] for i in mine], load, store, workers, done)
+    # Each HF file is hashed while it fills (one core's SHA-256 rate each): several workers fill several
+    # files side by side.
+    files = [writer.weight_map[pieces[i].sources[0].name] for i in mine]
+    run_pieces(mine, [sizes[i] for i in mine], load, store, workers, done, streams=files)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import os
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Sequence, TypeVar
 
 import torch
 
@@ -95,6 +95,7 @@ def run_pieces(
     store: Callable[[int, Item, Loaded], None],
     workers: int = 1,
     done: Callable[[Item], None] = lambda item: None,
+    streams: Sequence[Hashable] | None = None,
 ) -> None:
     """`store(worker, item, load(item))` for every item, on `workers` writer threads (`worker` is the
     writer's number, 0 to workers - 1, e.g. to pick its own output file) fed by `workers` loading threads;
@@ -104,18 +105,25 @@ def run_pieces(
     `workers` x max(largest item, READ_AHEAD_BYTES) bytes (`sizes`); each writer always has one run of items
     coming. Consecutive items go from a loading thread to a writer in runs of up to HAND_OFF_BYTES (one item
     when larger), stored in order by one writer. The first failure stops the loading and is raised once the
-    writers have stopped."""
+    writers have stopped.
+
+    `streams` (one per item, e.g. the output file it goes to) interleaves the work: runs keep to one stream,
+    and up to `workers` streams are worked on at once (see `interleave_streams`), each in its items' order."""
     if not items:
         return
     runs: list[list[int]] = []
     run_sizes: list[int] = []
     for index, size in enumerate(sizes):
-        if runs and run_sizes[-1] + size <= HAND_OFF_BYTES:
+        joins = runs and run_sizes[-1] + size <= HAND_OFF_BYTES
+        if joins and (streams is None or streams[index] == streams[runs[-1][-1]]):
             runs[-1].append(index)
             run_sizes[-1] += size
         else:
             runs.append([index])
             run_sizes.append(size)
+    if streams is not None:
+        order = interleave_streams([streams[run[0]] for run in runs], run_sizes, workers)
+        runs, run_sizes = [runs[i] for i in order], [run_sizes[i] for i in order]
     budget = workers * max(max(sizes), READ_AHEAD_BYTES)
     lock = threading.Condition()
     pending: deque[tuple[int, Future[list[Loaded]]]] = deque()
@@ -168,6 +176,31 @@ def run_pieces(
         loader.shutdown(cancel_futures=True)  # after a failure, read no further
     if state["failed"] is not None:
         raise state["failed"]
+
+
+def interleave_streams(streams: Sequence[Hashable], sizes: Sequence[int], open_at_once: int) -> list[int]:
+    """An order of the runs (their `streams` and `sizes`, in each stream's order) that works on up to
+    `open_at_once` streams at a time, in their order of first appearance: next, the run of the open stream
+    with the most bytes left, so that the open streams finish together. What it is for: an output file is
+    hashed for the manifest while it fills, by one thread at one core's SHA-256 rate; files filled one
+    after another cap the conversion at that rate, files filled side by side do not."""
+    by_stream: dict[Hashable, deque[int]] = {}
+    for index, stream in enumerate(streams):
+        by_stream.setdefault(stream, deque()).append(index)
+    left = {stream: sum(sizes[i] for i in runs) for stream, runs in by_stream.items()}
+    waiting = deque(by_stream)
+    open_streams: list[Hashable] = []
+    order: list[int] = []
+    while waiting or open_streams:
+        while waiting and len(open_streams) < open_at_once:
+            open_streams.append(waiting.popleft())
+        stream = max(open_streams, key=lambda s: left[s])  # the first of equals: ties go in order
+        index = by_stream[stream].popleft()
+        order.append(index)
+        left[stream] -= sizes[index]
+        if not by_stream[stream]:
+            open_streams.remove(stream)
+    return order
 
 
 def assign(sizes: Sequence[int], parts: int) -> list[list[int]]:
