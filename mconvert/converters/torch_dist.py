@@ -385,25 +385,27 @@ class DCPCheckpoint:
         path = self.directory / info.relative_path
         record = None
         with open(path, "rb", buffering=0) as f:
-            tail_start = max(0, info.length - _ZIP_TAIL)
-            tail = os.pread(f.fileno(), info.length - tail_start, info.offset + tail_start)
+            # zipfile reads the record's end and central directory through a window of just this record, so
+            # that the offsets in them are the record's own (the GPU machine's Python 3.12.3 rejects a zip64 end
+            # record whose offsets point outside what it was given, as they would in a tail of the record).
             try:
-                entries = {i.filename.split("/", 1)[-1]: i for i in zipfile.ZipFile(io.BytesIO(tail)).infolist()}
+                with zipfile.ZipFile(io.BufferedReader(_FileWindow(f, info.offset, info.length), buffer_size=_ZIP_READ)) as archive:
+                    entries = {i.filename.split("/", 1)[-1]: i for i in archive.infolist()}
             except (zipfile.BadZipFile, ValueError):
                 entries = {}
             data = [name for name in entries if name.startswith("data/")]
             pickled, byteorder = entries.get("data.pkl"), entries.get("byteorder")
             if len(data) == 1 and pickled is not None and all(i.compress_type == zipfile.ZIP_STORED for i in entries.values()):
                 expected = math.prod(chunk.sizes) * self.dtypes[key].itemsize
-                layout = _tensor_layout(_member(f, info.offset + tail_start, pickled))
-                order = _member(f, info.offset + tail_start, byteorder) if byteorder is not None else b"little"
+                layout = _tensor_layout(_member(f, info.offset, pickled))
+                order = _member(f, info.offset, byteorder) if byteorder is not None else b"little"
                 record_info = entries[data[0]]
                 if (
                     layout == (data[0].split("/", 1)[1], self.dtypes[key], 0, tuple(chunk.sizes), _contiguous_strides(chunk.sizes))
                     and record_info.file_size == expected
                     and order == b"little"
                 ):
-                    record = _member_start(f, info.offset + tail_start, record_info)
+                    record = _member_start(f, info.offset, record_info)
         self._records[key, number] = record
         return record
 
@@ -460,14 +462,14 @@ class _FileWindow(io.RawIOBase):
         return read
 
 
-# The end of a torch.save archive read to find its records: its central directory (a few entries).
-_ZIP_TAIL = 1 << 16
+# Read size of zipfile's reads of a torch.save archive's end: its central directory (a few entries).
+_ZIP_READ = 1 << 16
 _ZIP_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 
 
 def _member_start(f, archive: int, entry: zipfile.ZipInfo) -> int:
     """Absolute position in file `f` of the data of a stored (uncompressed) zip entry of the archive that
-    starts at `archive`; the entry's header offset is relative to the tail it was parsed from."""
+    starts at `archive`."""
     header = os.pread(f.fileno(), _ZIP_LOCAL_HEADER.size, archive + entry.header_offset)
     fields = _ZIP_LOCAL_HEADER.unpack(header)
     name_length, extra_length = fields[-2], fields[-1]
