@@ -190,3 +190,16 @@ def test_run_pieces_stores_every_small_item_once_in_order():
     for worker in (0, 1):
         mine = [item for w, item, _ in stored if w == worker]
         assert mine == sorted(mine)
+
+
+def test_run_pieces_runs_tensor_ops_on_one_core_each_and_restores_the_setting():
+    """The workers are the parallelism: torch's pool spread over every core mostly spins on copies and scans."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)  # as on a machine with cores, whatever this one has
+    try:
+        seen = []
+        run_pieces(list(range(4)), [1] * 4, lambda item: seen.append(torch.get_num_threads()), lambda worker, item, value: seen.append(torch.get_num_threads()), workers=2)
+        assert seen == [1] * 8
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
