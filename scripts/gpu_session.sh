@@ -23,9 +23,14 @@
 #   verify-v2lite  DeepSeek-V2-Lite whole, with megatron-core 0.18.0 (carry .whl018: 0.19 cannot build it)
 #   te-export   megatron-core's own TE-spec grouped-GEMM saves exported bit-exactly (scripts/gpu_te_export.py)
 #   bench       weight sync (gather_hf_weights) at TP=2 and EP=2, and loading, on the GPUs
-#   scaling     both directions over 1 to 8 workers and ranks against cp -r, on the host's cores and disk
-#   scaling-ranks  the MoE shape's torchrun rows alone (2, 4, 8 gloo ranks), both directions
+#   scaling     both directions (or those in $DIRECTIONS) over 1 to 8 workers and ranks against cp -r, and the
+#               peers' approach on the models in $PEERS (default qwen2.5-0.5b; empty: none), on the
+#               host's cores and disk
 #   profile     what bounds one worker on this host: py-spy (carry .pyspy) of both directions, MoE shape
+#   one-worker  one worker both ways, MoE shape, for each source tree in $TREES (default: this one; e.g. an
+#               earlier commit's `git archive` unpacked into old/, carried as an untracked folder): seconds,
+#               CPU seconds, peak memory split anonymous / file-backed (scripts/memory_split.py), and the
+#               bytes mcore-to-hf copies file to file against those it reads into memory
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -141,23 +146,15 @@ for stage in "$@"; do
     mark verify-v2lite
     ;;
   scaling)
-    # Half the time left for each model; the 7B shape first (dense, few large tensors), then the MoE one.
-    half=$(($(left) / 2 - 20))
-    for model in qwen2.5-7b-instruct@14 qwen3-235b-a22b@2; do
-      timeout "$(left)" python3 scripts/bench_scaling.py --work-dir "$WORK/scaling" --out "$OUT/scaling" --models "$model" \
-        --peers $([ "$model" = qwen2.5-7b-instruct@14 ] && echo qwen2.5-0.5b) --keep-sources false --deadline-s "$half" \
-        >> "$OUT/scaling.log" 2>&1
-      note "scaling $model: exit $?"
-      half=$(($(left) - 30))
-    done
+    # The MoE shape first, both directions over workers and torchrun ranks (its source shared with one-worker),
+    # then the 7B shape and the peers' row in the time left.
+    timeout "$(left)" python3 scripts/bench_scaling.py --work-dir "$WORK/scaling" --out "$OUT/scaling" --models qwen3-235b-a22b@2 \
+      --directions ${DIRECTIONS:-hf-to-mcore mcore-to-hf} --peers --keep-sources false --deadline-s "$(($(left) * 2 / 3))" >> "$OUT/scaling.log" 2>&1
+    note "scaling qwen3-235b-a22b@2: exit $?"
+    timeout "$(left)" python3 scripts/bench_scaling.py --work-dir "$WORK/scaling" --out "$OUT/scaling" --models qwen2.5-7b-instruct@14 \
+      --directions ${DIRECTIONS:-hf-to-mcore mcore-to-hf} --peers ${PEERS-qwen2.5-0.5b} --keep-sources false --deadline-s "$(($(left) - 30))" >> "$OUT/scaling.log" 2>&1
+    note "scaling qwen2.5-7b-instruct@14: exit $?"
     mark scaling
-    ;;
-  scaling-ranks)
-    timeout "$(left)" python3 scripts/bench_scaling.py --work-dir "$WORK/scaling" --out "$OUT/scaling" \
-      --models qwen3-235b-a22b@2 --modes ranks --counts 2 4 8 --peers --keep-sources false --deadline-s "$(($(left) - 60))" \
-      >> "$OUT/scaling.log" 2>&1
-    note "scaling-ranks: exit $?"
-    mark scaling-ranks
     ;;
   profile)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pyspy .pyspy/*.whl
@@ -179,6 +176,39 @@ u = resource.getrusage(resource.RUSAGE_CHILDREN); print(sys.argv[4], "workers 1:
     note "profile: exit $?"
     rm -rf "$dir"
     mark profile
+    ;;
+  one-worker)
+    # The source where the scaling stage finds it (made once a session). `python3 -P`: the tree's mconvert, not
+    # the working directory's (which `-m` would put first on the path).
+    model=qwen3-235b-a22b@2 sources="$WORK/scaling" dir="$WORK/one-worker"
+    (cd scripts && python3 -c "from pathlib import Path; from bench_convert import make_source; make_source('$model', Path('$sources'))") > "$OUT/one-worker.log" 2>&1
+    for round in 1 2; do
+      for tree in ${TREES:-.}; do
+        for direction in hf-to-mcore mcore-to-hf; do
+          if [ $direction = hf-to-mcore ]; then from="$sources/$model" to="$dir/mc"; else from="$dir/mc" to="$dir/back"; fi
+          find "$from" -type f -exec cat {} + > /dev/null
+          echo -n "round $round, tree $tree, $direction, workers 1: " >> "$OUT/one-worker.log"
+          PYTHONPATH=/tmp/site:$tree timeout "$(left)" python3 scripts/memory_split.py -- \
+            python3 -P -m mconvert $direction --load-dir "$from" --save-dir "$to" --workers 1 --overwrite >> "$OUT/one-worker.log" 2>&1
+        done
+      done
+    done
+    python3 - "$dir/mc" >> "$OUT/one-worker.log" 2>&1 <<'PY'
+import collections, math, sys
+from mconvert.converters.mcore_to_hf import file_copies, open_megatron_checkpoint, piece_region, plan_export, stored_key
+source = open_megatron_checkpoint(sys.argv[1])
+plan, _ = plan_export(source)
+shapes = source.stored_shapes(plan)
+counted = collections.Counter()
+for piece in plan.pieces:
+    key = stored_key(piece, shapes)
+    way = "copied file to file" if file_copies(plan, piece, source, shapes) is not None else "through memory"
+    counted[way] += math.prod(piece_region(piece, shapes[key])[1]) * source.dcp.dtypes[key].itemsize
+print("mcore-to-hf bytes:", dict(counted))
+PY
+    note "one-worker: exit $?"
+    rm -rf "$dir"
+    mark one-worker
     ;;
   bench)
     {
