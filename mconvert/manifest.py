@@ -91,6 +91,23 @@ def hashed_while_written(path: Path, written: Callable[[], int] | None = None) -
             _hashed_while_written[path] = (stat.st_size, stat.st_mtime_ns, result[0])
 
 
+def hand_over_digests(directory: Path) -> dict[str, tuple[int, int, str]]:
+    """The digests this process took while writing files under `directory`, by path relative to it, no longer
+    kept here: for the process that writes the manifest (`adopt_digests`), which did not write those files."""
+    directory = directory.absolute()
+    with _hashed_lock:
+        mine = [path for path in _hashed_while_written if path.is_relative_to(directory)]
+        return {str(path.relative_to(directory)): _hashed_while_written.pop(path) for path in mine}
+
+
+def adopt_digests(directory: Path, taken: dict[str, tuple[int, int, str]]) -> None:
+    """Use digests another process took (`hand_over_digests`) for the files under `directory`, as if taken here:
+    each still only while its file keeps the size and modification time it had."""
+    directory = directory.absolute()
+    with _hashed_lock:
+        _hashed_while_written.update({directory / name: entry for name, entry in taken.items()})
+
+
 def _hash(path: Path) -> str:
     """The digest of `path`: the one taken while it was written if the file is unchanged since, else read now."""
     path = path.absolute()

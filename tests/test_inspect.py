@@ -154,6 +154,34 @@ def test_a_file_hashed_while_written_has_the_digest_of_its_bytes(tmp_path):
     assert path.absolute() not in manifest._hashed_while_written
 
 
+def test_digests_handed_over_are_used_by_the_manifest_only_while_their_files_are_unchanged(tmp_path):
+    """Under torchrun each rank hashes the data files it writes and hands the digests to rank 0, which writes
+    the manifest without reading those files again: but a file changed since (size or time) is read."""
+    import hashlib
+    import os
+
+    from mconvert import manifest
+
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    kept, changed = out / "sub" / "kept", out / "changed"
+    for path in (kept, changed):
+        with open(path, "wb") as f, manifest.hashed_while_written(path):
+            f.write(os.urandom(300_000))
+    taken = manifest.hand_over_digests(out)
+    assert set(taken) == {"sub/kept", "changed"} and manifest.hand_over_digests(out) == {}
+    # The same size and time with other bytes: only a digest taken while writing can still name the old ones.
+    stat = kept.stat()
+    kept.write_bytes(os.urandom(300_000))
+    os.utime(kept, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    changed.write_bytes(b"shorter")
+    manifest.adopt_digests(out, taken)
+    manifest.write_manifest(out)
+    lines = (out / MANIFEST).read_text().splitlines()
+    assert lines == [f"{hashlib.sha256(b'shorter').hexdigest()}  changed", f"{taken['sub/kept'][2]}  sub/kept"]
+    assert taken["sub/kept"][2] != hashlib.sha256(kept.read_bytes()).hexdigest()
+
+
 def test_a_file_filled_out_of_order_is_hashed_as_its_front_fills(tmp_path):
     """mcore-to-hf's safetensors files exist at their full size from the start and are filled tensor by
     tensor in any order: the hasher follows only as far as they are filled from the start."""

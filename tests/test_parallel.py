@@ -119,6 +119,7 @@ def test_two_torchrun_ranks_write_the_single_process_checkpoint_and_megatron_loa
     files = sorted(p.name for p in (ranked / "release").glob("*.distcp"))
     assert {name.split("_")[2] for name in files} == {"0", "1"}  # __<rank>_<file>.distcp: both ranks wrote
     assert (ranked / torch_dist.TRACKER_FILE).read_text() == "release"
+    assert check_manifest(ranked) == []  # rank 1's data file by the digest rank 1 took while writing it
     assert_same(dcp_tensors(single), dcp_tensors(ranked))
 
     _, state, _ = run_ranks(megatron_view, str(ranked), TOKENS, tp=2)

@@ -22,7 +22,7 @@ from typing import Iterator
 
 from mconvert.converters.parallel import Ranks
 from mconvert.errors import ConversionError
-from mconvert.manifest import write_manifest
+from mconvert.manifest import adopt_digests, hand_over_digests, write_manifest
 
 # Write failures that mean the target's file system is full (or the process may write no more), not bad input.
 _OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -159,8 +159,12 @@ def atomic_directory(save_dir: Path, overwrite: bool, ranks: Ranks | None = None
             _raise_if_out_of_space(save_dir, error)
             raise
         finished = None
+        # The digests each rank took of the files it wrote: rank 0 does not read them again.
+        taken = ranks.gather(hand_over_digests(work)) if ranks.world > 1 else []
         if ranks.is_first:
             try:
+                for digests in taken:
+                    adopt_digests(work, digests)
                 write_manifest(work)  # every rank's files are in place once all have settled
                 with _writing_into(save_dir):
                     if save_dir.exists():
