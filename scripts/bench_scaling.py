@@ -144,6 +144,7 @@ def main() -> int:
     parser.add_argument("--modes", nargs="+", choices=("workers", "ranks"), default=["workers", "ranks"])
     parser.add_argument("--directions", nargs="+", choices=("hf-to-mcore", "mcore-to-hf"), default=["hf-to-mcore", "mcore-to-hf"])
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--max-shard-size", default=None, help="mcore-to-hf's --max-shard-size (more, smaller files: more hashed at once)")
     parser.add_argument("--peers", nargs="*", default=["qwen2.5-0.5b"], help="small models to measure the peers' approach on")
     parser.add_argument("--keep-sources", choices=("true", "false"), default="true")
     parser.add_argument("--deadline-s", type=float, default=None, help="skip the measurements not started within this many seconds")
@@ -178,15 +179,19 @@ def main() -> int:
         extra = ["--tp", str(options.tp)]
         subprocess.run(convert_command("hf-to-mcore", source, mcore, 1, 1, extra), cwd=REPO, check=True, capture_output=True)
         for direction in options.directions:
-            step_source = source if direction == "hf-to-mcore" else mcore
             target = options.work_dir / f"{model}.{direction}"
-            step_extra = extra if direction == "hf-to-mcore" else []
+            if direction == "hf-to-mcore":
+                step, step_source, step_extra = direction, source, extra
+            elif options.max_shard_size:
+                step, step_source, step_extra = f"{direction} (--max-shard-size {options.max_shard_size})", mcore, ["--max-shard-size", options.max_shard_size]
+            else:
+                step, step_source, step_extra = direction, mcore, []
             for mode in options.modes:
                 for count in counts:
                     if mode == "ranks" and count == 1:
                         continue  # the same as one worker
                     workers, ranks = (count, 1) if mode == "workers" else (1, count)
-                    measure(results, model, direction, convert_command(direction, step_source, target, workers, ranks, step_extra),
+                    measure(results, model, step, convert_command(direction, step_source, target, workers, ranks, step_extra),
                             step_source, target, nbytes, workers, ranks, baselines)
         remove(mcore)
         if options.keep_sources == "false":

@@ -25,7 +25,7 @@
 #   bench       weight sync (gather_hf_weights) at TP=2 and EP=2, and loading, on the GPUs
 #   scaling     both directions (or those in $DIRECTIONS) over 1 to 8 workers and ranks against cp -r, and the
 #               peers' approach on the models in $PEERS (default qwen2.5-0.5b; empty: none), on the
-#               host's cores and disk
+#               host's cores and disk; $SHARD: mcore-to-hf's --max-shard-size
 #   profile     what bounds one worker on this host: py-spy (carry .pyspy) of both directions, MoE shape
 #   one-worker  one worker both ways, MoE shape, for each source tree in $TREES (default: this one; e.g. an
 #               earlier commit's `git archive` unpacked into old/, carried as an untracked folder): seconds,
@@ -149,10 +149,10 @@ for stage in "$@"; do
     # The MoE shape first, both directions over workers and torchrun ranks (its source shared with one-worker),
     # then the 7B shape and the peers' row in the time left.
     timeout "$(left)" python3 scripts/bench_scaling.py --work-dir "$WORK/scaling" --out "$OUT/scaling" --models qwen3-235b-a22b@2 \
-      --directions ${DIRECTIONS:-hf-to-mcore mcore-to-hf} --peers --keep-sources false --deadline-s "$(($(left) * 2 / 3))" >> "$OUT/scaling.log" 2>&1
+      --directions ${DIRECTIONS:-hf-to-mcore mcore-to-hf} ${SHARD:+--max-shard-size $SHARD} --peers --keep-sources false --deadline-s "$(($(left) * 2 / 3))" >> "$OUT/scaling.log" 2>&1
     note "scaling qwen3-235b-a22b@2: exit $?"
     timeout "$(left)" python3 scripts/bench_scaling.py --work-dir "$WORK/scaling" --out "$OUT/scaling" --models qwen2.5-7b-instruct@14 \
-      --directions ${DIRECTIONS:-hf-to-mcore mcore-to-hf} --peers ${PEERS-qwen2.5-0.5b} --keep-sources false --deadline-s "$(($(left) - 30))" >> "$OUT/scaling.log" 2>&1
+      --directions ${DIRECTIONS:-hf-to-mcore mcore-to-hf} ${SHARD:+--max-shard-size $SHARD} --peers ${PEERS-qwen2.5-0.5b} --keep-sources false --deadline-s "$(($(left) - 30))" >> "$OUT/scaling.log" 2>&1
     note "scaling qwen2.5-7b-instruct@14: exit $?"
     mark scaling
     ;;
