@@ -299,3 +299,27 @@ def test_mtp_layers_convert_both_ways_or_are_left_out(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "left out 1 multi-token prediction layer" in out and "--mtp-num-layers" not in out
     assert not any(key.startswith("mtp.") for key in torch_dist.DCPCheckpoint(tmp_path / "no-mtp" / torch_dist.RELEASE).shapes)
+
+
+def test_ranks_are_given_whole_hf_files_to_fill_and_hash(hf_model_factory, tmp_path):
+    """Under torchrun each rank converts the pieces of whole HF files (balanced by bytes), so that it alone
+    writes them and hashes them as they fill; the ranks' shares differ by at most one file."""
+    from mconvert.converters.mcore_to_hf import TorchDistTensors, file_owners, piece_bytes, plan_export
+
+    convert_hf_to_mcore(hf_model_factory("qwen3-30b-a3b"), tmp_path / "mcore")
+    release = tmp_path / "mcore" / torch_dist.RELEASE
+    source = TorchDistTensors(torch_dist.DCPCheckpoint(release), torch_dist.read_args(release))
+    plan, _ = plan_export(source)
+    dtypes = {ref.name: plan.dtype_of(piece) for piece in plan.pieces for ref in piece.sources}
+    layout = {name: (dtypes[name], shape) for name, shape in plan.hf_shapes().items()}
+    writer = SafetensorsWriter(tmp_path / "hf", layout, parse_size("100KB"), create=False)
+    sizes = piece_bytes(plan, source)
+    owners = file_owners(plan, writer, sizes, 3)
+    by_file: dict = {}
+    for piece, owner, size in zip(plan.pieces, owners, sizes):
+        by_file.setdefault(writer.places[piece.sources[0].name][0], []).append((owner, size))
+    assert len(by_file) == len(writer.files) > 6
+    assert all(len({owner for owner, _ in pieces}) == 1 for pieces in by_file.values())
+    share = [sum(size for owner, size in zip(owners, sizes) if owner == rank) for rank in range(3)]
+    largest_file = max(sum(size for _, size in pieces) for pieces in by_file.values())
+    assert min(share) > 0 and max(share) - min(share) <= largest_file

@@ -23,7 +23,7 @@ import torch
 from mconvert.converters import megatron, torch_dist
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.output import atomic_directory, check_target
-from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces
+from mconvert.converters.parallel import Buffers, Ranks, assign, check_workers, run_pieces
 from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
 from mconvert.converters.safetensors_io import SafetensorsWriter, parse_size, read_hf_config
 from mconvert.errors import ConversionError
@@ -264,27 +264,43 @@ def file_copies(plan: Plan, piece: Piece, source: MegatronTensors, shapes: dict[
     return copies
 
 
+def piece_bytes(plan: Plan, source: MegatronTensors) -> list[int]:
+    """The bytes of each piece's stored region, in the plan's order."""
+    shapes = source.stored_shapes(plan)
+    itemsize = (source.weights_dtype or plan.dtype).itemsize
+    return [math.prod(piece_region(piece, shapes[stored_key(piece, shapes)])[1]) * itemsize for piece in plan.pieces]
+
+
+def file_owners(plan: Plan, writer: SafetensorsWriter, sizes: list[int], world: int) -> list[int]:
+    """The rank that converts each piece: the HF files are shared out whole among the ranks, balanced by bytes,
+    and a piece goes to the owner of its first HF tensor's file. A file written by one rank alone is hashed by
+    it as it fills, and only files that some piece's tensors straddle are left for rank 0 to hash at the end."""
+    file_of = [writer.places[piece.sources[0].name][0] for piece in plan.pieces]
+    files = list(writer.files)
+    file_bytes = dict.fromkeys(files, 0)
+    for path, size in zip(file_of, sizes):
+        file_bytes[path] += size
+    owner = {files[i]: rank for rank, part in enumerate(assign([file_bytes[path] for path in files], world)) for i in part}
+    return [owner[path] for path in file_of]
+
+
 def write_hf_pieces(
     plan: Plan,
     source: MegatronTensors,
     writer: SafetensorsWriter,
     workers: int,
-    ranks: Ranks,
+    mine: list[int],
+    sizes: list[int],
     progress: Progress,
 ) -> None:
-    """Read, transform and write this rank's share of the pieces on `workers` threads; each region is read
-    into a buffer reused once its HF tensors are written (at their places: no order among the writers).
-    `progress` counts this rank's HF tensors and bytes."""
+    """Read, transform and write the pieces `mine` (indices into the plan's, of `sizes` bytes) on `workers`
+    threads; each region is read into a buffer reused once its HF tensors are written (at their places: no
+    order among the writers). `progress` counts these pieces' HF tensors and bytes."""
     # Each file's pieces in the plan's order: the order in which the HF files are laid out, and the order in
     # which hf-to-mcore writes the chunks, so that both the reads and the writes go through the files front
     # to back.
     pieces = plan.pieces
     shapes = source.stored_shapes(plan)
-    sizes = [
-        math.prod(piece_region(piece, shapes[stored_key(piece, shapes)])[1]) * (source.weights_dtype or plan.dtype).itemsize
-        for piece in pieces
-    ]
-    mine = ranks.mine(sizes)
     progress.start(sum(len(pieces[i].sources) for i in mine), sum(writer.nbytes(ref.name, ref.index) for i in mine for ref in pieces[i].sources))
     buffers = Buffers()
 
@@ -354,12 +370,19 @@ def convert_mcore_to_hf(
         dtypes = {ref.name: plan.dtype_of(piece) for piece in plan.pieces for ref in piece.sources}
         writer = SafetensorsWriter(work, {name: (dtypes[name], shape) for name, shape in hf_shapes.items()}, shard_bytes, create=ranks.is_first)
         ranks.barrier()  # the files exist, at their full size, before any rank writes into them
+        sizes = piece_bytes(plan, source)
+        owners = file_owners(plan, writer, sizes, ranks.world)
+        writing: dict[Path, set[int]] = {path: set() for path in writer.files}
+        for piece, owner in zip(plan.pieces, owners):
+            for ref in piece.sources:
+                writing[writer.places[ref.name][0]].add(owner)
         with contextlib.ExitStack() as hashing:
-            if ranks.world == 1:  # one process writes every tensor: each file is hashed as it fills from the start
-                for path in writer.files:
+            for path, ranks_writing in writing.items():  # a file this rank alone writes: hashed as it fills
+                if ranks_writing == {ranks.rank}:
                     hashing.enter_context(hashed_while_written(path, functools.partial(writer.written_prefix, path)))
             try:
-                write_hf_pieces(plan, source, writer, workers, ranks, progress)
+                mine = [index for index, owner in enumerate(owners) if owner == ranks.rank]
+                write_hf_pieces(plan, source, writer, workers, mine, sizes, progress)
             finally:
                 writer.close()
         ranks.settle()  # every rank's tensors are on disk
