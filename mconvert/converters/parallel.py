@@ -9,8 +9,8 @@ pieces take at most `workers` times the budget of one (the largest piece, or REA
 memory stays bounded by the worker count, whatever the model's size.
 
 `Ranks` is this process's place among the ranks of a torchrun job (gloo: works on CPU-only hosts and across
-nodes). Pieces are assigned to ranks by size (`assign`); each rank writes its own data files into the shared
-output directory; rank 0 merges what they wrote and finishes the checkpoint after every rank reported success.
+nodes). Pieces are assigned to ranks by size (`assign`; mcore-to-hf shares out whole HF files); each rank
+writes its own files into the shared output directory; rank 0 merges what they wrote and finishes the checkpoint after every rank reported success.
 """
 
 from __future__ import annotations
