@@ -284,6 +284,15 @@ def file_owners(plan: Plan, writer: SafetensorsWriter, sizes: list[int], world: 
     return [owner[path] for path in file_of]
 
 
+def files_written_only_by(rank: int, plan: Plan, writer: SafetensorsWriter, owners: list[int]) -> list[Path]:
+    """The HF files whose tensors all come from pieces of `rank` (`owners`: each piece's rank)."""
+    writing: dict[Path, set[int]] = {path: set() for path in writer.files}
+    for piece, owner in zip(plan.pieces, owners):
+        for ref in piece.sources:
+            writing[writer.places[ref.name][0]].add(owner)
+    return [path for path, ranks in writing.items() if ranks == {rank}]
+
+
 def write_hf_pieces(
     plan: Plan,
     source: MegatronTensors,
@@ -372,14 +381,9 @@ def convert_mcore_to_hf(
         ranks.barrier()  # the files exist, at their full size, before any rank writes into them
         sizes = piece_bytes(plan, source)
         owners = file_owners(plan, writer, sizes, ranks.world)
-        writing: dict[Path, set[int]] = {path: set() for path in writer.files}
-        for piece, owner in zip(plan.pieces, owners):
-            for ref in piece.sources:
-                writing[writer.places[ref.name][0]].add(owner)
         with contextlib.ExitStack() as hashing:
-            for path, ranks_writing in writing.items():  # a file this rank alone writes: hashed as it fills
-                if ranks_writing == {ranks.rank}:
-                    hashing.enter_context(hashed_while_written(path, functools.partial(writer.written_prefix, path)))
+            for path in files_written_only_by(ranks.rank, plan, writer, owners):  # hashed as they fill
+                hashing.enter_context(hashed_while_written(path, functools.partial(writer.written_prefix, path)))
             try:
                 mine = [index for index, owner in enumerate(owners) if owner == ranks.rank]
                 write_hf_pieces(plan, source, writer, workers, mine, sizes, progress)

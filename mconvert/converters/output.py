@@ -160,7 +160,7 @@ def atomic_directory(save_dir: Path, overwrite: bool, ranks: Ranks | None = None
             raise
         finished = None
         # The digests each rank took of the files it wrote: rank 0 does not read them again.
-        taken = ranks.gather(hand_over_digests(work)) if ranks.world > 1 else []
+        taken = ranks.gather(hand_over_digests(work))
         if ranks.is_first:
             try:
                 for digests in taken:

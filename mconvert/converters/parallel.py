@@ -10,7 +10,8 @@ memory stays bounded by the worker count, whatever the model's size.
 
 `Ranks` is this process's place among the ranks of a torchrun job (gloo: works on CPU-only hosts and across
 nodes). Pieces are assigned to ranks by size (`assign`; mcore-to-hf shares out whole HF files); each rank
-writes its own files into the shared output directory; rank 0 merges what they wrote and finishes the checkpoint after every rank reported success.
+writes its own files into the shared output directory; rank 0 merges what they wrote and finishes the
+checkpoint after every rank reported success.
 """
 
 from __future__ import annotations
