@@ -7,14 +7,18 @@ import argparse
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mconvert.cli import main
-from mconvert.converters import megatron, torch_dist
+from mconvert.converters import dcp_writer, megatron, torch_dist
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.safetensors_io import INDEX_FILE, HFCheckpoint, SafetensorsWriter, parse_size
@@ -194,7 +198,7 @@ def test_common_state_stored_among_the_dcp_objects_is_read(hf_model_factory, tmp
     assert torch_dist.read_common_args(release, dcp) is None
     rewritten = tmp_path / "rewritten"
     rewritten.mkdir()
-    writer = torch_dist.DCPWriter(rewritten)
+    writer = dcp_writer.DCPWriter(rewritten)
     for key, shape in dcp.shapes.items():
         writer.declare(key, shape, dcp.dtypes[key])
     for key, shape in dcp.shapes.items():
@@ -204,6 +208,37 @@ def test_common_state_stored_among_the_dcp_objects_is_read(hf_model_factory, tmp
     writer.finish()
     read = torch_dist.read_common_args(rewritten, torch_dist.DCPCheckpoint(rewritten))
     assert isinstance(read, argparse.Namespace) and vars(read) == vars(conversion.args)
+
+
+def test_the_way_back_reads_dcp_metadata_without_torchs_dcp_package(hf_model_factory, tmp_path):
+    """`.metadata` is read into plain records (importing torch.distributed.checkpoint is a third of the start):
+    the whole conversion runs without that package, and the records say what torch's own classes say."""
+    hf = hf_model_factory("qwen3-30b-a3b", layers=2)
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, ep=2))
+    program = (
+        "import sys; from mconvert.cli import main; code = main(sys.argv[1:]); "
+        "loaded = sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')); "
+        "print(loaded); sys.exit(code)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program, "mcore-to-hf", "--load-dir", str(tmp_path / "mcore"), "--save-dir", str(tmp_path / "back")],
+        capture_output=True, text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert sorted(read_hf(tmp_path / "back")) == sorted(read_hf(hf))
+
+    release = tmp_path / "mcore" / torch_dist.RELEASE
+    records = torch_dist.DCPCheckpoint(release).metadata
+    torchs = FileSystemReader(release).read_metadata()
+    assert set(records.state_dict_metadata) == set(torchs.state_dict_metadata)
+    for key, meta in torchs.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            record = records.state_dict_metadata[key]
+            assert (record.size, record.properties.dtype) == (meta.size, meta.properties.dtype)
+            assert [(c.offsets, c.sizes) for c in record.chunks] == [(c.offsets, c.sizes) for c in meta.chunks]
+    stored = {(i.fqn, getattr(i, "offset", None)): vars(info) for i, info in records.storage_data.items()}
+    assert stored == {(i.fqn, i.offset): {k: v for k, v in vars(info).items() if v is not None} for i, info in torchs.storage_data.items()}
 
 
 def test_safetensors_writer_takes_tensors_in_any_order(tmp_path):

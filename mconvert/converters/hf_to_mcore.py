@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from mconvert.converters import launch, megatron, torch_dist
+from mconvert.converters import dcp_writer, launch, megatron, torch_dist
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces
@@ -108,7 +108,7 @@ def build_piece(
     return piece_parts(piece, sources, spec, dtype), taken
 
 
-def write_piece(writer: torch_dist.DCPWriter, piece: Piece, parts: list[torch.Tensor], file: int = 0) -> None:
+def write_piece(writer: dcp_writer.DCPWriter, piece: Piece, parts: list[torch.Tensor], file: int = 0) -> None:
     axis = piece.layout.split_axis or 0
     # Chunks along dim 0 are cut from the parts directly; along another axis from the whole region.
     whole = parts if axis == 0 else [rows_of(parts, slice(None))]
@@ -121,7 +121,7 @@ def write_piece(writer: torch_dist.DCPWriter, piece: Piece, parts: list[torch.Te
 def write_pieces(
     plan: Plan,
     hf: HFCheckpoint,
-    writer: torch_dist.DCPWriter,
+    writer: dcp_writer.DCPWriter,
     workers: int,
     ranks: Ranks,
     progress: Progress,
@@ -188,7 +188,7 @@ def convert_hf_to_mcore(
         if ranks.is_first:
             release.mkdir()
         ranks.barrier()
-        writer = torch_dist.DCPWriter(release, workers, ranks.rank)
+        writer = dcp_writer.DCPWriter(release, workers, ranks.rank)
         with contextlib.ExitStack() as hashing:
             for path in writer.data_files:  # each written front to back by one thread: hashed for the manifest
                 hashing.enter_context(hashed_while_written(path))

@@ -7,8 +7,9 @@ Megatron's own files.
     <dir>/release/.metadata                    DCP metadata: every key's global shape and stored chunks
     <dir>/release/__0_0.distcp                 the chunks, each a torch.save'd tensor, back to back
 
-The writer streams: each chunk is written as it comes and only the metadata is held until the end. The
-metadata uses torch's own DCP classes, so any DCP reader (megatron-core's included) reads it.
+Writing the DCP part: mconvert.converters.dcp_writer. Reading (DCPCheckpoint) reads `.metadata`'s pickle into
+plain records rather than torch's DCP classes: importing torch.distributed.checkpoint (DTensor, sympy) took a
+third of mcore-to-hf's start (1.0 of 3.1 s), and reading needs only the fields the records keep.
 """
 
 from __future__ import annotations
@@ -28,18 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.utils.serialization import config as serialization_config
 
 from mconvert.converters.pickles import load_megatron_file
 from mconvert.errors import ConversionError
@@ -56,116 +45,6 @@ METADATA_JSON = {
 CHECKPOINT_VERSION = 3.0
 # What a module's `_extra_state` holds when Transformer Engine runs without FP8.
 EMPTY_EXTRA_STATE = [torch.empty(0, dtype=torch.uint8)]
-
-
-def _bytes_of(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-class DCPWriter:
-    """Writes a DCP checkpoint's chunks as they come into data files of this rank (one per writing thread,
-    `__<rank>_<file>.distcp`), and keeps their torch save-plan items and storage places; `.metadata` is made
-    from those of every rank by torch's own global planning (`write_metadata`)."""
-
-    def __init__(self, directory: Path, files: int = 1, rank: int = 0):
-        self.directory = directory
-        self._names = [f"__{rank}_{number}.distcp" for number in range(files)]
-        self._files = [open(directory / name, "wb") for name in self._names]
-        self._declared: dict[str, tuple[TensorProperties, torch.Size]] = {}
-        self._items: list[WriteItem] = []
-        self._storage: dict[MetadataIndex, _StorageInfo] = {}
-        self._staging = [torch.empty(0, dtype=torch.uint8) for _ in range(files)]
-
-    @property
-    def data_files(self) -> list[Path]:
-        return [self.directory / name for name in self._names]
-
-    def declare(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self._declared[key] = (TensorProperties(dtype=dtype), torch.Size(shape))
-
-    def _append(self, file: int, payload: bytes | torch.Tensor) -> _StorageInfo:
-        f = self._files[file]
-        offset = f.tell()
-        if isinstance(payload, bytes):
-            f.write(payload)
-        else:
-            # The zip records' CRC32 costs torch.save five times the write itself; torch.load does not check
-            # it (DCP's readers, megatron-core's included, go through torch.load).
-            with serialization_config.patch({"save.compute_crc32": False}):
-                torch.save(payload, f)
-        return _StorageInfo(self._names[file], offset, f.tell() - offset)
-
-    def write_chunk(self, key: str, offsets: tuple[int, ...], chunk: torch.Tensor, file: int = 0) -> None:
-        """Write a chunk of `key` at global `offsets` into data file number `file` (one per writing thread)."""
-        properties, size = self._declared[key]
-        if chunk.dtype != properties.dtype or len(offsets) != len(size):
-            raise AssertionError(f"chunk of '{key}' at {offsets} does not fit {properties.dtype} {list(size)}")
-        # A layer's (or expert's) region of a stacked tensor is stored with its leading axes of size 1.
-        chunk = chunk.reshape((1,) * (len(size) - chunk.dim()) + tuple(chunk.shape))
-        if not chunk.is_contiguous():  # a row-parallel chunk (TP > 1)
-            chunk = self._staged(file, chunk)
-        # torch.save writes a tensor's whole storage: give it one that holds just this chunk. A contiguous
-        # slice (a column-parallel chunk, half of fc1) needs no copy: a tensor over just its bytes does.
-        if chunk.untyped_storage().nbytes() != chunk.nbytes:
-            chunk = torch.from_numpy(chunk.view(torch.uint8).numpy()).view(chunk.dtype)
-        info = self._append(file, chunk)
-        index = MetadataIndex(key, torch.Size(offsets))
-        self._items.append(
-            WriteItem(
-                index, WriteItemType.SHARD, tensor_data=TensorWriteData(ChunkStorageMetadata(index.offset, chunk.shape), properties, size)
-            )
-        )
-        self._storage[index] = info
-
-    def _staged(self, file: int, chunk: torch.Tensor) -> torch.Tensor:
-        """A contiguous copy of `chunk` in memory reused from chunk to chunk: fresh memory would cost the
-        kernel a page fault and a zeroing per 4 KiB, more than the copy itself."""
-        if self._staging[file].numel() < chunk.nbytes:
-            self._staging[file] = torch.empty(chunk.nbytes, dtype=torch.uint8)
-        staged = self._staging[file][: chunk.nbytes].view(chunk.dtype).view(chunk.shape)
-        staged.copy_(chunk)
-        return staged
-
-    def write_object(self, key: str, obj: Any, file: int = 0) -> None:
-        index = MetadataIndex(key)
-        self._storage[index] = self._append(file, _bytes_of(obj))
-        self._items.append(WriteItem(index, WriteItemType.BYTE_IO))
-
-    def local_part(self) -> tuple[SavePlan, dict[MetadataIndex, _StorageInfo]]:
-        """Close the data files; this rank's save plan and where its items are stored."""
-        self.abort()
-        return SavePlan(self._items), self._storage
-
-    def finish(self, parts: list[tuple[SavePlan, dict[MetadataIndex, _StorageInfo]]] | None = None) -> None:
-        """Write `.metadata`: of what this writer wrote, or of every rank's `local_part` (`parts`)."""
-        write_metadata(self.directory, parts if parts is not None else [self.local_part()], self._declared)
-
-    def abort(self) -> None:
-        for f in self._files:
-            f.close()
-
-
-def write_metadata(
-    directory: Path,
-    parts: list[tuple[SavePlan, dict[MetadataIndex, _StorageInfo]]],
-    declared: dict[str, tuple[TensorProperties, torch.Size]],
-) -> None:
-    """`.metadata` from every rank's (save plan, storage places), merged by torch's global save planning,
-    once the chunks cover every declared tensor exactly."""
-    plans, metadata = create_default_global_save_plan([plan for plan, _ in parts])
-    stored = {index: info for _, storage in parts for index, info in storage.items()}
-    # The global plan numbers each chunk within its tensor (the index hints readers probe first).
-    metadata.storage_data = {item.index: stored[item.index] for plan in plans for item in plan.items}
-    for key, (_, size) in declared.items():
-        meta = metadata.state_dict_metadata.get(key)
-        filled = sum(math.prod(chunk.sizes) for chunk in meta.chunks) if isinstance(meta, TensorStorageMetadata) else 0
-        if filled != math.prod(size):
-            raise AssertionError(f"'{key}': chunks cover {filled} of {math.prod(size)} elements")
-    metadata.version = "1.0.0"
-    with open(directory / ".metadata", "wb") as f:
-        pickle.dump(metadata, f)
 
 
 def write_common(release_dir: Path, args: argparse.Namespace) -> None:
@@ -196,29 +75,58 @@ def read_args(release_dir: Path) -> argparse.Namespace:
 
 # --- Reading ---------------------------------------------------------------------------------------------
 
-# What a DCP `.metadata` pickle may name: torch's own DCP classes, torch.Size, dtypes and layouts (and the
-# save plans megatron-core keeps in it). Anything else (it is a pickle: it could name any callable) is refused
-# rather than run.
-_METADATA_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint.planner", "SavePlan"),
-    ("torch.distributed.checkpoint.planner", "WriteItem"),
-    ("torch.distributed.checkpoint.planner", "WriteItemType"),
-    ("torch.distributed.checkpoint.planner", "TensorWriteData"),
-    ("collections", "OrderedDict"),
-}
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+# What a DCP `.metadata` pickle may name: torch's DCP classes (read as records, below), torch.Size, dtypes and
+# layouts. Anything else (it is a pickle: it could name any callable) is refused rather than run.
+_DCP_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",  # _StorageInfo
+    "torch.distributed.checkpoint.planner",  # the save plans megatron-core keeps in the metadata
+)
+_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+
+
+class _Record:
+    """An object of DCP's metadata as its pickle stores it: its fields as attributes (an enum member, pickled
+    as a call with its value: that value)."""
+
+    def __init__(self, *args: Any):
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple):  # TensorProperties' own state: (dtype, layout, requires_grad, format, pinned)
+            state = {"dtype": state[0]}
+        self.__dict__.update(state)
+
+
+class _Metadata(_Record):
+    """torch.distributed.checkpoint.metadata.Metadata"""
+
+
+class _TensorEntry(_Record):
+    """TensorStorageMetadata: a tensor's properties, global size and stored chunks (offsets, sizes)."""
+
+
+class _BytesEntry(_Record):
+    """BytesStorageMetadata: an object stored with torch.save."""
+
+
+_RECORDS = {"Metadata": _Metadata, "TensorStorageMetadata": _TensorEntry, "BytesStorageMetadata": _BytesEntry}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module in _METADATA_MODULES or (module, name) in _METADATA_GLOBALS:
+        if module in _DCP_MODULES:
+            return _RECORDS.get(name, _Record)
+        if (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"'{module}.{name}' is not allowed in DCP metadata")
+
+
+def _stored_at(fqn: str, offsets: Any = None) -> tuple[str, tuple[int, ...] | None]:
+    """Where `.metadata` files a stored item: its key, and a tensor chunk's global offsets."""
+    return fqn, None if offsets is None else tuple(offsets)
 
 
 def iteration_dir(load_dir: Path, iteration: int | None = None) -> Path:
@@ -257,46 +165,50 @@ class DCPCheckpoint:
                 metadata = _MetadataUnpickler(f).load()
         except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
             raise ConversionError(f"{path}: unreadable DCP metadata ({e})") from None
-        if not isinstance(metadata, Metadata):
+        if not isinstance(metadata, _Metadata):
             raise ConversionError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
         self.metadata = metadata
         self.shapes: dict[str, tuple[int, ...]] = {
             key: tuple(meta.size)
             for key, meta in metadata.state_dict_metadata.items()
-            if isinstance(meta, TensorStorageMetadata)
+            if isinstance(meta, _TensorEntry)
         }
         self.dtypes: dict[str, torch.dtype] = {
             key: meta.properties.dtype
             for key, meta in metadata.state_dict_metadata.items()
-            if isinstance(meta, TensorStorageMetadata)
+            if isinstance(meta, _TensorEntry)
         }
-        self.object_keys = [k for k, m in metadata.state_dict_metadata.items() if isinstance(m, BytesStorageMetadata)]
+        self.object_keys = [k for k, m in metadata.state_dict_metadata.items() if isinstance(m, _BytesEntry)]
         self._chunk_index: dict[str, RegionIndex] = {}  # per key: its chunks' numbers, by their regions
         self._records: dict[tuple[str, int], int | None] = {}
         self._threads = threading.local()
-        for data_file in sorted({info.relative_path for info in metadata.storage_data.values()}):
+        # A MetadataIndex of an object has no offset (torch's __init__ sets none).
+        self._stored = {_stored_at(index.fqn, getattr(index, "offset", None)): info for index, info in metadata.storage_data.items()}
+        for data_file in sorted({info.relative_path for info in self._stored.values()}):
             if not (directory / data_file).is_file():
                 raise ConversionError(f"{directory / data_file}: data file named in {path.name} is missing")
 
-    def _storage(self, index: MetadataIndex) -> _StorageInfo:
-        info = self.metadata.storage_data[index]
+    def _storage(self, key: str, offsets: Any = None) -> _Record:
+        """Where an object (`key`) or a tensor's chunk (`key` at `offsets`) is stored: its data file's
+        `relative_path`, and the `offset` and `length` of its record there."""
+        info = self._stored[_stored_at(key, offsets)]
         if getattr(info, "transform_descriptors", None):
-            raise ConversionError(f"{self.directory}: '{index.fqn}' is stored transformed ({info.transform_descriptors}), which is not supported")
+            raise ConversionError(f"{self.directory}: '{key}' is stored transformed ({info.transform_descriptors}), which is not supported")
         return info
 
-    def _read_bytes(self, index: MetadataIndex) -> bytes:
-        info = self._storage(index)
+    def _read_bytes(self, key: str) -> bytes:
+        info = self._storage(key)
         path = self.directory / info.relative_path
         with open(path, "rb") as f:
             f.seek(info.offset)
             data = f.read(info.length)
         if len(data) != info.length:
-            raise ConversionError(f"{path}: truncated while reading '{index.fqn}'")
+            raise ConversionError(f"{path}: truncated while reading '{key}'")
         return data
 
     def _load_chunk(self, key: str, number: int) -> torch.Tensor:
         chunk = self.metadata.state_dict_metadata[key].chunks[number]
-        info = self._storage(MetadataIndex(key, chunk.offsets, number))
+        info = self._storage(key, chunk.offsets)
         # torch.load reads the chunk's archive in place, through a window on the file: no copy of its bytes.
         with open(self.directory / info.relative_path, "rb") as f:
             try:
@@ -311,7 +223,7 @@ class DCPCheckpoint:
 
     def read_object(self, key: str) -> Any:
         """An object stored with `torch.save` under `key`, running nothing it names."""
-        return load_megatron_file(io.BytesIO(self._read_bytes(MetadataIndex(key))), f"{self.directory}: '{key}'")
+        return load_megatron_file(io.BytesIO(self._read_bytes(key)), f"{self.directory}: '{key}'")
 
     def chunks_of(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> list[int]:
         """Numbers of the stored chunks of `key` that the region (offsets, shape) intersects."""
@@ -364,7 +276,7 @@ class DCPCheckpoint:
         last = sum((s.stop - 1) * stride for s, stride in zip(within, strides))
         if tuple(s.stop - s.start for s in within) != tuple(shape) or last - first + 1 != math.prod(shape):
             return None
-        info = self._storage(MetadataIndex(key, chunk.offsets, hit[0]))
+        info = self._storage(key, chunk.offsets)
         return self.directory / info.relative_path, record + first * self.dtypes[key].itemsize
 
     def _staging(self, nbytes: int) -> torch.Tensor:
@@ -381,7 +293,7 @@ class DCPCheckpoint:
         if (key, number) in self._records:
             return self._records[key, number]
         chunk = self.metadata.state_dict_metadata[key].chunks[number]
-        info = self._storage(MetadataIndex(key, chunk.offsets, number))
+        info = self._storage(key, chunk.offsets)
         path = self.directory / info.relative_path
         record = None
         with open(path, "rb", buffering=0) as f:
@@ -413,7 +325,7 @@ class DCPCheckpoint:
         """Read the part `within` of a raw chunk into `target`: the span of bytes from its first element to
         its last, straight into `target` when that span is exactly the part and `target` is contiguous."""
         chunk = self.metadata.state_dict_metadata[key].chunks[number]
-        info = self._storage(MetadataIndex(key, chunk.offsets, number))
+        info = self._storage(key, chunk.offsets)
         strides = _contiguous_strides(chunk.sizes)
         first = sum(s.start * stride for s, stride in zip(within, strides))
         last = sum((s.stop - 1) * stride for s, stride in zip(within, strides))
