@@ -9,6 +9,9 @@
 #   there:  bash scripts/gpu_session.sh run 540 install verify   # carrying .tebuild and .whl (install: done)
 #   there:  bash scripts/gpu_session.sh run 540 install train te-export launch verify-mla   # what is left
 #
+# $MODEL replaces the MoE shape of profile and one-worker (a small one, e.g. qwen3-30b-a3b@1, to try them on
+# the CPU box first).
+#
 # `run SECONDS STAGE...` runs the stages in order and stops starting work at SECONDS after its start, so that the
 # call returns its results within the machine's 10 minutes a command. Each stage writes its results to $OUT as
 # they come (train.jsonl, verify/results.jsonl, te_export.jsonl, a log per stage, the versions in
@@ -26,9 +29,11 @@
 #   scaling     both directions (or those in $DIRECTIONS) over 1 to 8 workers and ranks against cp -r, and the
 #               peers' approach on the models in $PEERS (default qwen2.5-0.5b; empty: none), on the
 #               host's cores and disk; $SHARD: mcore-to-hf's --max-shard-size
-#   profile     what bounds one worker on this host: py-spy (carry .pyspy) of both directions, MoE shape
+#   profile     what bounds a conversion on this host: py-spy (carry .pyspy) of the MoE shape, both directions
+#               (or those in $DIRECTIONS) at the worker counts in $PROFILE_WORKERS (default 1)
 #   one-worker  one worker both ways, MoE shape, for each source tree in $TREES (default: this one; e.g. an
-#               earlier commit's `git archive` unpacked into old/, carried as an untracked folder): seconds,
+#               earlier commit's `git archive` unpacked into old/, carried as an untracked folder): the
+#               import of mcore-to-hf's modules, seconds,
 #               CPU seconds, peak memory split anonymous / file-backed (scripts/memory_split.py), and the
 #               bytes mcore-to-hf copies file to file against those it reads into memory
 set -uo pipefail
@@ -157,22 +162,28 @@ for stage in "$@"; do
     mark scaling
     ;;
   profile)
+    # The source where the scaling stage finds it; mcore-to-hf's input made by one plain hf-to-mcore when
+    # only that direction is profiled.
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pyspy .pyspy/*.whl
-    model=qwen3-235b-a22b@2 dir="$WORK/profile"
-    (cd scripts && python3 -c "from pathlib import Path; from bench_convert import make_source; make_source('$model', Path('$dir'))") > "$OUT/profile.log" 2>&1
-    for direction in hf-to-mcore mcore-to-hf; do
-      if [ $direction = hf-to-mcore ]; then from="$dir/$model" to="$dir/mc"; else from="$dir/mc" to="$dir/back"; fi
-      find "$from" -type f -exec cat {} + > /dev/null
-      timeout "$(left)" /tmp/pyspy/bin/py-spy record --threads --idle --nonblocking -r 100 -f raw -o "$dir/$direction.raw" -- \
-        python3 -m mconvert $direction --load-dir "$from" --save-dir "$to" --workers 1 --overwrite >> "$OUT/profile.log" 2>&1
-      # The same without the profiler: its seconds, CPU seconds and peak RSS (RSS here was 6 x the 2-vCPU box's).
-      find "$from" -type f -exec cat {} + > /dev/null
-      timeout "$(left)" python3 -c 'import resource, subprocess, sys, time; t = time.time(); subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-u = resource.getrusage(resource.RUSAGE_CHILDREN); print(sys.argv[4], "workers 1:", round(time.time() - t, 2), "s,", round(u.ru_utime, 2), "user,", round(u.ru_stime, 2), "sys,", u.ru_maxrss // 1024, "MiB peak RSS")' \
-        python3 -m mconvert $direction --load-dir "$from" --save-dir "$to" --workers 1 --overwrite >> "$OUT/profile.rusage" 2>&1
+    model=${MODEL:-qwen3-235b-a22b@2} sources="$WORK/scaling" dir="$WORK/profile"
+    (cd scripts && python3 -c "from pathlib import Path; from bench_convert import make_source; make_source('$model', Path('$sources'))") > "$OUT/profile.log" 2>&1
+    for direction in ${DIRECTIONS:-hf-to-mcore mcore-to-hf}; do
+      if [ $direction = hf-to-mcore ]; then from="$sources/$model" to="$dir/mc"; else from="$dir/mc" to="$dir/back"; fi
+      [ -e "$dir/mc" ] || python3 -m mconvert hf-to-mcore --load-dir "$sources/$model" --save-dir "$dir/mc" > /dev/null 2>&1
+      for workers in ${PROFILE_WORKERS:-1}; do
+        # The output of the run before removed first, not replaced by --overwrite (whose removal of it,
+        # 1 s per 2.5 GB on the CPU box, is not the conversion's).
+        rm -rf "$to"; sync; find "$from" -type f -exec cat {} + > /dev/null
+        timeout "$(left)" /tmp/pyspy/bin/py-spy record --threads --idle --nonblocking -r 100 -f raw -o "$dir/$direction-$workers.raw" -- \
+          python3 -m mconvert $direction --load-dir "$from" --save-dir "$to" --workers $workers --overwrite >> "$OUT/profile.log" 2>&1
+        # The same without the profiler: seconds, CPU seconds, peak memory.
+        rm -rf "$to"; sync; find "$from" -type f -exec cat {} + > /dev/null
+        echo -n "$direction, workers $workers: " >> "$OUT/profile.log"
+        timeout "$(left)" python3 scripts/memory_split.py -- \
+          python3 -m mconvert $direction --load-dir "$from" --save-dir "$to" --workers $workers --overwrite >> "$OUT/profile.log" 2>&1
+      done
     done
-    cat "$OUT/profile.rusage" >> "$OUT/profile.log"
-    python3 scripts/profile_summary.py --rate 100 "$dir"/hf-to-mcore.raw "$dir"/mcore-to-hf.raw > "$OUT/profile.txt" 2>&1
+    python3 scripts/profile_summary.py --rate 100 "$dir"/*.raw > "$OUT/profile.txt" 2>&1
     note "profile: exit $?"
     rm -rf "$dir"
     mark profile
@@ -180,13 +191,19 @@ u = resource.getrusage(resource.RUSAGE_CHILDREN); print(sys.argv[4], "workers 1:
   one-worker)
     # The source where the scaling stage finds it (made once a session). `python3 -P`: the tree's mconvert, not
     # the working directory's (which `-m` would put first on the path).
-    model=qwen3-235b-a22b@2 sources="$WORK/scaling" dir="$WORK/one-worker"
+    model=${MODEL:-qwen3-235b-a22b@2} sources="$WORK/scaling" dir="$WORK/one-worker"
     (cd scripts && python3 -c "from pathlib import Path; from bench_convert import make_source; make_source('$model', Path('$sources'))") > "$OUT/one-worker.log" 2>&1
+    for tree in ${TREES:-.}; do
+      for round in 1 2 3; do
+        echo -n "tree $tree, import of mcore-to-hf's modules: " >> "$OUT/one-worker.log"
+        PYTHONPATH=/tmp/site:$tree python3 -P -c "import time; t = time.time(); import mconvert.cli, mconvert.converters.mcore_to_hf; print(round(time.time() - t, 2), 's')" >> "$OUT/one-worker.log" 2>&1
+      done
+    done
     for round in 1 2; do
       for tree in ${TREES:-.}; do
         for direction in hf-to-mcore mcore-to-hf; do
           if [ $direction = hf-to-mcore ]; then from="$sources/$model" to="$dir/mc"; else from="$dir/mc" to="$dir/back"; fi
-          find "$from" -type f -exec cat {} + > /dev/null
+          rm -rf "$to"; sync; find "$from" -type f -exec cat {} + > /dev/null
           echo -n "round $round, tree $tree, $direction, workers 1: " >> "$OUT/one-worker.log"
           PYTHONPATH=/tmp/site:$tree timeout "$(left)" python3 scripts/memory_split.py -- \
             python3 -P -m mconvert $direction --load-dir "$from" --save-dir "$to" --workers 1 --overwrite >> "$OUT/one-worker.log" 2>&1
