@@ -15,6 +15,7 @@ import subprocess
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import FileSystemReader
 
 from cli_runner import assert_nothing_left, assert_one_line_error, run_cli
 from mconvert.converters import torch_dist
@@ -279,6 +280,14 @@ def test_a_truncated_distcp_file(private_checkpoint, tmp_path):
 def test_a_corrupt_metadata_file(private_checkpoint, tmp_path):
     metadata = private_checkpoint / torch_dist.RELEASE / ".metadata"
     metadata.write_bytes(metadata.read_bytes()[:200])
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", metadata, "unreadable DCP metadata")
+
+
+def test_metadata_without_the_fields_of_dcp_metadata(private_checkpoint, tmp_path):
+    metadata = private_checkpoint / torch_dist.RELEASE / ".metadata"
+    stored = FileSystemReader(metadata.parent).read_metadata()
+    del stored.storage_data  # where each chunk is: without it no tensor can be found
+    metadata.write_bytes(pickle.dumps(stored))
     refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", metadata, "unreadable DCP metadata")
 
 

@@ -93,8 +93,10 @@ class _Record:
         self.args = args
 
     def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple):  # TensorProperties' own state: (dtype, layout, requires_grad, format, pinned)
+        if isinstance(state, tuple) and len(state) == 5:  # TensorProperties': dtype, layout, grad, format, pinned
             state = {"dtype": state[0]}
+        if not isinstance(state, dict):
+            raise pickle.UnpicklingError(f"a {type(self).__name__} stored as {type(state).__name__}, not as its fields")
         self.__dict__.update(state)
 
 
@@ -163,28 +165,23 @@ class DCPCheckpoint:
         try:
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+            if not isinstance(metadata, _Metadata):
+                raise ConversionError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
+            tensors = {key: meta for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, _TensorEntry)}
+            self.shapes: dict[str, tuple[int, ...]] = {key: tuple(meta.size) for key, meta in tensors.items()}
+            self.dtypes: dict[str, torch.dtype] = {key: meta.properties.dtype for key, meta in tensors.items()}
+            self.object_keys = [k for k, m in metadata.state_dict_metadata.items() if isinstance(m, _BytesEntry)]
+            # A MetadataIndex of an object has no offset (torch's __init__ sets none).
+            self._stored = {_stored_at(index.fqn, getattr(index, "offset", None)): info for index, info in metadata.storage_data.items()}
+            data_files = sorted({info.relative_path for info in self._stored.values()})
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError) as e:
+            # A record without the fields torch's class has (AttributeError, TypeError) is not DCP metadata either.
             raise ConversionError(f"{path}: unreadable DCP metadata ({e})") from None
-        if not isinstance(metadata, _Metadata):
-            raise ConversionError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
         self.metadata = metadata
-        self.shapes: dict[str, tuple[int, ...]] = {
-            key: tuple(meta.size)
-            for key, meta in metadata.state_dict_metadata.items()
-            if isinstance(meta, _TensorEntry)
-        }
-        self.dtypes: dict[str, torch.dtype] = {
-            key: meta.properties.dtype
-            for key, meta in metadata.state_dict_metadata.items()
-            if isinstance(meta, _TensorEntry)
-        }
-        self.object_keys = [k for k, m in metadata.state_dict_metadata.items() if isinstance(m, _BytesEntry)]
         self._chunk_index: dict[str, RegionIndex] = {}  # per key: its chunks' numbers, by their regions
         self._records: dict[tuple[str, int], int | None] = {}
         self._threads = threading.local()
-        # A MetadataIndex of an object has no offset (torch's __init__ sets none).
-        self._stored = {_stored_at(index.fqn, getattr(index, "offset", None)): info for index, info in metadata.storage_data.items()}
-        for data_file in sorted({info.relative_path for info in self._stored.values()}):
+        for data_file in data_files:
             if not (directory / data_file).is_file():
                 raise ConversionError(f"{directory / data_file}: data file named in {path.name} is missing")
 
