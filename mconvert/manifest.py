@@ -59,10 +59,10 @@ def hashed_while_written(path: Path, written: Callable[[], int] | None = None) -
     done, dropped = threading.Event(), threading.Event()
     result: list[str] = []
 
-    def follow() -> None:
+    def follow(f) -> None:
         digest = hashlib.sha256()
         position = 0
-        with open(path, "rb", buffering=0) as f:
+        with f:
             while True:
                 finished = done.is_set()  # read before the last pass, so that nothing written is missed
                 limit = os.fstat(f.fileno()).st_size if finished or written is None else written()
@@ -74,14 +74,18 @@ def hashed_while_written(path: Path, written: Callable[[], int] | None = None) -
         if not dropped.is_set():
             result.append(digest.hexdigest())
 
-    follower = threading.Thread(target=follow, name=f"sha256 {path.name}", daemon=True)
-    follower.start()
+    # The follower is handed the file open: were it to open the path itself, a conversion interrupted as the
+    # follower starts (KeyboardInterrupt, SIGTERM) could remove the output before the open, which then fails.
+    source = open(path, "rb", buffering=0)
+    follower = threading.Thread(target=follow, args=(source,), name=f"sha256 {path.name}", daemon=True)
     try:
+        follower.start()
         yield
     except BaseException:
         dropped.set()
         done.set()
-        follower.join()
+        if follower.ident is not None:  # started: an interruption can land within start()
+            follower.join()
         raise
     done.set()
     follower.join()
