@@ -183,12 +183,31 @@ def run_pieces(
                 for index in runs[number]:
                     done(items[index])
 
-    writers = [threading.Thread(target=write, args=(w,), name=f"mconvert-write-{w}") for w in range(workers)]
+    # Waited for through events, not Thread.join: a join that an interruption (Ctrl-C, SIGTERM) lands in marks
+    # a running thread as stopped on Python 3.11 (bpo-45274), and a writer left running into the interpreter's
+    # exit aborts it in a torch call ("terminate called without an active exception").
+    stopped = [threading.Event() for _ in range(workers)]
+
+    def writer(worker: int) -> None:
+        try:
+            write(worker)
+        finally:
+            stopped[worker].set()
+
+    writers = [threading.Thread(target=writer, args=(w,), name=f"mconvert-write-{w}") for w in range(workers)]
     try:
         for thread in writers:
             thread.start()
-        for thread in writers:
-            thread.join()
+        for event in stopped:
+            event.wait()
+    except BaseException as error:  # this thread interrupted: the writers stop after their current run
+        with lock:
+            if state["failed"] is None:
+                state["failed"] = error
+        for thread, event in zip(writers, stopped):
+            if thread.ident is not None:
+                event.wait()
+        raise
     finally:
         loader.shutdown(cancel_futures=True)  # after a failure, read no further
     if state["failed"] is not None:
