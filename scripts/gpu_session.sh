@@ -168,8 +168,12 @@ for stage in "$@"; do
     model=${MODEL:-qwen3-235b-a22b@2} sources="$WORK/scaling" dir="$WORK/profile"
     (cd scripts && python3 -c "from pathlib import Path; from bench_convert import make_source; make_source('$model', Path('$sources'))") > "$OUT/profile.log" 2>&1
     for direction in ${DIRECTIONS:-hf-to-mcore mcore-to-hf}; do
-      if [ $direction = hf-to-mcore ]; then from="$sources/$model" to="$dir/mc"; else from="$dir/mc" to="$dir/back"; fi
-      [ -e "$dir/mc" ] || python3 -m mconvert hf-to-mcore --load-dir "$sources/$model" --save-dir "$dir/mc" > /dev/null 2>&1
+      if [ $direction = hf-to-mcore ]; then
+        from="$sources/$model" to="$dir/mc"
+      else
+        from="$dir/mc" to="$dir/back"
+        [ -e "$dir/mc" ] || python3 -m mconvert hf-to-mcore --load-dir "$sources/$model" --save-dir "$dir/mc" > /dev/null 2>&1
+      fi
       for workers in ${PROFILE_WORKERS:-1}; do
         # The output of the run before removed first, not replaced by --overwrite (whose removal of it,
         # 1 s per 2.5 GB on the CPU box, is not the conversion's).
