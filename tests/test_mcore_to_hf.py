@@ -338,8 +338,9 @@ def test_mtp_layers_convert_both_ways_or_are_left_out(tmp_path, capsys):
 
 def test_ranks_are_given_whole_hf_files_to_fill_and_hash(hf_model_factory, tmp_path):
     """Under torchrun each rank converts the pieces of whole HF files (balanced by bytes), so that it alone
-    writes them and hashes them as they fill; the ranks' shares differ by at most one file."""
-    from mconvert.converters.mcore_to_hf import TorchDistTensors, file_owners, piece_bytes, plan_export
+    writes them and hashes them as they fill; the ranks' shares differ by at most one file. The files break
+    between pieces only (q, k and v, gate and up in one file), so no file is left for rank 0 to hash at the end."""
+    from mconvert.converters.mcore_to_hf import TorchDistTensors, file_owners, files_written_only_by, piece_bytes, plan_export
 
     convert_hf_to_mcore(hf_model_factory("qwen3-30b-a3b"), tmp_path / "mcore")
     release = tmp_path / "mcore" / torch_dist.RELEASE
@@ -347,9 +348,13 @@ def test_ranks_are_given_whole_hf_files_to_fill_and_hash(hf_model_factory, tmp_p
     plan, _ = plan_export(source)
     dtypes = {ref.name: plan.dtype_of(piece) for piece in plan.pieces for ref in piece.sources}
     layout = {name: (dtypes[name], shape) for name, shape in plan.hf_shapes().items()}
-    writer = SafetensorsWriter(tmp_path / "hf", layout, parse_size("100KB"), create=False)
+    writer = SafetensorsWriter(tmp_path / "hf", layout, parse_size("100KB"), create=False, together=plan.hf_groups())
     sizes = piece_bytes(plan, source)
     owners = file_owners(plan, writer, sizes, 3)
+    assert sorted(path for rank in range(3) for path in files_written_only_by(rank, plan, writer, owners)) == sorted(writer.files)
+    # Without the groups some piece's tensors straddle two files here.
+    loose = SafetensorsWriter(tmp_path / "hf", layout, parse_size("100KB"), create=False)
+    assert any(len({loose.places[ref.name][0] for ref in piece.sources}) > 1 for piece in plan.pieces)
     by_file: dict = {}
     for piece, owner, size in zip(plan.pieces, owners, sizes):
         by_file.setdefault(writer.places[piece.sources[0].name][0], []).append((owner, size))

@@ -274,7 +274,8 @@ def piece_bytes(plan: Plan, source: MegatronTensors) -> list[int]:
 def file_owners(plan: Plan, writer: SafetensorsWriter, sizes: list[int], world: int) -> list[int]:
     """The rank that converts each piece: the HF files are shared out whole among the ranks, balanced by bytes,
     and a piece goes to the owner of its first HF tensor's file. A file written by one rank alone is hashed by
-    it as it fills, and only files that some piece's tensors straddle are left for rank 0 to hash at the end."""
+    it as it fills; only a file that some piece's tensors straddle (a layout not made by `Plan.hf_groups`)
+    would be left for rank 0 to hash at the end."""
     file_of = [writer.places[piece.sources[0].name][0] for piece in plan.pieces]
     files = list(writer.files)
     file_bytes = dict.fromkeys(files, 0)
@@ -377,7 +378,9 @@ def convert_mcore_to_hf(
     with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
         hf_shapes = plan.hf_shapes()
         dtypes = {ref.name: plan.dtype_of(piece) for piece in plan.pieces for ref in piece.sources}
-        writer = SafetensorsWriter(work, {name: (dtypes[name], shape) for name, shape in hf_shapes.items()}, shard_bytes, create=ranks.is_first)
+        # No piece straddles two files: whole files are shared out among the ranks (file_owners).
+        writer = SafetensorsWriter(work, {name: (dtypes[name], shape) for name, shape in hf_shapes.items()}, shard_bytes,
+                                   create=ranks.is_first, together=plan.hf_groups())
         ranks.barrier()  # the files exist, at their full size, before any rank writes into them
         sizes = piece_bytes(plan, source)
         owners = file_owners(plan, writer, sizes, ranks.world)

@@ -99,6 +99,28 @@ class Plan:
                     shapes[ref.name] = (slices, *shape)
         return shapes
 
+    def hf_groups(self) -> list[list[str]]:
+        """The HF tensors in groups that no piece spans two of (a piece builds several, such as q, k and v; a
+        tensor of slices is built by several pieces), in the order of the pieces: a file that breaks only
+        between groups is filled by whole pieces."""
+        group_of: dict[str, list[str]] = {}
+        groups: list[list[str]] = []
+        for piece in self.pieces:
+            names = list(dict.fromkeys(ref.name for ref in piece.sources))
+            joined = list({id(group_of[name]): group_of[name] for name in names if name in group_of}.values())
+            group = joined[0] if joined else []
+            if not joined:
+                groups.append(group)
+            for other in joined[1:]:  # a piece that links groups made by earlier pieces: one group now
+                group.extend(other)
+                other.clear()
+            for name in names:
+                if name not in group_of:
+                    group.append(name)
+            for name in group:
+                group_of[name] = group
+        return [group for group in groups if group]
+
 
 def _active(entries: tuple[Entry, ...], spec: ModelSpec) -> list[Entry]:
     return [entry for entry in entries if entry.when is None or getattr(spec, entry.when)]

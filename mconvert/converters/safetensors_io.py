@@ -287,16 +287,19 @@ class SafetensorsWriter:
         tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
         max_shard_size: int,
         create: bool = True,
+        together: list[list[str]] | None = None,
     ):
         self.directory = directory
+        # Files break between the groups of `together` (every tensor, in their order; default: one group
+        # each): a file holds whole groups.
         groups: list[list[str]] = [[]]
         group_bytes = 0
-        for name, (dtype, shape) in tensors.items():
-            size = math.prod(shape) * dtype.itemsize
+        for names in together if together is not None else [[name] for name in tensors]:
+            size = sum(math.prod(tensors[name][1]) * tensors[name][0].itemsize for name in names)
             if groups[-1] and group_bytes + size > max_shard_size:
                 groups.append([])
                 group_bytes = 0
-            groups[-1].append(name)
+            groups[-1].extend(names)
             group_bytes += size
         self.places: dict[str, tuple[Path, int, torch.dtype, tuple[int, ...]]] = {}
         self.weight_map: dict[str, str] = {}
