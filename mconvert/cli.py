@@ -108,7 +108,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     print(f"Megatron-LM flags (also in {save_dir}/{ARGS_SCRIPT}):")
     print(megatron.args_script(result.args, Path(save_dir)), end="")
     print("next:")
-    print(f"  mconvert verify --hf {options.load_dir} --mcore {save_dir} --tp {parallelism.tp} --pp {parallelism.pp} --ep {parallelism.ep}")
+    print(f"  mconvert verify --hf {options.load_dir} --mcore {save_dir} --tp {parallelism.tp} --pp {parallelism.pp} --ep {parallelism.ep} --device cuda  # --device cpu without GPUs")
     print(f"  MEGATRON_LM=/path/to/Megatron-LM bash {save_dir}/{TORCHRUN_SCRIPT}      # train on this node")
     print(f"  MEGATRON_LM=/path/to/Megatron-LM sbatch {save_dir}/{SBATCH_SCRIPT}  # or on a Slurm cluster")
     return 0
@@ -149,7 +149,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
         + _summary(started, torch_dist.iteration_dir(Path(options.load_dir), options.iteration), save_dir)
     )
     print("next:")
-    print(f"  mconvert verify --hf {save_dir} --mcore {options.load_dir}")
+    print(f"  mconvert verify --hf {save_dir} --mcore {options.load_dir} --device cuda  # --device cpu without GPUs")
     print(f"  mconvert inspect --check {save_dir}")
     return 0
 

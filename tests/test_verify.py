@@ -144,3 +144,26 @@ def test_verify_compares_a_sliding_window_model_within_its_window(hf_model_facto
     result = json.loads((tmp_path / "report.json").read_text())
     assert [p["tokens"] for p in result["prompts"]] == [7, 8, 8, 8]
     assert result["notes"] == ["sliding window of 8 tokens: prompts cut to the window"]
+
+
+def test_the_verify_lines_a_conversion_prints_run_as_printed(hf_model_factory, tmp_path, capsys):
+    """After each conversion the `next:` lines name a verify command; on a box without GPUs, with the
+    --device its comment gives, it runs and passes, both ways."""
+    import shlex
+
+    def printed_verify(out: str) -> list[str]:
+        (line,) = [line for line in out.splitlines() if line.strip().startswith("mconvert verify")]
+        command, comment = line.split("#")
+        assert comment.strip() == "--device cpu without GPUs"
+        args = shlex.split(command)[1:]
+        assert args[args.index("--device") + 1] == "cuda"
+        args[args.index("--device") + 1] = "cpu"
+        return args
+
+    hf, mcore, back = hf_model_factory("qwen3-8b"), tmp_path / "mcore", tmp_path / "back"
+    assert main(["hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(mcore), "--tp", "2", "--quiet"]) == 0
+    assert main(printed_verify(capsys.readouterr().out)) == 0
+    assert capsys.readouterr().out.strip().endswith("PASS")
+    assert main(["mcore-to-hf", "--load-dir", str(mcore), "--save-dir", str(back), "--quiet"]) == 0
+    assert main(printed_verify(capsys.readouterr().out)) == 0
+    assert capsys.readouterr().out.strip().endswith("PASS")
