@@ -29,6 +29,8 @@
 #   scaling     both directions (or those in $DIRECTIONS) over 1 to 8 workers and ranks against cp -r, and the
 #               peers' approach on the models in $PEERS (default qwen2.5-0.5b; empty: none), on the
 #               host's cores and disk; $SHARD: mcore-to-hf's --max-shard-size
+#   scaling-large  mcore-to-hf alone on the MoE shape cut to as many layers (3 or 4) as two copies of it leave
+#               the disk a tenth free (bench_scaling.py --disk-for-two), over the counts in $COUNTS (default 1 4 8)
 #   profile     what bounds a conversion on this host: py-spy (carry .pyspy) of the MoE shape, both directions
 #               (or those in $DIRECTIONS) at the worker counts in $PROFILE_WORKERS (default 1)
 #   one-worker  one worker both ways, MoE shape, for each source tree in $TREES (default: this one; e.g. an
@@ -154,12 +156,28 @@ for stage in "$@"; do
     # The MoE shape first, both directions over workers and torchrun ranks (its source shared with one-worker),
     # then the 7B shape and the peers' row in the time left.
     timeout "$(left)" python3 scripts/bench_scaling.py --work-dir "$WORK/scaling" --out "$OUT/scaling" --models qwen3-235b-a22b@2 \
-      --directions ${DIRECTIONS:-hf-to-mcore mcore-to-hf} ${SHARD:+--max-shard-size $SHARD} --peers --keep-sources false --deadline-s "$(($(left) * 2 / 3))" >> "$OUT/scaling.log" 2>&1
+      --directions ${DIRECTIONS:-hf-to-mcore mcore-to-hf} ${SHARD:+--max-shard-size $SHARD} ${COUNTS:+--counts $COUNTS} --peers --keep-sources false --deadline-s "$(($(left) * 2 / 3))" >> "$OUT/scaling.log" 2>&1
     note "scaling qwen3-235b-a22b@2: exit $?"
     timeout "$(left)" python3 scripts/bench_scaling.py --work-dir "$WORK/scaling" --out "$OUT/scaling" --models qwen2.5-7b-instruct@14 \
-      --directions ${DIRECTIONS:-hf-to-mcore mcore-to-hf} ${SHARD:+--max-shard-size $SHARD} --peers ${PEERS-qwen2.5-0.5b} --keep-sources false --deadline-s "$(($(left) - 30))" >> "$OUT/scaling.log" 2>&1
+      --directions ${DIRECTIONS:-hf-to-mcore mcore-to-hf} ${SHARD:+--max-shard-size $SHARD} ${COUNTS:+--counts $COUNTS} --peers ${PEERS-qwen2.5-0.5b} --keep-sources false --deadline-s "$(($(left) - 30))" >> "$OUT/scaling.log" 2>&1
     note "scaling qwen2.5-7b-instruct@14: exit $?"
     mark scaling
+    ;;
+  scaling-large)
+    # Qwen3-235B-A22B's embedding and output layer take 2.49 GB, each of its layers 4.97 GB (bf16).
+    mkdir -p "$WORK/large"
+    free=$(df --output=avail -B1 "$WORK/large" | tail -1)
+    layers=$(( (free * 9 / 20 - 2490000000) / 4970000000 ))
+    layers=$(( layers > 4 ? 4 : layers ))
+    note "scaling-large: $((free / 1000000000)) GB free: qwen3-235b-a22b@$layers"
+    if [ "$layers" -ge 3 ]; then
+      timeout "$(left)" python3 scripts/bench_scaling.py --work-dir "$WORK/large" --out "$OUT/scaling" --models "qwen3-235b-a22b@$layers" \
+        --directions mcore-to-hf --disk-for-two ${SHARD:+--max-shard-size $SHARD} --counts ${COUNTS:-1 4 8} --peers --keep-sources false \
+        --deadline-s "$(($(left) - 60))" >> "$OUT/scaling.log" 2>&1
+      note "scaling-large: exit $?"
+    fi
+    rm -rf "$WORK/large"
+    mark scaling-large
     ;;
   profile)
     # The source where the scaling stage finds it; mcore-to-hf's input made by one plain hf-to-mcore when
