@@ -1,7 +1,5 @@
 """`python -m mconvert ...` (and `torchrun ... -m mconvert ...`): the command line."""
 
-import sys
+from mconvert.cli import run
 
-from mconvert.cli import main
-
-sys.exit(main())
+run()

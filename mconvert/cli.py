@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from mconvert import __version__
 from mconvert.errors import ConversionError, MissingDependency
@@ -296,5 +298,15 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def run() -> NoReturn:
+    """The `mconvert` command (and `python -m mconvert`): main's exit code, without the interpreter's last
+    garbage collection over the millions of objects torch's modules leave, which costs every run 0.35-0.4 s
+    at its exit on a 2-core box (nothing of a conversion is left to it: files are closed and renamed by now,
+    and the standard streams are flushed at exit as before)."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

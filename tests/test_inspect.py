@@ -129,6 +129,22 @@ def test_version(capsys):
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"mconvert {__version__}"
 
 
+def test_the_installed_command_exits_with_mains_codes(hf_model_factory, tmp_path):
+    """The `mconvert` script pip installs (pyproject's entry point, `cli.run`) converts, prints and exits as
+    main returns: 0, and 1 with a one-line error."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    command = Path(sys.executable).parent / "mconvert"
+    done = subprocess.run([command, "hf-to-mcore", "--load-dir", hf_model_factory("qwen3-8b"), "--save-dir", tmp_path / "out", "--quiet"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0 and done.stderr == "" and f"wrote {tmp_path / 'out'}" in done.stdout
+    assert "mconvert verify --hf" in done.stdout.splitlines()[-3]  # the last lines, flushed at exit
+    failed = subprocess.run([command, "inspect", tmp_path / "nothing"], capture_output=True, text=True)
+    assert failed.returncode == 1 and failed.stderr.startswith("mconvert: error: ") and len(failed.stderr.splitlines()) == 1
+
+
 def test_a_file_hashed_while_written_has_the_digest_of_its_bytes(tmp_path):
     import hashlib
     import os
