@@ -279,7 +279,10 @@ def _interrupt(signum: int, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    options = build_parser().parse_args(argv)
+    return _execute(build_parser().parse_args(argv))
+
+
+def _execute(options: argparse.Namespace) -> int:
     # SIGTERM (kill's, a scheduler's) unwinds as Ctrl-C does, so that what a conversion half wrote is removed.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -299,11 +302,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> NoReturn:
-    """The `mconvert` command (and `python -m mconvert`): main's exit code, without the interpreter's last
-    garbage collection over the millions of objects torch's modules leave, which costs every run 0.35-0.4 s
-    at its exit on a 2-core box (nothing of a conversion is left to it: files are closed and renamed by now,
-    and the standard streams are flushed at exit as before)."""
-    code = main()
+    """The `mconvert` command (and `python -m mconvert`): main, with the interpreter's garbage collector kept
+    off torch's objects (about a million, made by its import, which every command needs). Collections during
+    the import, and later full ones, walked them all for nothing, as did the interpreter's last one at exit
+    (0.35-0.4 s of every run on a 2-core box): they are imported with the collector off and then frozen (never
+    collected, never walked), and so is what is left at exit (files are closed and renamed by then; the
+    standard streams are flushed at exit as before)."""
+    options = build_parser().parse_args()  # --help, --version and usage errors exit here, before any import
+    gc.disable()
+    import torch  # noqa: F401
+
+    gc.freeze()
+    gc.enable()
+    code = _execute(options)
     gc.freeze()
     sys.exit(code)
 
