@@ -8,7 +8,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 from mconvert import __version__
 from mconvert.errors import ConversionError, MissingDependency
@@ -282,10 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     return _execute(build_parser().parse_args(argv))
 
 
-def _execute(options: argparse.Namespace) -> int:
+def _execute(options: argparse.Namespace, first: Callable[[], None] = lambda: None) -> int:
+    """Run the parsed command (after `first`), its errors and interruptions as one line and an exit code."""
     # SIGTERM (kill's, a scheduler's) unwinds as Ctrl-C does, so that what a conversion half wrote is removed.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
+        first()
         return options.run(options)
     except MissingDependency as error:
         print(f"mconvert: error: {error}", file=sys.stderr)
@@ -301,20 +303,25 @@ def _execute(options: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def run() -> NoReturn:
-    """The `mconvert` command (and `python -m mconvert`): main, with the interpreter's garbage collector kept
-    off torch's objects (about a million, made by its import, which every command needs). Collections during
-    the import, and later full ones, walked them all for nothing, as did the interpreter's last one at exit
-    (0.35-0.4 s of every run on a 2-core box): they are imported with the collector off and then frozen (never
-    collected, never walked), and so is what is left at exit (files are closed and renamed by then; the
-    standard streams are flushed at exit as before)."""
-    options = build_parser().parse_args()  # --help, --version and usage errors exit here, before any import
+def _import_torch_frozen() -> None:
+    """Import torch with the garbage collector off and freeze what it made (about a million objects): the
+    collections during the import, and every later full one, walked them all for nothing."""
     gc.disable()
-    import torch  # noqa: F401
+    try:
+        import torch  # noqa: F401
 
-    gc.freeze()
-    gc.enable()
-    code = _execute(options)
+        gc.freeze()
+    finally:
+        gc.enable()
+
+
+def run() -> NoReturn:
+    """The `mconvert` command (and `python -m mconvert`): main, with torch imported out of the garbage
+    collector's way (`_import_torch_frozen`; every command needs torch), and what is left at exit frozen too:
+    the interpreter's last collection walked torch's objects once more, 0.35-0.4 s of every run on a 2-core
+    box (files are closed and renamed by then; the standard streams are flushed at exit as before)."""
+    options = build_parser().parse_args()  # --help, --version and usage errors exit here, before any import
+    code = _execute(options, first=_import_torch_frozen)
     gc.freeze()
     sys.exit(code)
 
