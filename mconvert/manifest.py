@@ -86,6 +86,8 @@ def hashed_while_written(path: Path, written: Callable[[], int] | None = None) -
         done.set()
         if follower.ident is not None:  # started: an interruption can land within start()
             follower.join()
+        else:
+            source.close()
         raise
     done.set()
     follower.join()

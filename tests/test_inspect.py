@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -132,10 +135,6 @@ def test_version(capsys):
 def test_the_installed_command_exits_with_mains_codes(hf_model_factory, tmp_path):
     """The `mconvert` script pip installs (pyproject's entry point, `cli.run`) converts, prints and exits as
     main returns: 0, and 1 with a one-line error."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     command = Path(sys.executable).parent / "mconvert"
     done = subprocess.run([command, "hf-to-mcore", "--load-dir", hf_model_factory("qwen3-8b"), "--save-dir", tmp_path / "out", "--quiet"],
                           capture_output=True, text=True)

@@ -100,26 +100,22 @@ class Plan:
         return shapes
 
     def hf_groups(self) -> list[list[str]]:
-        """The HF tensors in groups that no piece spans two of (a piece builds several, such as q, k and v; a
-        tensor of slices is built by several pieces), in the order of the pieces: a file that breaks only
-        between groups is filled by whole pieces."""
-        group_of: dict[str, list[str]] = {}
-        groups: list[list[str]] = []
+        """The HF tensors in hf_shapes' order, cut wherever no piece has tensors on both sides of the cut (a
+        piece builds several, such as q, k and v; a tensor of slices is built by several pieces): a file that
+        breaks only between these groups is filled by whole pieces."""
+        position: dict[str, int] = {}
+        reach: dict[int, int] = {}  # from a piece's first tensor, the last tensor that piece joins it to
         for piece in self.pieces:
-            names = list(dict.fromkeys(ref.name for ref in piece.sources))
-            joined = list({id(group_of[name]): group_of[name] for name in names if name in group_of}.values())
-            group = joined[0] if joined else []
-            if not joined:
-                groups.append(group)
-            for other in joined[1:]:  # a piece that links groups made by earlier pieces: one group now
-                group.extend(other)
-                other.clear()
-            for name in names:
-                if name not in group_of:
-                    group.append(name)
-            for name in group:
-                group_of[name] = group
-        return [group for group in groups if group]
+            at = [position.setdefault(ref.name, len(position)) for ref in piece.sources]
+            reach[min(at)] = max(reach.get(min(at), 0), *at)
+        groups: list[list[str]] = []
+        end = -1
+        for name, at in position.items():
+            if at > end:
+                groups.append([])
+            groups[-1].append(name)
+            end = max(end, reach.get(at, at))
+        return groups
 
 
 def _active(entries: tuple[Entry, ...], spec: ModelSpec) -> list[Entry]:
