@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import signal
 import sys
 import time
@@ -63,6 +64,11 @@ def _summary(started: float, source: Path, save_dir: Path) -> str:
     )
 
 
+def _first_rank() -> bool:
+    """Whether this process prints the summary: torchrun's ranks each convert a share, rank 0 speaks for all."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def _hf_to_mcore(options: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -96,6 +102,8 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
         )
     finally:
         progress.close()
+    if not _first_rank():
+        return 0
     plan = result.plan
     if result.dropped_mtp_layers:
         print(f"left out {result.dropped_mtp_layers} multi-token prediction layer(s) of {options.load_dir} (--no-mtp)")
@@ -144,6 +152,8 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
         )
     finally:
         progress.close()
+    if not _first_rank():
+        return 0
     plan = result.plan
     print(
         f"wrote {save_dir}: {plan.family.name} ({result.config['architectures'][0]}), "

@@ -116,6 +116,7 @@ def test_two_torchrun_ranks_write_the_single_process_checkpoint_and_megatron_loa
     convert_hf_to_mcore(hf, single, parallelism=Parallelism(tp=2))
     done = torchrun(2, "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(ranked), "--tp", "2", "--workers", "2")
     assert done.returncode == 0, done.stderr
+    assert done.stdout.count(f"wrote {ranked}") == 1 and done.stdout.count("next:") == 1  # rank 0's
     files = sorted(p.name for p in (ranked / "release").glob("*.distcp"))
     assert {name.split("_")[2] for name in files} == {"0", "1"}  # __<rank>_<file>.distcp: both ranks wrote
     assert (ranked / torch_dist.TRACKER_FILE).read_text() == "release"
@@ -132,6 +133,7 @@ def test_two_torchrun_ranks_write_the_single_process_checkpoint_and_megatron_loa
     convert_mcore_to_hf(single, back_single, max_shard_size="20MB")
     done = torchrun(2, "mcore-to-hf", "--load-dir", str(ranked), "--save-dir", str(back_ranked), "--max-shard-size", "20MB")
     assert done.returncode == 0, done.stderr
+    assert done.stdout.count(f"wrote {back_ranked}") == 1
     assert sorted(p.name for p in back_single.iterdir()) == sorted(p.name for p in back_ranked.iterdir())
     for path in back_single.iterdir():
         assert path.read_bytes() == (back_ranked / path.name).read_bytes(), path.name
