@@ -26,9 +26,10 @@
 #   verify-v2lite  DeepSeek-V2-Lite whole, with megatron-core 0.18.0 (carry .whl018: 0.19 cannot build it)
 #   te-export   megatron-core's own TE-spec grouped-GEMM saves exported bit-exactly (scripts/gpu_te_export.py)
 #   bench       weight sync (gather_hf_weights) at TP=2 and EP=2, and loading, on the GPUs
-#   scaling     both directions (or those in $DIRECTIONS) over 1 to 8 workers and ranks against cp -r, and the
-#               peers' approach on the models in $PEERS (default qwen2.5-0.5b; empty: none), on the
-#               host's cores and disk; $SHARD: mcore-to-hf's --max-shard-size
+#   scaling     both directions (or those in $DIRECTIONS) over 1 to 8 workers and ranks (or $COUNTS) against
+#               cp -r, on the models in $MODELS (default the MoE and 7B cuts; sources removed unless
+#               KEEP_SOURCES=true), and the peers' approach on the models in $PEERS (default qwen2.5-0.5b;
+#               empty: none), on the host's cores and disk; $SHARD: mcore-to-hf's --max-shard-size
 #   scaling-large  mcore-to-hf alone on the MoE shape cut to as many layers (3 or 4) as two copies of it leave
 #               the disk a tenth free (bench_scaling.py --disk-for-two), over the counts in $COUNTS (default 1 4 8)
 #   profile     what bounds a conversion on this host: py-spy (carry .pyspy) of the MoE shape, both directions
@@ -153,14 +154,17 @@ for stage in "$@"; do
     mark verify-v2lite
     ;;
   scaling)
-    # The MoE shape first, both directions over workers and torchrun ranks (its source shared with one-worker),
-    # then the 7B shape and the peers' row in the time left.
-    timeout "$(left)" python3 scripts/bench_scaling.py --work-dir "$WORK/scaling" --out "$OUT/scaling" --models qwen3-235b-a22b@2 \
-      --directions ${DIRECTIONS:-hf-to-mcore mcore-to-hf} ${SHARD:+--max-shard-size $SHARD} ${COUNTS:+--counts $COUNTS} --peers --keep-sources false --deadline-s "$(($(left) * 2 / 3))" >> "$OUT/scaling.log" 2>&1
-    note "scaling qwen3-235b-a22b@2: exit $?"
-    timeout "$(left)" python3 scripts/bench_scaling.py --work-dir "$WORK/scaling" --out "$OUT/scaling" --models qwen2.5-7b-instruct@14 \
-      --directions ${DIRECTIONS:-hf-to-mcore mcore-to-hf} ${SHARD:+--max-shard-size $SHARD} ${COUNTS:+--counts $COUNTS} --peers ${PEERS-qwen2.5-0.5b} --keep-sources false --deadline-s "$(($(left) - 30))" >> "$OUT/scaling.log" 2>&1
-    note "scaling qwen2.5-7b-instruct@14: exit $?"
+    # Each model of $MODELS (default: the MoE shape, then the 7B shape) both directions over workers and torchrun
+    # ranks (the MoE shape's source shared with one-worker and profile); the peers' row with the last model.
+    set -- ${MODELS:-qwen3-235b-a22b@2 qwen2.5-7b-instruct@14}
+    while [ $# -gt 0 ]; do
+      model=$1; shift
+      if [ $# -gt 0 ]; then peers="" deadline=$(($(left) * 2 / 3)); else peers=${PEERS-qwen2.5-0.5b} deadline=$(($(left) - 30)); fi
+      timeout "$(left)" python3 scripts/bench_scaling.py --work-dir "$WORK/scaling" --out "$OUT/scaling" --models "$model" \
+        --directions ${DIRECTIONS:-hf-to-mcore mcore-to-hf} ${SHARD:+--max-shard-size $SHARD} ${COUNTS:+--counts $COUNTS} \
+        --peers $peers --keep-sources ${KEEP_SOURCES:-false} --deadline-s "$deadline" >> "$OUT/scaling.log" 2>&1
+      note "scaling $model: exit $?"
+    done
     mark scaling
     ;;
   scaling-large)
