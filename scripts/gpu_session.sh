@@ -34,11 +34,13 @@
 #               the disk a tenth free (bench_scaling.py --disk-for-two), over the counts in $COUNTS (default 1 4 8)
 #   profile     what bounds a conversion on this host: py-spy (carry .pyspy) of the MoE shape, both directions
 #               (or those in $DIRECTIONS) at the worker counts in $PROFILE_WORKERS (default 1)
-#   one-worker  one worker both ways, MoE shape, for each source tree in $TREES (default: this one; e.g. an
-#               earlier commit's `git archive` unpacked into old/, carried as an untracked folder): the
-#               import of mcore-to-hf's modules, seconds,
-#               CPU seconds, peak memory split anonymous / file-backed (scripts/memory_split.py), and the
-#               bytes mcore-to-hf copies file to file against those it reads into memory
+#   one-worker  one worker both ways (or $DIRECTIONS), MoE shape (or $MODEL), for each source tree in $TREES
+#               (default: this one; e.g. an earlier commit's `git archive` unpacked into old/, carried as an
+#               untracked folder), $ROUNDS rounds (default 2) alternating the trees: the import of each
+#               direction's modules, seconds, CPU seconds, peak memory split anonymous / file-backed
+#               (scripts/memory_split.py), and the bytes mcore-to-hf copies file to file against those it
+#               reads into memory
+#   trees       the same at $WORKERS workers (default 8), without the bytes
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -214,29 +216,34 @@ for stage in "$@"; do
     rm -rf "$dir"
     mark profile
     ;;
-  one-worker)
+  one-worker|trees)
     # The source where the scaling stage finds it (made once a session). `python3 -P`: the tree's mconvert, not
     # the working directory's (which `-m` would put first on the path).
-    model=${MODEL:-qwen3-235b-a22b@2} sources="$WORK/scaling" dir="$WORK/one-worker"
-    (cd scripts && python3 -c "from pathlib import Path; from bench_convert import make_source; make_source('$model', Path('$sources'))") > "$OUT/one-worker.log" 2>&1
+    model=${MODEL:-qwen3-235b-a22b@2} sources="$WORK/scaling" dir="$WORK/$stage" log="$OUT/$stage.log"
+    workers=1 && [ $stage = trees ] && workers=${WORKERS:-8}
+    (cd scripts && python3 -c "from pathlib import Path; from bench_convert import make_source; make_source('$model', Path('$sources'))") > "$log" 2>&1
     for tree in ${TREES:-.}; do
       for round in 1 2 3; do
-        echo -n "tree $tree, import of mcore-to-hf's modules: " >> "$OUT/one-worker.log"
-        PYTHONPATH=/tmp/site:$tree python3 -P -c "import time; t = time.time(); import mconvert.cli, mconvert.converters.mcore_to_hf; print(round(time.time() - t, 2), 's')" >> "$OUT/one-worker.log" 2>&1
-      done
-    done
-    for round in 1 2; do
-      for tree in ${TREES:-.}; do
-        for direction in hf-to-mcore mcore-to-hf; do
-          if [ $direction = hf-to-mcore ]; then from="$sources/$model" to="$dir/mc"; else from="$dir/mc" to="$dir/back"; fi
-          rm -rf "$to"; sync; find "$from" -type f -exec cat {} + > /dev/null
-          echo -n "round $round, tree $tree, $direction, workers 1: " >> "$OUT/one-worker.log"
-          PYTHONPATH=/tmp/site:$tree timeout "$(left)" python3 scripts/memory_split.py -- \
-            python3 -P -m mconvert $direction --load-dir "$from" --save-dir "$to" --workers 1 --overwrite >> "$OUT/one-worker.log" 2>&1
+        for modules in mcore_to_hf hf_to_mcore; do
+          echo -n "tree $tree, import of $modules's modules: " >> "$log"
+          PYTHONPATH=/tmp/site:$tree python3 -P -c "import time; t = time.time(); import mconvert.cli, mconvert.converters.$modules; print(round(time.time() - t, 2), 's')" >> "$log" 2>&1
         done
       done
     done
-    python3 - "$dir/mc" >> "$OUT/one-worker.log" 2>&1 <<'PY'
+    for round in $(seq ${ROUNDS:-2}); do
+      for tree in ${TREES:-.}; do
+        for direction in ${DIRECTIONS:-hf-to-mcore mcore-to-hf}; do
+          if [ $direction = hf-to-mcore ]; then from="$sources/$model" to="$dir/mc"; else from="$dir/mc" to="$dir/back"; fi
+          [ -e "$from" ] || python3 -P -m mconvert hf-to-mcore --load-dir "$sources/$model" --save-dir "$from" --workers 8 > /dev/null 2>&1
+          rm -rf "$to"; sync; find "$from" -type f -exec cat {} + > /dev/null
+          echo -n "round $round, tree $tree, $direction, workers $workers: " >> "$log"
+          PYTHONPATH=/tmp/site:$tree timeout "$(left)" python3 scripts/memory_split.py -- \
+            python3 -P -m mconvert $direction --load-dir "$from" --save-dir "$to" --workers $workers --overwrite >> "$log" 2>&1
+        done
+      done
+    done
+    [ $stage = trees ] && { rm -rf "$dir"; mark trees; note "trees: done"; continue; }
+    python3 - "$dir/mc" >> "$log" 2>&1 <<'PY'
 import collections, math, sys
 from mconvert.converters.mcore_to_hf import file_copies, open_megatron_checkpoint, piece_region, plan_export, stored_key
 source = open_megatron_checkpoint(sys.argv[1])

@@ -241,6 +241,19 @@ def test_the_way_back_reads_dcp_metadata_without_torchs_dcp_package(hf_model_fac
     assert stored == {(i.fqn, i.offset): {k: v for k, v in vars(info).items() if v is not None} for i, info in torchs.storage_data.items()}
 
 
+def test_the_way_in_imports_torchs_dcp_package_beside_the_writing():
+    """hf-to-mcore's modules do not import torch.distributed.checkpoint (about a second, DTensor and sympy): the
+    writer records its chunks as plain tuples while a thread imports it, and needs it only for `.metadata`
+    (which megatron-core's loads of converted checkpoints check)."""
+    program = (
+        "import sys, mconvert.cli, mconvert.converters.hf_to_mcore; "
+        "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')))"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_safetensors_writer_takes_tensors_in_any_order(tmp_path):
     tensors = {"a": torch.randn(3, 5), "b": torch.arange(12, dtype=torch.int64).reshape(4, 3), "c": torch.randn(7).bfloat16()}
     writer = SafetensorsWriter(tmp_path, {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}, parse_size("110B"))  # a | b c
