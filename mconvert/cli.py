@@ -145,7 +145,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
             hf_config_dir=hf_config,
             model_size=options.model_size,
             dtype=_dtype(options.dtype),
-            max_shard_size=options.max_shard_size,
+            **({"max_shard_size": options.max_shard_size} if options.max_shard_size is not None else {}),
             overwrite=options.overwrite,
             workers=_workers(options),
             progress=progress,
@@ -253,8 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the family, as hf-to-mcore's --model-size names it; must agree with the checkpoint (default: told from its args)",
     )
     to_hf.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="written dtype (default: the checkpoint's)")
-    to_hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB; each file is hashed on one core, so smaller ones, e.g. 2GB, "
-                        "finish sooner where many workers convert a model of a few files)")
+    to_hf.add_argument("--max-shard-size", default=None, help="largest safetensors file (default 2GB: each file is hashed "
+                       "on one core, so files of a few GB finish together where many workers convert)")
     to_hf.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
     _add_workers_flag(to_hf)
     to_hf.add_argument("--quiet", action="store_true", help="no progress, only the summary")

@@ -36,6 +36,11 @@ from mconvert.progress import NoProgress, Progress
 
 Shape = tuple[int, ...]
 
+# Each HF file is hashed for the manifest on one core (about 1 GB/s) as it fills, so its size bounds how soon
+# the last one is done: on the whole Qwen2.5-7B at 8 workers 2 GB files took 5.95-6.82 s and 5 GB ones
+# 8.47-10.15 s, side by side (docs/performance.md).
+DEFAULT_MAX_SHARD_SIZE = "2GB"
+
 
 
 class MegatronTensors(Protocol):
@@ -355,7 +360,7 @@ def convert_mcore_to_hf(
     hf_config_dir: str | os.PathLike | None = None,
     model_size: str | None = None,
     dtype: torch.dtype | None = None,
-    max_shard_size: str = "5GB",
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
     workers: int = 1,
     progress: Progress = NoProgress(),
