@@ -42,7 +42,6 @@ Shape = tuple[int, ...]
 DEFAULT_MAX_SHARD_SIZE = "2GB"
 
 
-
 class MegatronTensors(Protocol):
     """A Megatron checkpoint's model weights, whatever the format: global shapes, and regions on demand."""
 
