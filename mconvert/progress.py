@@ -1,9 +1,11 @@
 """Progress of a conversion: the converters report tensors and bytes done to a `Progress`; the command line
 shows them as a bar with rate and ETA on a terminal (tqdm), as a plain line every tenth of the work (or every
-PLAIN_INTERVAL_S) otherwise, or not at all."""
+PLAIN_INTERVAL_S) otherwise, or not at all. Under torchrun each rank reports its own share, in lines that name
+the rank: the ranks share the terminal, where their bars would overwrite one another."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Protocol, TextIO
@@ -114,4 +116,7 @@ def progress_for(label: str, quiet: bool, stream: TextIO = sys.stderr) -> Progre
     """What the command line reports progress with: nothing when `quiet`, a bar on a terminal, lines otherwise."""
     if quiet:
         return NoProgress()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        return PlainProgress(f"{label} rank {os.environ.get('RANK', '0')}/{world}", stream)
     return BarProgress(label, stream) if stream.isatty() else PlainProgress(label, stream)

@@ -92,7 +92,7 @@ def test_manifest_and_check(converted, tmp_path, capsys):
     assert f"no {MANIFEST}" in capsys.readouterr().err
 
 
-def test_progress_lines_and_summary(hf_model_factory, tmp_path, capsys):
+def test_progress_lines_and_summary(hf_model_factory, tmp_path, capsys, monkeypatch):
     stream = io.StringIO()
     progress = PlainProgress("hf-to-mcore", stream, min_gap_s=0.0)
     convert_hf_to_mcore(hf_model_factory("qwen2.5-7b-instruct"), tmp_path / "out", parallelism=Parallelism(tp=2), progress=progress)
@@ -114,6 +114,13 @@ def test_progress_lines_and_summary(hf_model_factory, tmp_path, capsys):
     final = terminal.getvalue().split("\r")[-1]
     assert final.startswith("hf-to-mcore: 100%") and "17/17 tensors" in final and "B/s" in final
     assert progress_for("hf-to-mcore", quiet=True, stream=terminal).__class__.__name__ == "NoProgress"
+    # A torchrun rank: lines naming it, never a bar (the ranks share the terminal).
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    ranked = progress_for("hf-to-mcore", quiet=False, stream=terminal)
+    assert isinstance(ranked, PlainProgress) and ranked.label == "hf-to-mcore rank 3/4"
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
 
     capsys.readouterr()
     assert main(["hf-to-mcore", "--load-dir", str(hf_model_factory("qwen2.5-7b-instruct")), "--save-dir", str(tmp_path / "o2"), "--quiet"]) == 0
