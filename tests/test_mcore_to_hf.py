@@ -253,6 +253,30 @@ def test_the_way_in_imports_torchs_dcp_package_beside_the_writing():
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 
+    # An import that fails is reported once, where `.metadata` needs it, not by the thread as well.
+    program = (
+        "import importlib.abc, sys, tempfile, torch\n"
+        "from pathlib import Path\n"
+        "class Refuse(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'torch.distributed.checkpoint.default_planner': raise ImportError('refused here')\n"
+        "sys.meta_path.insert(0, Refuse())\n"
+        "from mconvert.converters.dcp_writer import DCPWriter\n"
+        "writer = DCPWriter(Path(tempfile.mkdtemp()))\n"
+        "writer.declare('x', (2,), torch.float32)\n"
+        "writer.write_chunk('x', (0,), torch.zeros(2))\n"
+        "try:\n"
+        "    writer.finish()\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
+        "import threading\n"
+        "for thread in threading.enumerate():\n"
+        "    if thread is not threading.main_thread(): thread.join()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == "refused here", done.stderr
+    assert "Traceback" not in done.stderr
+
 
 def test_safetensors_writer_takes_tensors_in_any_order(tmp_path):
     tensors = {"a": torch.randn(3, 5), "b": torch.arange(12, dtype=torch.int64).reshape(4, 3), "c": torch.randn(7).bfloat16()}

@@ -9,6 +9,7 @@ for `.metadata`, at the end."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import io
 import math
@@ -26,6 +27,13 @@ _PLANNING = "torch.distributed.checkpoint.default_planner"
 Shape = tuple[int, ...]
 # Where an item is stored: (data file name, offset, length), as DCP's filesystem storage records it.
 Place = tuple[str, int, int]
+
+
+def _import_planning() -> None:
+    """Import torch's DCP planning ahead of `write_metadata`, which imports it again where it is needed: a
+    failure is reported there, once, rather than as a thread's traceback."""
+    with contextlib.suppress(Exception):
+        importlib.import_module(_PLANNING)
 
 
 @dataclass
@@ -48,7 +56,7 @@ class DCPWriter:
     torch's own global planning (`write_metadata`)."""
 
     def __init__(self, directory: Path, files: int = 1, rank: int = 0):
-        threading.Thread(target=importlib.import_module, args=(_PLANNING,), name="import torch DCP", daemon=True).start()
+        threading.Thread(target=_import_planning, name="import torch DCP", daemon=True).start()
         self.directory = directory
         self._names = [f"__{rank}_{number}.distcp" for number in range(files)]
         self._files = [open(directory / name, "wb") for name in self._names]
