@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import signal
 import sys
 import time
@@ -66,7 +65,9 @@ def _summary(started: float, source: Path, save_dir: Path) -> str:
 
 def _first_rank() -> bool:
     """Whether this process prints the summary: torchrun's ranks each convert a share, rank 0 speaks for all."""
-    return os.environ.get("RANK", "0") == "0"
+    from mconvert.converters.parallel import torchrun_rank
+
+    return torchrun_rank()[0] == 0
 
 
 def _hf_to_mcore(options: argparse.Namespace) -> int:

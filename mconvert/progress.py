@@ -5,7 +5,6 @@ the rank: the ranks share the terminal, where their bars would overwrite one ano
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Protocol, TextIO
@@ -116,7 +115,9 @@ def progress_for(label: str, quiet: bool, stream: TextIO = sys.stderr) -> Progre
     """What the command line reports progress with: nothing when `quiet`, a bar on a terminal, lines otherwise."""
     if quiet:
         return NoProgress()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    from mconvert.converters.parallel import torchrun_rank
+
+    rank, world = torchrun_rank()
     if world > 1:
-        return PlainProgress(f"{label} rank {os.environ.get('RANK', '0')}/{world}", stream)
+        return PlainProgress(f"{label} rank {rank}/{world}", stream)
     return BarProgress(label, stream) if stream.isatty() else PlainProgress(label, stream)

@@ -251,6 +251,11 @@ def assign(sizes: Sequence[int], parts: int) -> list[list[int]]:
     return [sorted(indices) for indices in assigned]
 
 
+def torchrun_rank() -> tuple[int, int]:
+    """This process's rank and the number of ranks, as torchrun's environment gives them; (0, 1) outside it."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
 class Ranks:
     """This process among the ranks of a torch.distributed job; one rank of one when not started by torchrun.
 
@@ -261,8 +266,7 @@ class Ranks:
     process (SIGABRT, "terminate called without an active exception") after the conversion succeeded."""
 
     def __init__(self) -> None:
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
+        self.rank, self.world = torchrun_rank()
         self.group = None
         self.settled = False
         self._made_default_group = False
