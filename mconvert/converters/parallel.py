@@ -21,7 +21,7 @@ import datetime
 import os
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, Callable, Hashable, Sequence, TypeVar
 
 import torch
@@ -148,7 +148,18 @@ def run_pieces(
     loader = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mconvert-load")
 
     def load_run(run: list[int]) -> list[Loaded]:
-        return [load(items[index]) for index in run]
+        # A failure stops the loading at once, not when a writer comes to the failed run: no more runs are
+        # queued, and those queued already are not read.
+        with lock:
+            if state["failed"] is not None:
+                raise CancelledError
+        try:
+            return [load(items[index]) for index in run]
+        except BaseException as error:
+            with lock:
+                if state["failed"] is None:
+                    state["failed"] = error
+            raise
 
     def refill() -> None:
         """Queue loads while the budget allows (under `lock`); at least one per writer waiting."""
