@@ -170,13 +170,13 @@ def main() -> int:
             subprocess.run([PYTHON, "-c", f"from pathlib import Path; from bench_convert import make_source; make_source({model!r}, Path({str(options.work_dir)!r}))"],
                            cwd=REPO / "scripts", check=True)
         nbytes = sum(path.stat().st_size for path in source.glob("*.safetensors"))
-        # The torch_dist checkpoint mcore-to-hf reads: made once (by 8 workers where only two copies fit, for
-        # time; by one otherwise, as it always was).
+        # The torch_dist checkpoint mcore-to-hf reads: made once, by 8 workers (for time: the tensors are those
+        # one worker writes).
         mcore = options.work_dir / f"{model}.mcore"
         if mcore.exists():
             remove(mcore)
         extra = ["--tp", str(options.tp)]
-        subprocess.run(convert_command("hf-to-mcore", source, mcore, 8 if options.disk_for_two else 1, 1, extra), cwd=REPO, check=True, capture_output=True)
+        subprocess.run(convert_command("hf-to-mcore", source, mcore, 8, 1, extra), cwd=REPO, check=True, capture_output=True)
         copied, copy_step = source, "cp -r"
         if options.disk_for_two:
             remove(source)

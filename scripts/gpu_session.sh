@@ -26,10 +26,12 @@
 #   verify-v2lite  DeepSeek-V2-Lite whole, with megatron-core 0.18.0 (carry .whl018: 0.19 cannot build it)
 #   te-export   megatron-core's own TE-spec grouped-GEMM saves exported bit-exactly (scripts/gpu_te_export.py)
 #   bench       weight sync (gather_hf_weights) at TP=2 and EP=2, and loading, on the GPUs
-#   scaling     both directions (or those in $DIRECTIONS) over 1 to 8 workers and ranks (or $COUNTS) against
-#               cp -r, on the models in $MODELS (default the MoE and 7B cuts; sources removed unless
-#               KEEP_SOURCES=true), and the peers' approach on the models in $PEERS (default qwen2.5-0.5b;
-#               empty: none), on the host's cores and disk; $SHARD: mcore-to-hf's --max-shard-size
+#   scaling     both directions (or those in $DIRECTIONS) over 1 to 8 workers and ranks (or $COUNTS; $MODES:
+#               workers or ranks alone) against cp -r, on the models in $MODELS (default the MoE and 7B cuts;
+#               sources removed unless KEEP_SOURCES=true), and the peers' approach on the models in $PEERS
+#               (default qwen2.5-0.5b; empty: none), on the host's cores and disk; $SHARD: mcore-to-hf's
+#               --max-shard-size; then the per-byte costs between two sizes of one model (slopes.md,
+#               scripts/cut_slopes.py)
 #   scaling-large  mcore-to-hf alone on the MoE shape cut to as many layers (3 or 4) as two copies of it leave
 #               the disk a tenth free (bench_scaling.py --disk-for-two), over the counts in $COUNTS (default 1 4 8)
 #   profile     what bounds a conversion on this host: py-spy (carry .pyspy) of the MoE shape, both directions
@@ -164,9 +166,10 @@ for stage in "$@"; do
       if [ $# -gt 0 ]; then peers="" deadline=$(($(left) * 2 / 3)); else peers=${PEERS-qwen2.5-0.5b} deadline=$(($(left) - 30)); fi
       timeout "$(left)" python3 scripts/bench_scaling.py --work-dir "$WORK/scaling" --out "$OUT/scaling" --models "$model" \
         --directions ${DIRECTIONS:-hf-to-mcore mcore-to-hf} ${SHARD:+--max-shard-size $SHARD} ${COUNTS:+--counts $COUNTS} \
-        --peers $peers --keep-sources ${KEEP_SOURCES:-false} --deadline-s "$deadline" >> "$OUT/scaling.log" 2>&1
+        ${MODES:+--modes $MODES} --peers $peers --keep-sources ${KEEP_SOURCES:-false} --deadline-s "$deadline" >> "$OUT/scaling.log" 2>&1
       note "scaling $model: exit $?"
     done
+    python3 scripts/cut_slopes.py "$OUT/scaling/results.jsonl" > "$OUT/slopes.md" 2>&1
     mark scaling
     ;;
   scaling-large)
