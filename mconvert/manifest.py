@@ -52,9 +52,9 @@ def sha256_of(path: Path) -> str:
 @contextmanager
 def hashed_while_written(path: Path, written: Callable[[], int] | None = None) -> Iterator[None]:
     """Hash `path` while the body of the `with` writes it: appending to it (never seeking back), or, with
-    `written`, filling a file already at its full size, of which `written()` says how many bytes from the
-    start are in place. On a normal exit the digest is kept for `write_manifest`; after an exception the
-    hashing is dropped."""
+    `written`, filling it in another order (a file already at its full size, or records whose data is
+    copied in after them), of which `written()` says how many bytes from the start are in place. On a normal
+    exit the digest is kept for `write_manifest`; after an exception the hashing is dropped."""
     path = path.absolute()
     done, dropped = threading.Event(), threading.Event()
     result: list[str] = []

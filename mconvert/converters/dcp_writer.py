@@ -13,6 +13,7 @@ import contextlib
 import importlib
 import io
 import math
+import os
 import pickle
 import threading
 from dataclasses import dataclass
@@ -20,13 +21,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.serialization import skip_data
 from torch.utils.serialization import config as serialization_config
+
+from mconvert.converters.torch_dist import tensor_data_start
+from mconvert.errors import ConversionError
 
 _PLANNING = "torch.distributed.checkpoint.default_planner"
 
 Shape = tuple[int, ...]
 # Where an item is stored: (data file name, offset, length), as DCP's filesystem storage records it.
 Place = tuple[str, int, int]
+# Bytes of another file: (path, first byte, length).
+Span = tuple[Path, int, int]
 
 
 def _import_planning() -> None:
@@ -60,13 +67,25 @@ class DCPWriter:
         self.directory = directory
         self._names = [f"__{rank}_{number}.distcp" for number in range(files)]
         self._files = [open(directory / name, "wb") for name in self._names]
+        # Each file's bytes in place from its start: its records are complete up to there.
+        self._complete = [0] * files
         self._declared: dict[str, tuple[torch.dtype, Shape]] = {}
         self._written = WrittenPart([], [])
         self._staging = [torch.empty(0, dtype=torch.uint8) for _ in range(files)]
+        self._sources: dict[Path, int] = {}
+        self._lock = threading.Lock()
+        # Where a record's storage bytes begin, from the record's start, by (dtype, shape): torch.save lays
+        # out the same header for the same tensor layout.
+        self._data_starts: dict[tuple[torch.dtype, Shape], int] = {}
 
     @property
     def data_files(self) -> list[Path]:
         return [self.directory / name for name in self._names]
+
+    def complete(self, file: int) -> int:
+        """How many bytes of data file number `file`, from its start, are in place (for hashing it while it
+        is written: a record copied into place has a hole for its data until the copy is done)."""
+        return self._complete[file]
 
     def declare(self, key: str, shape: Shape, dtype: torch.dtype) -> None:
         self._declared[key] = (dtype, tuple(shape))
@@ -81,6 +100,8 @@ class DCPWriter:
             # it (DCP's readers, megatron-core's included, go through torch.load).
             with serialization_config.patch({"save.compute_crc32": False}):
                 torch.save(payload, f)
+        f.flush()
+        self._complete[file] = f.tell()
         return self._names[file], offset, f.tell() - offset
 
     def write_chunk(self, key: str, offsets: Shape, chunk: torch.Tensor, file: int = 0) -> None:
@@ -98,6 +119,41 @@ class DCPWriter:
             chunk = torch.from_numpy(chunk.view(torch.uint8).numpy()).view(chunk.dtype)
         place = self._append(file, chunk)
         self._written.chunks.append((key, tuple(offsets), tuple(chunk.shape), place))
+
+    def copy_chunk(self, key: str, offsets: Shape, shape: Shape, spans: list[Span], file: int = 0) -> None:
+        """Write a chunk of `key` of `shape` at global `offsets` whose bytes are those of `spans`, in order (an
+        HF tensor's stored bytes, or rows of them): torch.save writes the record without its storage bytes
+        (`skip_data`) and the kernel copies them into place file to file (copy_file_range), as `cp` copies,
+        instead of reading them into memory and writing them out again."""
+        dtype, size = self._declared[key]
+        shape = (1,) * (len(size) - len(shape)) + tuple(shape)
+        if len(offsets) != len(size) or sum(length for _, _, length in spans) != math.prod(shape) * dtype.itemsize:
+            raise AssertionError(f"chunk of '{key}' at {offsets} does not fit {dtype} {list(size)}")
+        f = self._files[file]
+        start = f.tell()
+        with skip_data(), serialization_config.patch({"save.compute_crc32": False}):
+            torch.save(torch.empty(shape, dtype=dtype), f)  # memory never touched, never written
+        f.flush()
+        length = f.tell() - start
+        if (dtype, shape) not in self._data_starts:
+            self._data_starts[dtype, shape] = tensor_data_start(self.directory / self._names[file], start, length)
+        position = start + self._data_starts[dtype, shape]
+        for path, begin, count in spans:
+            source, done = self._source(path), 0
+            while done < count:
+                copied = os.copy_file_range(source, f.fileno(), count - done, begin + done, position + done)
+                if not copied:
+                    raise ConversionError(f"{path}: truncated while copying its bytes {begin}-{begin + count}")
+                done += copied
+            position += count
+        self._complete[file] = f.tell()
+        self._written.chunks.append((key, tuple(offsets), shape, (self._names[file], start, length)))
+
+    def _source(self, path: Path) -> int:
+        with self._lock:
+            if path not in self._sources:
+                self._sources[path] = os.open(path, os.O_RDONLY)
+            return self._sources[path]
 
     def _staged(self, file: int, chunk: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of `chunk` in memory reused from chunk to chunk: fresh memory would cost the
@@ -123,6 +179,10 @@ class DCPWriter:
     def abort(self) -> None:
         for f in self._files:
             f.close()
+        with self._lock:
+            for fd in self._sources.values():
+                os.close(fd)
+            self._sources.clear()
 
 
 def write_metadata(directory: Path, parts: list[WrittenPart], declared: dict[str, tuple[torch.dtype, Shape]]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -98,11 +99,83 @@ def rows_of(parts: list[torch.Tensor], rows: slice) -> torch.Tensor:
     return selected[0] if len(selected) == 1 else torch.cat(selected)
 
 
+# A chunk copied file to file: its offsets within the piece's region, its shape, and the runs of stored HF
+# bytes it is made of, in order.
+FileChunk = tuple[tuple[int, ...], tuple[int, ...], list[dcp_writer.Span]]
+
+
+class FileCopies:
+    """Which chunks of a conversion are runs of its HF tensors' stored bytes, to be copied file to file."""
+
+    def __init__(self, hf: HFCheckpoint, spec: ModelSpec):
+        self.hf, self.spec = hf, spec
+        # Per (entry, source shapes, dtype): each part's (source number, first element, shape), or None. The
+        # same for every layer and expert.
+        self._parts: dict[tuple, list[tuple[int, int, tuple[int, ...]]] | None] = {}
+
+    def parts(self, entry, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype) -> list[tuple[int, int, tuple[int, ...]]] | None:
+        """Where each part of `entry`'s result lies in its sources, when each is a contiguous view of one:
+        found by applying the transform to stand-ins (memory allocated, never touched unless the transform
+        copies: meta tensors would do, but copying ones, QKV's concatenation, import torch's compiler)."""
+        key = (entry, shapes, dtype)
+        if key not in self._parts:
+            sources = [torch.empty(shape, dtype=dtype) for shape in shapes]
+            found = []
+            for part in entry.to_mcore_parts(sources, self.spec):
+                number = next((i for i, source in enumerate(sources) if part is source or part._base is source), None)
+                if number is None or part.dim() == 0 or not part.is_contiguous():
+                    found = None
+                    break
+                found.append((number, part.storage_offset(), tuple(part.shape)))
+            self._parts[key] = found
+        return self._parts[key]
+
+    def chunks(self, piece: Piece, dtype: torch.dtype) -> list[FileChunk] | None:
+        """For a piece whose tensor-parallel chunks are each runs of its HF tensors' stored bytes (renames,
+        fc1's gate and up, whole or cut into column-parallel chunks; in the stored dtype): each chunk, with its
+        runs. None otherwise: QKV's regrouping, a cast, a dequantized FP8 weight, vocabulary padding and
+        row-parallel cuts are built in memory."""
+        layout = piece.layout
+        if layout.split_axis not in (None, 0) and layout.fragments > 1:
+            return None
+        places = [self.hf.place(ref.name, ref.index) for ref in piece.sources]
+        if any(stored_dtype != dtype for _, _, _, stored_dtype in places) or any(ref.name in self.hf.scales for ref in piece.sources):
+            return None
+        parts = self.parts(piece.entry, tuple(shape for _, _, shape, _ in places), dtype)
+        if parts is None or any(shape[1:] != layout.shape[1:] for _, _, shape in parts) or sum(shape[0] for _, _, shape in parts) != layout.shape[0]:
+            return None  # not views, or padded (the vocabulary's rows)
+        row = math.prod(layout.shape[1:]) * dtype.itemsize
+        chunks = []
+        for offsets, cut in piece.chunks():
+            start, stop, _ = (cut if layout.split_axis == 0 else slice(None)).indices(layout.shape[0])
+            spans, first = [], 0
+            for number, element, (count, *_) in parts:
+                path, begin, _, _ = places[number]
+                low, high = max(start, first), min(stop, first + count)
+                if low < high:
+                    spans.append((path, begin + element * dtype.itemsize + (low - first) * row, (high - low) * row))
+                first += count
+            chunks.append((offsets, (stop - start, *layout.shape[1:]), spans))
+        return chunks
+
+
 def build_piece(
-    piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: torch.dtype, buffers: Buffers
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """`piece_parts` of HF tensors read from files into reused buffers; and those buffers, to hand back once
-    the region is written."""
+    piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: torch.dtype, buffers: Buffers, copies: FileCopies
+) -> tuple[list[torch.Tensor], list[torch.Tensor]] | list[FileChunk]:
+    """`piece_parts` of HF tensors read from files into reused buffers, and those buffers, to hand back once
+    the region is written; or, for a piece whose chunks are runs of stored bytes (`FileCopies.chunks`), those
+    chunks, once its HF tensors are checked (read and checked for NaN and Inf, unless the checkpoint is not
+    checked)."""
+    chunks = copies.chunks(piece, dtype)
+    if chunks is not None:
+        if hf.check_finite:
+            for ref in piece.sources:
+                into = buffers.take(hf.nbytes(ref.name, ref.index))
+                try:
+                    hf.read(ref.name, ref.index, into)
+                finally:
+                    buffers.give_back([into])
+        return chunks
     taken = [buffers.take(hf.nbytes(ref.name, ref.index)) for ref in piece.sources]
     sources = [hf.read(ref.name, ref.index, into) for ref, into in zip(piece.sources, taken)]
     return piece_parts(piece, sources, spec, dtype), taken
@@ -134,14 +207,20 @@ def write_pieces(
     sizes = [math.prod(piece.layout.shape) * plan.dtype_of(piece).itemsize for piece in pieces]
     mine = ranks.mine(sizes)
     progress.start(len(mine), sum(sizes[i] for i in mine))
-    buffers = Buffers()
+    buffers, copies = Buffers(), FileCopies(hf, plan.spec)
 
-    def load(index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return build_piece(pieces[index], hf, plan.spec, plan.dtype_of(pieces[index]), buffers)
+    def load(index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | list[FileChunk]:
+        return build_piece(pieces[index], hf, plan.spec, plan.dtype_of(pieces[index]), buffers, copies)
 
-    def store(worker: int, index: int, built: tuple[list[torch.Tensor], list[torch.Tensor]]) -> None:
+    def store(worker: int, index: int, built: tuple[list[torch.Tensor], list[torch.Tensor]] | list[FileChunk]) -> None:
+        piece = pieces[index]
+        if isinstance(built, list):
+            for offsets, shape, spans in built:
+                for key in piece.keys:
+                    writer.copy_chunk(key, (*piece.offsets, *offsets), shape, spans, worker)
+            return
         parts, taken = built
-        write_piece(writer, pieces[index], parts, worker)
+        write_piece(writer, piece, parts, worker)
         del parts, built  # may be views of the buffers, which later reads overwrite
         buffers.give_back(taken)
 
@@ -190,8 +269,8 @@ def convert_hf_to_mcore(
         ranks.barrier()
         writer = dcp_writer.DCPWriter(release, workers, ranks.rank)
         with contextlib.ExitStack() as hashing:
-            for path in writer.data_files:  # each written front to back by one thread: hashed for the manifest
-                hashing.enter_context(hashed_while_written(path))
+            for number, path in enumerate(writer.data_files):  # each written front to back by one thread
+                hashing.enter_context(hashed_while_written(path, functools.partial(writer.complete, number)))
             try:
                 dtypes = plan.key_dtypes()
                 for key, shape in plan.shapes.items():

@@ -200,6 +200,11 @@ class HFCheckpoint:
     def nbytes(self, name: str, index: int | None = None) -> int:
         return self._region(name, index)[3]
 
+    def place(self, name: str, index: int | None = None) -> tuple[Path, int, tuple[int, ...], torch.dtype]:
+        """Where the tensor `name` (or its slice `index`) is stored: file, first byte, shape and dtype."""
+        stored, begin, shape, _ = self._region(name, index)
+        return stored.file, begin, tuple(shape), stored.dtype
+
     def read(self, name: str, index: int | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor `name`, or its slice `index` along the first axis (one expert of a fused expert tensor),
         read into the start of `into` (a uint8 tensor of at least its bytes, to reuse memory) or fresh memory."""

@@ -294,14 +294,7 @@ class DCPCheckpoint:
         path = self.directory / info.relative_path
         record = None
         with open(path, "rb", buffering=0) as f:
-            # zipfile reads the record's end and central directory through a window of just this record, so
-            # that the offsets in them are the record's own (the GPU machine's Python 3.12.3 rejects a zip64 end
-            # record whose offsets point outside what it was given, as they would in a tail of the record).
-            try:
-                with zipfile.ZipFile(io.BufferedReader(_FileWindow(f, info.offset, info.length), buffer_size=_ZIP_READ)) as archive:
-                    entries = {i.filename.split("/", 1)[-1]: i for i in archive.infolist()}
-            except (zipfile.BadZipFile, ValueError):
-                entries = {}
+            entries = _record_entries(f, info.offset, info.length)
             data = [name for name in entries if name.startswith("data/")]
             pickled, byteorder = entries.get("data.pkl"), entries.get("byteorder")
             if len(data) == 1 and pickled is not None and all(i.compress_type == zipfile.ZIP_STORED for i in entries.values()):
@@ -374,6 +367,28 @@ class _FileWindow(io.RawIOBase):
 # Read size of zipfile's reads of a torch.save archive's end: its central directory (a few entries).
 _ZIP_READ = 1 << 16
 _ZIP_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+
+
+def _record_entries(f, offset: int, length: int) -> dict[str, zipfile.ZipInfo]:
+    """The members of the torch.save record at [offset, offset + length) of file `f`, by name within its
+    archive folder; none if it is not a zip archive."""
+    # zipfile reads the record's end and central directory through a window of just this record, so that the
+    # offsets in them are the record's own (the GPU machine's Python 3.12.3 rejects a zip64 end record whose
+    # offsets point outside what it was given, as they would in a tail of the record).
+    try:
+        with zipfile.ZipFile(io.BufferedReader(_FileWindow(f, offset, length), buffer_size=_ZIP_READ)) as archive:
+            return {i.filename.split("/", 1)[-1]: i for i in archive.infolist()}
+    except (zipfile.BadZipFile, ValueError):
+        return {}
+
+
+def tensor_data_start(path: Path, offset: int, length: int) -> int:
+    """Where the storage bytes of the tensor that torch.save wrote at [offset, offset + length) of `path`
+    begin, counted from `offset`."""
+    with open(path, "rb", buffering=0) as f:
+        entries = _record_entries(f, offset, length)
+        (data,) = [entry for name, entry in entries.items() if name.startswith("data/")]
+        return _member_start(f, offset, data) - offset
 
 
 def _member_start(f, archive: int, entry: zipfile.ZipInfo) -> int:

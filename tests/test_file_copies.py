@@ -1,0 +1,84 @@
+"""hf-to-mcore copies a chunk file to file when it is runs of stored HF bytes (`FileCopies`): the runs must
+be exactly the bytes the in-memory path builds for that chunk (transform, cut), for every family's layout."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from mconvert.converters.hf_to_mcore import FileCopies, fused_expert_layers, piece_parts, rows_of
+from mconvert.converters.megatron import Parallelism
+from mconvert.converters.plan import build_plan
+from mconvert.converters.safetensors_io import HFCheckpoint, fp8_block_size, read_hf_config
+from mconvert.mappings import get_mapping
+
+
+def memory_chunk(piece, parts, offsets) -> torch.Tensor:
+    """The chunk at `offsets` as the in-memory path cuts it (hf_to_mcore.write_piece)."""
+    axis = piece.layout.split_axis or 0
+    for chunk_offsets, cut in piece.chunks():
+        if chunk_offsets == offsets:
+            whole = parts if axis == 0 else [rows_of(parts, slice(None))]
+            return rows_of(whole, cut) if axis == 0 else whole[0][(slice(None),) * axis + (cut,)]
+    raise AssertionError(f"no chunk at {offsets}")
+
+
+def span_bytes(spans) -> bytes:
+    data = bytearray()
+    for path, begin, length in spans:
+        with open(path, "rb") as f:
+            f.seek(begin)
+            data += f.read(length)
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    "model, parallelism, least",
+    [
+        ("qwen2.5-7b-instruct", Parallelism(), 0.25),
+        ("qwen2.5-7b-instruct", Parallelism(tp=2), 0.15),
+        ("qwen3-30b-a3b", Parallelism(), 0.4),
+        ("qwen3-30b-a3b", Parallelism(tp=2, ep=2), 0.2),
+        ("mixtral-8x7b-v0.1", Parallelism(tp=2), 0.4),
+        ("deepseek-v2-lite", Parallelism(), 0.4),
+    ],
+)
+def test_file_chunks_are_the_bytes_the_memory_path_builds(hf_model_factory, model, parallelism, least):
+    directory = hf_model_factory(model)
+    config = read_hf_config(directory, "--load-dir")
+    family, spec = get_mapping(config, None, source=str(directory))
+    hf = HFCheckpoint(directory, fp8_block_size(config))
+    plan = build_plan(family, spec, parallelism, None, fused_expert_layers(family, spec, hf))
+    copies = FileCopies(hf, plan.spec)
+    copied = total = 0
+    for piece in plan.pieces:
+        dtype = plan.dtype_of(piece)
+        nbytes = sum(hf.nbytes(ref.name, ref.index) for ref in piece.sources)
+        total += nbytes
+        chunks = copies.chunks(piece, dtype)
+        if chunks is None:
+            continue
+        copied += nbytes
+        parts = piece_parts(piece, [hf.read(ref.name, ref.index) for ref in piece.sources], plan.spec, dtype)
+        assert [offsets for offsets, _ in piece.chunks()] == [offsets for offsets, _, _ in chunks]
+        for offsets, shape, spans in chunks:
+            expected = memory_chunk(piece, parts, offsets)
+            assert tuple(expected.shape) == shape, piece.key
+            assert span_bytes(spans) == expected.contiguous().view(torch.uint8).numpy().tobytes(), (piece.key, piece.offsets, offsets)
+            assert all(os.path.isfile(path) for path, _, _ in spans)
+    # The path is taken (these shrunk models' bytes are mostly their padded embeddings, built in memory).
+    assert copied >= least * total, f"{copied} of {total} bytes copied file to file"
+
+
+def test_a_cast_or_a_regrouping_is_built_in_memory(hf_model_factory):
+    directory = hf_model_factory("qwen2.5-7b-instruct")  # float32
+    config = read_hf_config(directory, "--load-dir")
+    family, spec = get_mapping(config, None, source=str(directory))
+    hf = HFCheckpoint(directory, fp8_block_size(config))
+    plan = build_plan(family, spec, Parallelism(), torch.bfloat16, frozenset())
+    assert all(FileCopies(hf, plan.spec).chunks(piece, plan.dtype_of(piece)) is None for piece in plan.pieces)
+    plan = build_plan(family, spec, Parallelism(), None, frozenset())
+    qkv = [piece for piece in plan.pieces if piece.key.endswith("linear_qkv.weight")]
+    assert qkv and all(FileCopies(hf, plan.spec).chunks(piece, plan.dtype_of(piece)) is None for piece in qkv)
