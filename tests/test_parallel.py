@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mconvert.converters import torch_dist
+from mconvert.converters import dcp_writer, torch_dist
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
 from mconvert.manifest import check_manifest
@@ -108,6 +108,23 @@ def test_workers_write_what_one_worker_writes(hf_model_factory, tmp_path, worker
     for path in back_one.glob("*.safetensors"):
         assert path.read_bytes() == (back_many / path.name).read_bytes()
     assert check_manifest(back_many) == []
+
+
+def test_a_writer_goes_on_in_new_data_files_and_megatron_loads_them(hf_model_factory, tmp_path, monkeypatch):
+    hf = hf_model_factory("qwen2.5-7b-instruct", layers=2)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    convert_hf_to_mcore(hf, whole, parallelism=Parallelism(tp=2))
+    monkeypatch.setattr(dcp_writer, "DATA_FILE_BYTES", 200_000)
+    convert_hf_to_mcore(hf, split, parallelism=Parallelism(tp=2), workers=2)
+    sizes = [path.stat().st_size for path in (split / "release").glob("*.distcp")]
+    assert len(sizes) > 4 and sum(sizes) == sum(path.stat().st_size for path in (whole / "release").glob("*.distcp"))
+    assert check_manifest(split) == []  # each file hashed as it filled, several at once
+    assert_same(dcp_tensors(whole), dcp_tensors(split))
+    _, state, _ = run_ranks(megatron_view, str(split), TOKENS, tp=2)
+    expected = expected_megatron_state(hf, 2)
+    assert set(state) == set(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(state[key], tensor), key
 
 
 def test_two_torchrun_ranks_write_the_single_process_checkpoint_and_megatron_loads_it(hf_model_factory, tmp_path):

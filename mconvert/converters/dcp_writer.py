@@ -10,6 +10,7 @@ for `.metadata`, at the end."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import io
 import math
@@ -18,7 +19,7 @@ import pickle
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.serialization import skip_data
@@ -57,23 +58,32 @@ def _bytes_of(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-class DCPWriter:
-    """Writes a DCP checkpoint's chunks as they come into data files of this rank (one per writing thread,
-    `__<rank>_<file>.distcp`), and records their places; `.metadata` is made from those of every rank by
-    torch's own global planning (`write_metadata`)."""
+# Where a data file ends and the next begins: each is hashed on one core (about 1 GB/s) behind its writer, so
+# that one writer's files, hashed side by side, keep up with it (2 GB/s and more) instead of one hash of all
+# it writes holding the conversion's end back.
+DATA_FILE_BYTES = 2 * 10**9
 
-    def __init__(self, directory: Path, files: int = 1, rank: int = 0):
+
+class DCPWriter:
+    """Writes a DCP checkpoint's chunks as they come into data files of this rank (`__<rank>_<n>.distcp`: each
+    writing thread, a stream, fills its own, one after another, of about DATA_FILE_BYTES each), and records
+    their places; `.metadata` is made from those of every rank by torch's own global planning
+    (`write_metadata`). `follow(path, written)` is called for each data file as it is opened, `written()`
+    being how many bytes from its start are in place (to hash it while it is written)."""
+
+    def __init__(self, directory: Path, streams: int = 1, rank: int = 0, follow: Callable[[Path, Callable[[], int]], None] | None = None):
         threading.Thread(target=_import_planning, name="import torch DCP", daemon=True).start()
         self.directory = directory
-        self._names = [f"__{rank}_{number}.distcp" for number in range(files)]
-        self._files = [open(directory / name, "wb") for name in self._names]
-        # Each file's bytes in place from its start: its records are complete up to there.
-        self._complete = [0] * files
+        self._rank, self._follow = rank, follow
+        self._lock = threading.Lock()
+        self._names: list[str] = []
+        # Each data file's bytes in place from its start: its records are complete up to there.
+        self._complete: list[int] = []
+        self._files = [self._open() for _ in range(streams)]
         self._declared: dict[str, tuple[torch.dtype, Shape]] = {}
         self._written = WrittenPart([], [])
-        self._staging = [torch.empty(0, dtype=torch.uint8) for _ in range(files)]
+        self._staging = [torch.empty(0, dtype=torch.uint8) for _ in range(streams)]
         self._sources: dict[Path, int] = {}
-        self._lock = threading.Lock()
         # Where a record's storage bytes begin, from the record's start, by (dtype, shape): torch.save lays
         # out the same header for the same tensor layout.
         self._data_starts: dict[tuple[torch.dtype, Shape], int] = {}
@@ -82,16 +92,30 @@ class DCPWriter:
     def data_files(self) -> list[Path]:
         return [self.directory / name for name in self._names]
 
-    def complete(self, file: int) -> int:
-        """How many bytes of data file number `file`, from its start, are in place (for hashing it while it
-        is written: a record copied into place has a hole for its data until the copy is done)."""
-        return self._complete[file]
+    def _open(self) -> tuple[int, io.BufferedWriter]:
+        with self._lock:
+            number = len(self._names)
+            self._names.append(f"__{self._rank}_{number}.distcp")
+            self._complete.append(0)
+            f = open(self.directory / self._names[number], "wb")
+            if self._follow is not None:
+                self._follow(self.directory / self._names[number], functools.partial(self._complete.__getitem__, number))
+        return number, f
+
+    def _file(self, stream: int) -> tuple[int, io.BufferedWriter]:
+        """The data file that `stream` writes its next record into: its current one, or a new one once that
+        holds DATA_FILE_BYTES."""
+        number, f = self._files[stream]
+        if f.tell() >= DATA_FILE_BYTES:
+            f.close()
+            self._files[stream] = number, f = self._open()
+        return number, f
 
     def declare(self, key: str, shape: Shape, dtype: torch.dtype) -> None:
         self._declared[key] = (dtype, tuple(shape))
 
-    def _append(self, file: int, payload: bytes | torch.Tensor) -> Place:
-        f = self._files[file]
+    def _append(self, stream: int, payload: bytes | torch.Tensor) -> Place:
+        number, f = self._file(stream)
         offset = f.tell()
         if isinstance(payload, bytes):
             f.write(payload)
@@ -101,26 +125,26 @@ class DCPWriter:
             with serialization_config.patch({"save.compute_crc32": False}):
                 torch.save(payload, f)
         f.flush()
-        self._complete[file] = f.tell()
-        return self._names[file], offset, f.tell() - offset
+        self._complete[number] = f.tell()
+        return self._names[number], offset, f.tell() - offset
 
-    def write_chunk(self, key: str, offsets: Shape, chunk: torch.Tensor, file: int = 0) -> None:
-        """Write a chunk of `key` at global `offsets` into data file number `file` (one per writing thread)."""
+    def write_chunk(self, key: str, offsets: Shape, chunk: torch.Tensor, stream: int = 0) -> None:
+        """Write a chunk of `key` at global `offsets` into a data file of `stream` (one per writing thread)."""
         dtype, size = self._declared[key]
         if chunk.dtype != dtype or len(offsets) != len(size):
             raise AssertionError(f"chunk of '{key}' at {offsets} does not fit {dtype} {list(size)}")
         # A layer's (or expert's) region of a stacked tensor is stored with its leading axes of size 1.
         chunk = chunk.reshape((1,) * (len(size) - chunk.dim()) + tuple(chunk.shape))
         if not chunk.is_contiguous():  # a row-parallel chunk (TP > 1)
-            chunk = self._staged(file, chunk)
+            chunk = self._staged(stream, chunk)
         # torch.save writes a tensor's whole storage: give it one that holds just this chunk. A contiguous
         # slice (a column-parallel chunk, half of fc1) needs no copy: a tensor over just its bytes does.
         if chunk.untyped_storage().nbytes() != chunk.nbytes:
             chunk = torch.from_numpy(chunk.view(torch.uint8).numpy()).view(chunk.dtype)
-        place = self._append(file, chunk)
+        place = self._append(stream, chunk)
         self._written.chunks.append((key, tuple(offsets), tuple(chunk.shape), place))
 
-    def copy_chunk(self, key: str, offsets: Shape, shape: Shape, spans: list[Span], file: int = 0) -> None:
+    def copy_chunk(self, key: str, offsets: Shape, shape: Shape, spans: list[Span], stream: int = 0) -> None:
         """Write a chunk of `key` of `shape` at global `offsets` whose bytes are those of `spans`, in order (an
         HF tensor's stored bytes, or rows of them): torch.save writes the record without its storage bytes
         (`skip_data`) and the kernel copies them into place file to file (copy_file_range), as `cp` copies,
@@ -129,14 +153,14 @@ class DCPWriter:
         shape = (1,) * (len(size) - len(shape)) + tuple(shape)
         if len(offsets) != len(size) or sum(length for _, _, length in spans) != math.prod(shape) * dtype.itemsize:
             raise AssertionError(f"chunk of '{key}' at {offsets} does not fit {dtype} {list(size)}")
-        f = self._files[file]
+        number, f = self._file(stream)
         start = f.tell()
         with skip_data(), serialization_config.patch({"save.compute_crc32": False}):
             torch.save(torch.empty(shape, dtype=dtype), f)  # memory never touched, never written
         f.flush()
         length = f.tell() - start
         if (dtype, shape) not in self._data_starts:
-            self._data_starts[dtype, shape] = tensor_data_start(self.directory / self._names[file], start, length)
+            self._data_starts[dtype, shape] = tensor_data_start(self.directory / self._names[number], start, length)
         position = start + self._data_starts[dtype, shape]
         for path, begin, count in spans:
             source, done = self._source(path), 0
@@ -146,8 +170,8 @@ class DCPWriter:
                     raise ConversionError(f"{path}: truncated while copying its bytes {begin}-{begin + count}")
                 done += copied
             position += count
-        self._complete[file] = f.tell()
-        self._written.chunks.append((key, tuple(offsets), shape, (self._names[file], start, length)))
+        self._complete[number] = f.tell()
+        self._written.chunks.append((key, tuple(offsets), shape, (self._names[number], start, length)))
 
     def _source(self, path: Path) -> int:
         with self._lock:
@@ -155,17 +179,17 @@ class DCPWriter:
                 self._sources[path] = os.open(path, os.O_RDONLY)
             return self._sources[path]
 
-    def _staged(self, file: int, chunk: torch.Tensor) -> torch.Tensor:
+    def _staged(self, stream: int, chunk: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of `chunk` in memory reused from chunk to chunk: fresh memory would cost the
         kernel a page fault and a zeroing per 4 KiB, more than the copy itself."""
-        if self._staging[file].numel() < chunk.nbytes:
-            self._staging[file] = torch.empty(chunk.nbytes, dtype=torch.uint8)
-        staged = self._staging[file][: chunk.nbytes].view(chunk.dtype).view(chunk.shape)
+        if self._staging[stream].numel() < chunk.nbytes:
+            self._staging[stream] = torch.empty(chunk.nbytes, dtype=torch.uint8)
+        staged = self._staging[stream][: chunk.nbytes].view(chunk.dtype).view(chunk.shape)
         staged.copy_(chunk)
         return staged
 
-    def write_object(self, key: str, obj: Any, file: int = 0) -> None:
-        self._written.objects.append((key, self._append(file, _bytes_of(obj))))
+    def write_object(self, key: str, obj: Any, stream: int = 0) -> None:
+        self._written.objects.append((key, self._append(stream, _bytes_of(obj))))
 
     def local_part(self) -> WrittenPart:
         """Close the data files; what this rank wrote, and where."""
@@ -177,7 +201,7 @@ class DCPWriter:
         write_metadata(self.directory, parts if parts is not None else [self.local_part()], self._declared)
 
     def abort(self) -> None:
-        for f in self._files:
+        for _, f in self._files:
             f.close()
         with self._lock:
             for fd in self._sources.values():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 from dataclasses import dataclass
@@ -181,14 +180,14 @@ def build_piece(
     return piece_parts(piece, sources, spec, dtype), taken
 
 
-def write_piece(writer: dcp_writer.DCPWriter, piece: Piece, parts: list[torch.Tensor], file: int = 0) -> None:
+def write_piece(writer: dcp_writer.DCPWriter, piece: Piece, parts: list[torch.Tensor], stream: int = 0) -> None:
     axis = piece.layout.split_axis or 0
     # Chunks along dim 0 are cut from the parts directly; along another axis from the whole region.
     whole = parts if axis == 0 else [rows_of(parts, slice(None))]
     for offsets, part in piece.chunks():
         chunk = rows_of(whole, part) if axis == 0 else whole[0][(slice(None),) * axis + (part,)]
         for key in piece.keys:
-            writer.write_chunk(key, (*piece.offsets, *offsets), chunk, file)
+            writer.write_chunk(key, (*piece.offsets, *offsets), chunk, stream)
 
 
 def write_pieces(
@@ -199,7 +198,7 @@ def write_pieces(
     ranks: Ranks,
     progress: Progress,
 ) -> None:
-    """Build and write this rank's share of the pieces on `workers` threads, each writing its own data file.
+    """Build and write this rank's share of the pieces on `workers` threads, each writing its own data files.
     Pieces are read and built ahead of their writing (see parallel.run_pieces), so that reading overlaps
     writing even with one worker: one piece slower to build than to write (fc1) then does not stall the
     writes. Pieces that are copies of others (`piece.copy`) are not written."""
@@ -245,7 +244,7 @@ def convert_hf_to_mcore(
     Multi-token prediction layers the checkpoint holds are converted, or left out with `mtp=False`. A weight
     holding NaN or Inf is an error unless `allow_nonfinite`.
 
-    `workers` threads convert pieces at once, each into its own data file. Started by torchrun, every rank
+    `workers` threads convert pieces at once, each into its own data files. Started by torchrun, every rank
     runs this with the same arguments: each writes its share of the pieces into data files of its own, and
     rank 0 merges their metadata and writes the tracker file last, once all succeeded."""
     check_workers(workers)
@@ -267,10 +266,11 @@ def convert_hf_to_mcore(
         if ranks.is_first:
             release.mkdir()
         ranks.barrier()
-        writer = dcp_writer.DCPWriter(release, workers, ranks.rank)
         with contextlib.ExitStack() as hashing:
-            for number, path in enumerate(writer.data_files):  # each written front to back by one thread
-                hashing.enter_context(hashed_while_written(path, functools.partial(writer.complete, number)))
+            # Each data file is written front to back by one thread and hashed as it fills, for the manifest.
+            writer = dcp_writer.DCPWriter(
+                release, workers, ranks.rank, follow=lambda path, written: hashing.enter_context(hashed_while_written(path, written))
+            )
             try:
                 dtypes = plan.key_dtypes()
                 for key, shape in plan.shapes.items():
