@@ -55,6 +55,15 @@ def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
 
 
+def assert_megatron_loads(checkpoint: Path, hf: Path, tp: int) -> None:
+    """megatron-core's load of `checkpoint` at `tp` ranks holds the HF checkpoint's weights, key for key."""
+    _, state, _ = run_ranks(megatron_view, str(checkpoint), TOKENS, tp=tp)
+    expected = expected_megatron_state(hf, tp)
+    assert set(state) == set(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(state[key], tensor), key
+
+
 def torchrun(nproc: int, *argv: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
@@ -120,11 +129,7 @@ def test_a_writer_goes_on_in_new_data_files_and_megatron_loads_them(hf_model_fac
     assert len(sizes) > 4 and sum(sizes) == sum(path.stat().st_size for path in (whole / "release").glob("*.distcp"))
     assert check_manifest(split) == []  # each file hashed as it filled, several at once
     assert_same(dcp_tensors(whole), dcp_tensors(split))
-    _, state, _ = run_ranks(megatron_view, str(split), TOKENS, tp=2)
-    expected = expected_megatron_state(hf, 2)
-    assert set(state) == set(expected)
-    for key, tensor in expected.items():
-        assert torch.equal(state[key], tensor), key
+    assert_megatron_loads(split, hf, tp=2)
 
 
 def test_two_torchrun_ranks_write_the_single_process_checkpoint_and_megatron_loads_it(hf_model_factory, tmp_path):
@@ -139,12 +144,7 @@ def test_two_torchrun_ranks_write_the_single_process_checkpoint_and_megatron_loa
     assert (ranked / torch_dist.TRACKER_FILE).read_text() == "release"
     assert check_manifest(ranked) == []  # rank 1's data file by the digest rank 1 took while writing it
     assert_same(dcp_tensors(single), dcp_tensors(ranked))
-
-    _, state, _ = run_ranks(megatron_view, str(ranked), TOKENS, tp=2)
-    expected = expected_megatron_state(hf, 2)
-    assert set(state) == set(expected)
-    for key, tensor in expected.items():
-        assert torch.equal(state[key], tensor), key
+    assert_megatron_loads(ranked, hf, tp=2)
 
     back_single, back_ranked = tmp_path / "back-single", tmp_path / "back-ranked"
     convert_mcore_to_hf(single, back_single, max_shard_size="20MB")
