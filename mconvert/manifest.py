@@ -50,11 +50,13 @@ def sha256_of(path: Path) -> str:
 
 
 @contextmanager
-def hashed_while_written(path: Path, written: Callable[[], int] | None = None) -> Iterator[None]:
+def hashed_while_written(path: Path, written: Callable[[], int] | None = None, closed: threading.Event | None = None) -> Iterator[None]:
     """Hash `path` while the body of the `with` writes it: appending to it (never seeking back), or, with
     `written`, filling it in another order (a file already at its full size, or records whose data is
-    copied in after them), of which `written()` says how many bytes from the start are in place. On a normal
-    exit the digest is kept for `write_manifest`; after an exception the hashing is dropped."""
+    copied in after them), of which `written()` says how many bytes from the start are in place. `closed`,
+    once set, says the file is complete before the body ends (one of many a writer fills in turn): the hashing
+    finishes then, and its thread and file go. On a normal exit the digest is kept for `write_manifest`; after
+    an exception the hashing is dropped."""
     path = path.absolute()
     done, dropped = threading.Event(), threading.Event()
     result: list[str] = []
@@ -64,7 +66,8 @@ def hashed_while_written(path: Path, written: Callable[[], int] | None = None) -
         position = 0
         with f:
             while True:
-                finished = done.is_set()  # read before the last pass, so that nothing written is missed
+                # Read before the last pass, so that nothing written is missed.
+                finished = done.is_set() or (closed is not None and closed.is_set())
                 limit = os.fstat(f.fileno()).st_size if finished or written is None else written()
                 while position < limit and not dropped.is_set():
                     position = _hash_window(digest, f.fileno(), position, limit)

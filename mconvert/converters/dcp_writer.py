@@ -68,17 +68,26 @@ class DCPWriter:
     """Writes a DCP checkpoint's chunks as they come into data files of this rank (`__<rank>_<n>.distcp`: each
     writing thread, a stream, fills its own, one after another, of about DATA_FILE_BYTES each), and records
     their places; `.metadata` is made from those of every rank by torch's own global planning
-    (`write_metadata`). `follow(path, written)` is called for each data file as it is opened, `written()`
-    being how many bytes from its start are in place (to hash it while it is written)."""
+    (`write_metadata`). `follow(path, written, closed)` is called for each data file as it is opened, to hash
+    it while it is written: `written()` is how many bytes from its start are in place, and the event `closed`
+    is set once the writer has gone on to its next file."""
 
-    def __init__(self, directory: Path, streams: int = 1, rank: int = 0, follow: Callable[[Path, Callable[[], int]], None] | None = None):
+    def __init__(
+        self,
+        directory: Path,
+        streams: int = 1,
+        rank: int = 0,
+        follow: Callable[[Path, Callable[[], int], threading.Event], None] | None = None,
+    ):
         threading.Thread(target=_import_planning, name="import torch DCP", daemon=True).start()
         self.directory = directory
         self._rank, self._follow = rank, follow
         self._lock = threading.Lock()
         self._names: list[str] = []
-        # Each data file's bytes in place from its start: its records are complete up to there.
+        # Each data file's bytes in place from its start (its records are complete up to there), and whether
+        # its writer has gone on to another.
         self._complete: list[int] = []
+        self._closed: list[threading.Event] = []
         self._files = [self._open() for _ in range(streams)]
         self._declared: dict[str, tuple[torch.dtype, Shape]] = {}
         self._written = WrittenPart([], [])
@@ -97,9 +106,10 @@ class DCPWriter:
             number = len(self._names)
             self._names.append(f"__{self._rank}_{number}.distcp")
             self._complete.append(0)
+            self._closed.append(threading.Event())
             f = open(self.directory / self._names[number], "wb")
             if self._follow is not None:
-                self._follow(self.directory / self._names[number], functools.partial(self._complete.__getitem__, number))
+                self._follow(self.directory / self._names[number], functools.partial(self._complete.__getitem__, number), self._closed[number])
         return number, f
 
     def _file(self, stream: int) -> tuple[int, io.BufferedWriter]:
@@ -108,6 +118,7 @@ class DCPWriter:
         number, f = self._files[stream]
         if f.tell() >= DATA_FILE_BYTES:
             f.close()
+            self._closed[number].set()
             self._files[stream] = number, f = self._open()
         return number, f
 

@@ -269,7 +269,10 @@ def convert_hf_to_mcore(
         with contextlib.ExitStack() as hashing:
             # Each data file is written front to back by one thread and hashed as it fills, for the manifest.
             writer = dcp_writer.DCPWriter(
-                release, workers, ranks.rank, follow=lambda path, written: hashing.enter_context(hashed_while_written(path, written))
+                release,
+                workers,
+                ranks.rank,
+                follow=lambda path, written, closed: hashing.enter_context(hashed_while_written(path, written, closed)),
             )
             try:
                 dtypes = plan.key_dtypes()
