@@ -4,15 +4,21 @@ be exactly the bytes the in-memory path builds for that chunk (transform, cut), 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
-from mconvert.converters.hf_to_mcore import FileCopies, fused_expert_layers, piece_parts, rows_of
+from mconvert.converters.hf_to_mcore import FileCopies, convert_hf_to_mcore, fused_expert_layers, piece_parts, rows_of
+from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+from mconvert.manifest import check_manifest
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.plan import build_plan
 from mconvert.converters.safetensors_io import HFCheckpoint, fp8_block_size, read_hf_config
 from mconvert.mappings import get_mapping
+from test_parallel import assert_same, dcp_tensors
 
 
 def memory_chunk(piece, parts, offsets) -> torch.Tensor:
@@ -82,3 +88,26 @@ def test_a_cast_or_a_regrouping_is_built_in_memory(hf_model_factory):
     plan = build_plan(family, spec, Parallelism(), None, frozenset())
     qkv = [piece for piece in plan.pieces if piece.key.endswith("linear_qkv.weight")]
     assert qkv and all(FileCopies(hf, plan.spec).chunks(piece, plan.dtype_of(piece)) is None for piece in qkv)
+
+
+def test_copies_between_file_systems_pass_through_memory(hf_model_factory, tmp_path):
+    """The kernel copies only within one file system (copy_file_range fails with EXDEV across two): both
+    directions still write what they write on one, into a tmpfs."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("no second file system (/dev/shm) here")
+    hf = hf_model_factory("qwen3-30b-a3b")
+    same = tmp_path / "same"
+    convert_hf_to_mcore(hf, same)
+    convert_mcore_to_hf(same, tmp_path / "back")
+    other = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        convert_hf_to_mcore(hf, other / "mcore")
+        assert check_manifest(other / "mcore") == []
+        assert_same(dcp_tensors(same), dcp_tensors(other / "mcore"))
+        convert_mcore_to_hf(same, other / "back")
+        assert check_manifest(other / "back") == []
+        for path in (tmp_path / "back").glob("*.safetensors"):
+            assert path.read_bytes() == (other / "back" / path.name).read_bytes()
+    finally:
+        shutil.rmtree(other)

@@ -25,8 +25,8 @@ import torch
 from torch.serialization import skip_data
 from torch.utils.serialization import config as serialization_config
 
+from mconvert.converters.copying import copy_range
 from mconvert.converters.torch_dist import tensor_data_start
-from mconvert.errors import ConversionError
 
 _PLANNING = "torch.distributed.checkpoint.default_planner"
 
@@ -158,7 +158,7 @@ class DCPWriter:
     def copy_chunk(self, key: str, offsets: Shape, shape: Shape, spans: list[Span], stream: int = 0) -> None:
         """Write a chunk of `key` of `shape` at global `offsets` whose bytes are those of `spans`, in order (an
         HF tensor's stored bytes, or rows of them): torch.save writes the record without its storage bytes
-        (`skip_data`) and the kernel copies them into place file to file (copy_file_range), as `cp` copies,
+        (`skip_data`) and the kernel copies them into place file to file (`copy_range`), as `cp` copies,
         instead of reading them into memory and writing them out again."""
         dtype, size = self._declared[key]
         shape = (1,) * (len(size) - len(shape)) + tuple(shape)
@@ -174,12 +174,7 @@ class DCPWriter:
             self._data_starts[dtype, shape] = tensor_data_start(self.directory / self._names[number], start, length)
         position = start + self._data_starts[dtype, shape]
         for path, begin, count in spans:
-            source, done = self._source(path), 0
-            while done < count:
-                copied = os.copy_file_range(source, f.fileno(), count - done, begin + done, position + done)
-                if not copied:
-                    raise ConversionError(f"{path}: truncated while copying its bytes {begin}-{begin + count}")
-                done += copied
+            copy_range(self._source(path), begin, f.fileno(), position, count, path, f"its bytes {begin}-{begin + count}")
             position += count
         self._complete[number] = f.tell()
         self._written.chunks.append((key, tuple(offsets), shape, (self._names[number], start, length)))

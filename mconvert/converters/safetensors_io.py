@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from mconvert.converters.copying import copy_range
 from mconvert.errors import ConversionError
 
 ST_DTYPES = {
@@ -383,18 +384,13 @@ class SafetensorsWriter:
 
     def copy(self, name: str, index: int | None, source: Path, position: int) -> None:
         """Write tensor `name` (or its slice `index`) as the bytes at `position` of file `source`, copied by
-        the kernel (copy_file_range), as `cp` copies: its layout's dtype and shape, in order."""
+        the kernel where it can (`copy_range`), as `cp` copies: its layout's dtype and shape, in order."""
         path, begin, dtype, shape = self.places[name]
         if index is not None:
             begin += index * math.prod(shape[1:]) * dtype.itemsize
             shape = shape[1:]
         length = math.prod(shape) * dtype.itemsize
-        fd, source_fd, done = self._fd(path), self._fd(source, os.O_RDONLY), 0
-        while done < length:
-            copied = os.copy_file_range(source_fd, fd, length - done, position + done, begin + done)
-            if not copied:
-                raise ConversionError(f"{source}: truncated while copying tensor '{name}'")
-            done += copied
+        copy_range(self._fd(source, os.O_RDONLY), position, self._fd(path), begin, length, source, f"tensor '{name}'")
         with self._lock:
             self.written[name] += length
 
