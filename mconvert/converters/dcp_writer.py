@@ -70,7 +70,8 @@ class DCPWriter:
     their places; `.metadata` is made from those of every rank by torch's own global planning
     (`write_metadata`). `follow(path, written, closed)` is called for each data file as it is opened, to hash
     it while it is written: `written()` is how many bytes from its start are in place, and the event `closed`
-    is set once the writer has gone on to its next file."""
+    is set once the writer has gone on to its next file. `plans`: this writer writes `.metadata` (under
+    torchrun, rank 0's), for which torch's DCP package is imported beside the writing."""
 
     def __init__(
         self,
@@ -78,8 +79,11 @@ class DCPWriter:
         streams: int = 1,
         rank: int = 0,
         follow: Callable[[Path, Callable[[], int], threading.Event], None] | None = None,
+        plans: bool = True,
     ):
-        threading.Thread(target=_import_planning, name="import torch DCP", daemon=True).start()
+        self._importing = threading.Thread(target=_import_planning, name="import torch DCP", daemon=True)
+        if plans:
+            self._importing.start()
         self.directory = directory
         self._rank, self._follow = rank, follow
         self._lock = threading.Lock()
@@ -209,6 +213,10 @@ class DCPWriter:
     def abort(self) -> None:
         for _, f in self._files:
             f.close()
+        # The process may end next (an error): not in the middle of the import, which torch's extensions can
+        # end with an abort.
+        if self._importing.ident is not None:
+            self._importing.join()
         with self._lock:
             for fd in self._sources.values():
                 os.close(fd)

@@ -273,6 +273,7 @@ def convert_hf_to_mcore(
                 workers,
                 ranks.rank,
                 follow=lambda path, written, closed: hashing.enter_context(hashed_while_written(path, written, closed)),
+                plans=ranks.is_first,
             )
             try:
                 dtypes = plan.key_dtypes()
