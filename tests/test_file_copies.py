@@ -57,7 +57,7 @@ def test_file_chunks_are_the_bytes_the_memory_path_builds(hf_model_factory, mode
     family, spec = get_mapping(config, None, source=str(directory))
     hf = HFCheckpoint(directory, fp8_block_size(config))
     plan = build_plan(family, spec, parallelism, None, fused_expert_layers(family, spec, hf))
-    copies = FileCopies(hf, plan.spec)
+    copies = FileCopies(hf, plan.spec, directory)
     copied = total = 0
     for piece in plan.pieces:
         dtype = plan.dtype_of(piece)
@@ -84,10 +84,10 @@ def test_a_cast_or_a_regrouping_is_built_in_memory(hf_model_factory):
     family, spec = get_mapping(config, None, source=str(directory))
     hf = HFCheckpoint(directory, fp8_block_size(config))
     plan = build_plan(family, spec, Parallelism(), torch.bfloat16, frozenset())
-    assert all(FileCopies(hf, plan.spec).chunks(piece, plan.dtype_of(piece)) is None for piece in plan.pieces)
+    assert all(FileCopies(hf, plan.spec, directory).chunks(piece, plan.dtype_of(piece)) is None for piece in plan.pieces)
     plan = build_plan(family, spec, Parallelism(), None, frozenset())
     qkv = [piece for piece in plan.pieces if piece.key.endswith("linear_qkv.weight")]
-    assert qkv and all(FileCopies(hf, plan.spec).chunks(piece, plan.dtype_of(piece)) is None for piece in qkv)
+    assert qkv and all(FileCopies(hf, plan.spec, directory).chunks(piece, plan.dtype_of(piece)) is None for piece in qkv)
 
 
 def test_copies_between_file_systems_pass_through_memory(hf_model_factory, tmp_path):

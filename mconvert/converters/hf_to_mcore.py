@@ -104,10 +104,14 @@ FileChunk = tuple[tuple[int, ...], tuple[int, ...], list[dcp_writer.Span]]
 
 
 class FileCopies:
-    """Which chunks of a conversion are runs of its HF tensors' stored bytes, to be copied file to file."""
+    """Which chunks of a conversion into `target` are runs of its HF tensors' stored bytes, to be copied file to
+    file: only from HF files on the target's file system, where the kernel copies (across two, the bytes would
+    pass through memory after the NaN check's read, read twice)."""
 
-    def __init__(self, hf: HFCheckpoint, spec: ModelSpec):
+    def __init__(self, hf: HFCheckpoint, spec: ModelSpec, target: Path):
         self.hf, self.spec = hf, spec
+        self._device = target.stat().st_dev
+        self._same_device: dict[Path, bool] = {}
         # Per (entry, source shapes, dtype): each part's (source number, first element, shape), or None. The
         # same for every layer and expert.
         self._parts: dict[tuple, list[tuple[int, int, tuple[int, ...]]] | None] = {}
@@ -140,6 +144,11 @@ class FileCopies:
         places = [self.hf.place(ref.name, ref.index) for ref in piece.sources]
         if any(stored_dtype != dtype for _, _, _, stored_dtype in places) or any(ref.name in self.hf.scales for ref in piece.sources):
             return None
+        for path, _, _, _ in places:
+            if path not in self._same_device:
+                self._same_device[path] = path.stat().st_dev == self._device
+            if not self._same_device[path]:
+                return None
         parts = self.parts(piece.entry, tuple(shape for _, _, shape, _ in places), dtype)
         if parts is None or any(shape[1:] != layout.shape[1:] for _, _, shape in parts) or sum(shape[0] for _, _, shape in parts) != layout.shape[0]:
             return None  # not views, or padded (the vocabulary's rows)
@@ -206,7 +215,7 @@ def write_pieces(
     sizes = [math.prod(piece.layout.shape) * plan.dtype_of(piece).itemsize for piece in pieces]
     mine = ranks.mine(sizes)
     progress.start(len(mine), sum(sizes[i] for i in mine))
-    buffers, copies = Buffers(), FileCopies(hf, plan.spec)
+    buffers, copies = Buffers(), FileCopies(hf, plan.spec, writer.directory)
 
     def load(index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | list[FileChunk]:
         return build_piece(pieces[index], hf, plan.spec, plan.dtype_of(pieces[index]), buffers, copies)
