@@ -21,7 +21,7 @@ if os.environ.get("MCONVERT_REQUIRE_MEGATRON_LM") != "1":
 
 import transformers  # noqa: E402
 
-from mconvert.converters import megatron  # noqa: E402
+from mconvert.converters import dcp_writer, megatron  # noqa: E402
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
 from mconvert.converters.megatron import Parallelism  # noqa: E402
 from mconvert.converters.torch_dist import iteration_dir, read_args  # noqa: E402
@@ -145,6 +145,18 @@ def run_megatron_lm(name: str, argv: list[str]) -> torch.Tensor:
 def test_megatron_lm_load_checkpoint_gives_transformers_logits(name, converted):
     hf, ckpt = converted(name)
     logits = run_megatron_lm(name, script_arrays(ckpt, "MODEL_ARGS", "LOAD_ARGS") + RUN_FLAGS + CPU_FLAGS)
+    torch.testing.assert_close(logits[..., :1000], hf_logits(hf), rtol=1e-4, atol=1e-4)
+
+
+def test_megatron_lm_loads_a_checkpoint_whose_writers_went_on_into_new_data_files(converted, tmp_path, monkeypatch):
+    """Each writing thread goes on into a new data file every DATA_FILE_BYTES (2 GB; 200 kB here, so that a small
+    model spans many): Megatron-LM's load_checkpoint finds every chunk across them."""
+    hf, _ = converted("llama3.1-tp2")
+    monkeypatch.setattr(dcp_writer, "DATA_FILE_BYTES", 200_000)
+    ckpt = tmp_path / "mcore"
+    convert_hf_to_mcore(hf, ckpt, parallelism=MODELS["llama3.1-tp2"][3], workers=2)
+    assert len(list(iteration_dir(ckpt).glob("*.distcp"))) > 4
+    logits = run_megatron_lm("llama3.1-tp2", script_arrays(ckpt, "MODEL_ARGS", "LOAD_ARGS") + RUN_FLAGS + CPU_FLAGS)
     torch.testing.assert_close(logits[..., :1000], hf_logits(hf), rtol=1e-4, atol=1e-4)
 
 
