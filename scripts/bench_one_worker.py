@@ -1,0 +1,179 @@
+"""What holds hf-to-mcore on a many-core host where it is slower than `cp -r` (docs/performance.md, "The way
+in at one worker on a 16-core host"). Three measurements, page cache warm, each a command:
+
+  variants  hf-to-mcore of MODEL launched in several ways (as shipped; --allow-nonfinite; without hashing;
+            torch's DCP package imported first; a 0.5 ms switch interval of the interpreter's lock; torch on one
+            thread) and `cp -r`, ROUNDS rounds in the same order, after one unrecorded `cp -r` (the first
+            model-sized write on a fresh virtual machine is the slowest: scripts/bench_scaling.py)
+  writer    the writing thread's loop alone: DCPWriter.copy_chunk of 3 MB chunks (one Qwen3-30B-A3B expert
+            projection each) of a file of GB gigabytes, against copy_file_range of the same chunks, no other thread
+  rates     SHA-256 of GB gigabytes on one core (the manifest's hash of one data file), and memory copies by 1 to 8
+            threads
+
+  python3 scripts/bench_one_worker.py variants --work-dir DIR --model qwen3-30b-a3b@8 --rounds 3 --workers 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench_convert import make_source, remove, run_timed  # noqa: E402
+
+# Each variant: code run before mconvert's command line in a fresh interpreter, and extra flags.
+_MAIN = "from mconvert.cli import main; sys.exit(main(sys.argv[1:]))"
+VARIANTS = {
+    "as shipped": ("import sys", []),
+    "--allow-nonfinite": ("import sys", ["--allow-nonfinite"]),
+    # The manifest then lists zeros: nothing is hashed, neither while written nor at the end.
+    "no hashing, --allow-nonfinite": (
+        "import sys, contextlib, mconvert.manifest as m, mconvert.converters.hf_to_mcore as h; "
+        "h.hashed_while_written = lambda *a, **k: contextlib.nullcontext(); m._hash = lambda path: '0' * 64",
+        ["--allow-nonfinite"],
+    ),
+    "DCP imported first": ("import sys, torch.distributed.checkpoint.default_planner", []),
+    "switch interval 0.5 ms": ("import sys; sys.setswitchinterval(0.0005)", []),
+    "torch on one thread": ("import sys, torch; torch.set_num_threads(1)", []),
+}
+
+
+def warm(directory: Path) -> None:
+    os.sync()
+    for path in directory.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                while f.read(1 << 24):
+                    pass
+
+
+def variants(options: argparse.Namespace) -> None:
+    source = make_source(options.model, options.work_dir)
+    out = options.work_dir / "out"
+    if out.exists():
+        remove(out)
+    run_timed(["cp", "-r", str(source), str(out)])
+    remove(out)
+    for round_number in range(1, options.rounds + 1):
+        for name in ["cp -r", *options.variants]:
+            warm(source)
+            if name == "cp -r":
+                command = ["cp", "-r", str(source), str(out)]
+            else:
+                prefix, flags = VARIANTS[name]
+                command = [sys.executable, "-c", f"{prefix}; {_MAIN}", "hf-to-mcore", "--load-dir", str(source),
+                           "--save-dir", str(out), "--workers", str(options.workers), *flags]
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            run = run_timed(command)
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)
+            remove(out)
+            print(f"round {round_number}, {name}: {run.seconds:.2f} s, +sync {run.synced_seconds:.2f} s, "
+                  f"{after.ru_utime - before.ru_utime:.1f} user + {after.ru_stime - before.ru_stime:.1f} sys s", flush=True)
+
+
+def data_file(work_dir: Path, gigabytes: float) -> Path:
+    path, size = work_dir / "data.bin", int(gigabytes * 1e9)
+    if not path.exists() or path.stat().st_size != size:
+        block = os.urandom(64 << 20)
+        with open(path, "wb") as f:
+            for _ in range(size // len(block)):
+                f.write(block)
+            f.write(block[: size % len(block)])
+    warm(work_dir)
+    return path
+
+
+def writer(options: argparse.Namespace) -> None:
+    import torch
+
+    from mconvert.converters import dcp_writer
+
+    source = data_file(options.work_dir, options.gb)
+    shape = (768, 2048)
+    chunk = shape[0] * shape[1] * 2
+    count = source.stat().st_size // chunk
+    out = options.work_dir / "out"
+
+    def with_dcp_writer() -> None:
+        # No .metadata: its writer would import torch's DCP package beside the loop.
+        write = dcp_writer.DCPWriter(out, plans=False)
+        write.declare("w", (count, *shape), torch.bfloat16)
+        for i in range(count):
+            write.copy_chunk("w", (i, 0, 0), shape, [(source, i * chunk, chunk)])
+        write.abort()
+
+    def with_copy_file_range() -> None:
+        source_fd, target_fd = os.open(source, os.O_RDONLY), os.open(out / "copy", os.O_WRONLY | os.O_CREAT)
+        for i in range(count):
+            done = 0
+            while done < chunk:
+                done += os.copy_file_range(source_fd, target_fd, chunk - done, i * chunk + done, i * (chunk + 4096) + done)
+        os.close(source_fd)
+        os.close(target_fd)
+
+    for round_number in range(1, options.rounds + 1):
+        for name, loop in (("copy_file_range per chunk", with_copy_file_range), ("DCPWriter.copy_chunk", with_dcp_writer)):
+            out.mkdir()
+            warm(options.work_dir)
+            started = time.perf_counter()
+            loop()
+            seconds = time.perf_counter() - started
+            remove(out)
+            print(f"round {round_number}, {name}: {seconds:.2f} s, {count * chunk / seconds / 1e9:.2f} GB/s ({count} chunks)", flush=True)
+
+
+def rates(options: argparse.Namespace) -> None:
+    import torch
+
+    from mconvert.manifest import sha256_of
+
+    source = data_file(options.work_dir, options.gb)
+    started = time.perf_counter()
+    sha256_of(source)
+    print(f"sha256 of {options.gb} GB on one core: {options.gb / (time.perf_counter() - started):.2f} GB/s", flush=True)
+    torch.set_num_threads(1)
+    for threads in (1, 2, 4, 8):
+        pairs = [(torch.ones(1 << 29, dtype=torch.uint8), torch.empty(1 << 29, dtype=torch.uint8)) for _ in range(threads)]
+
+        def copy(a: torch.Tensor, b: torch.Tensor) -> None:
+            for _ in range(4):
+                b.copy_(a)
+
+        workers = [threading.Thread(target=copy, args=pair) for pair in pairs]
+        started = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        print(f"memory copies by {threads} threads: {threads * 4 * (1 << 29) / (time.perf_counter() - started) / 1e9:.1f} GB/s", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("measurement", choices=("variants", "writer", "rates"))
+    parser.add_argument("--work-dir", type=Path, required=True, help="source and outputs (one disk); removed after")
+    parser.add_argument("--model", default="qwen3-30b-a3b@8")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--gb", type=float, default=10.8, help="writer and rates: gigabytes of the file")
+    options = parser.parse_args()
+    options.work_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        {"variants": variants, "writer": writer, "rates": rates}[options.measurement](options)
+    finally:
+        remove(options.work_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
