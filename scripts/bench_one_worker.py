@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
 from bench_convert import make_source, remove, run_timed  # noqa: E402
+from bench_scaling import warm  # noqa: E402
 
 # Each variant: code run before mconvert's command line in a fresh interpreter, and extra flags.
 _MAIN = "from mconvert.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -45,15 +46,6 @@ VARIANTS = {
     "switch interval 0.5 ms": ("import sys; sys.setswitchinterval(0.0005)", []),
     "torch on one thread": ("import sys, torch; torch.set_num_threads(1)", []),
 }
-
-
-def warm(directory: Path) -> None:
-    os.sync()
-    for path in directory.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as f:
-                while f.read(1 << 24):
-                    pass
 
 
 def variants(options: argparse.Namespace) -> None:
