@@ -5,8 +5,10 @@ in at one worker on a 16-core host"). Three measurements, page cache warm, each 
             torch's DCP package imported first; a 0.5 ms switch interval of the interpreter's lock; torch on one
             thread) and `cp -r`, ROUNDS rounds in the same order, after one unrecorded `cp -r` (the first
             model-sized write on a fresh virtual machine is the slowest: scripts/bench_scaling.py)
-  writer    the writing thread's loop alone: DCPWriter.copy_chunk of 3 MB chunks (one Qwen3-30B-A3B expert
-            projection each) of a file of GB gigabytes, against copy_file_range of the same chunks, no other thread
+  writer    the writing thread's loop: DCPWriter.copy_chunk of 3 MB chunks (one Qwen3-30B-A3B expert projection
+            each) of a file of GB gigabytes, against copy_file_range of the same chunks; alone, and with the
+            hashing of the data files, the reading and checking of the chunks, or both, beside it, the hashing
+            also reading into memory instead of mapping the page cache
   rates     SHA-256 of GB gigabytes on one core (the manifest's hash of one data file), and memory copies by 1 to 8
             threads
 
@@ -16,6 +18,9 @@ in at one worker on a 16-core host"). Three measurements, page cache warm, each 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import math
 import os
 import resource
 import subprocess
@@ -23,6 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -72,55 +78,116 @@ def variants(options: argparse.Namespace) -> None:
                   f"{after.ru_utime - before.ru_utime:.1f} user + {after.ru_stime - before.ru_stime:.1f} sys s", flush=True)
 
 
-def data_file(work_dir: Path, gigabytes: float) -> Path:
-    path, size = work_dir / "data.bin", int(gigabytes * 1e9)
-    if not path.exists() or path.stat().st_size != size:
-        block = os.urandom(64 << 20)
+# The writer's chunks: one Qwen3-30B-A3B expert projection each (768 x 2048 bf16, 3 MB).
+_CHUNK_SHAPE = (768, 2048)
+
+
+def expert_file(work_dir: Path, gigabytes: float) -> Path:
+    """A directory holding model.safetensors with one bf16 tensor 'w' of (experts, 768, 2048), of about
+    `gigabytes`, random and finite (the check passes): what the writer copies and the check reads."""
+    import numpy
+
+    directory = work_dir / "source"
+    chunk = _CHUNK_SHAPE[0] * _CHUNK_SHAPE[1] * 2
+    count = int(gigabytes * 1e9) // chunk
+    header = json.dumps({"w": {"dtype": "BF16", "shape": [count, *_CHUNK_SHAPE], "data_offsets": [0, count * chunk]}}).encode()
+    header += b" " * (-len(header) % 8)
+    path = directory / "model.safetensors"
+    if not path.exists() or path.stat().st_size != 8 + len(header) + count * chunk:
+        directory.mkdir(parents=True, exist_ok=True)
+        values = numpy.frombuffer(os.urandom(64 * chunk), dtype=numpy.uint16) & 0xBFFF  # exponents below 128: finite
         with open(path, "wb") as f:
-            for _ in range(size // len(block)):
-                f.write(block)
-            f.write(block[: size % len(block)])
-    warm(work_dir)
-    return path
+            f.write(len(header).to_bytes(8, "little") + header)
+            for first in range(0, count, 64):
+                f.write(values[: min(64, count - first) * chunk // 2].tobytes())
+    warm(directory)
+    return directory
 
 
 def writer(options: argparse.Namespace) -> None:
+    """The writing loop, alone and with the conversion's other threads beside it: the hashing of its data files
+    as they fill (manifest.hashed_while_written), and the reading and checking of each chunk's HF bytes ahead of
+    its copy (HFCheckpoint.read through parallel.run_pieces, as hf-to-mcore's one worker runs them)."""
     import torch
 
     from mconvert.converters import dcp_writer
+    from mconvert.converters.parallel import Buffers, one_core_per_tensor_op, run_pieces
+    from mconvert.converters.safetensors_io import HFCheckpoint
+    from mconvert import manifest
+    from mconvert.manifest import hashed_while_written
 
-    source = data_file(options.work_dir, options.gb)
-    shape = (768, 2048)
-    chunk = shape[0] * shape[1] * 2
-    count = source.stat().st_size // chunk
+    hf = HFCheckpoint(expert_file(options.work_dir, options.gb))
+    path, begin, (count, *shape), _ = hf.place("w")
+    chunk = math.prod(shape) * 2
     out = options.work_dir / "out"
 
-    def with_dcp_writer() -> None:
-        # No .metadata: its writer would import torch's DCP package beside the loop.
-        write = dcp_writer.DCPWriter(out, plans=False)
-        write.declare("w", (count, *shape), torch.bfloat16)
-        for i in range(count):
-            write.copy_chunk("w", (i, 0, 0), shape, [(source, i * chunk, chunk)])
-        write.abort()
-
-    def with_copy_file_range() -> None:
-        source_fd, target_fd = os.open(source, os.O_RDONLY), os.open(out / "copy", os.O_WRONLY | os.O_CREAT)
+    def with_copy_file_range(hashing: bool, checking: bool) -> None:
+        source_fd, target_fd = os.open(path, os.O_RDONLY), os.open(out / "copy", os.O_WRONLY | os.O_CREAT)
         for i in range(count):
             done = 0
             while done < chunk:
-                done += os.copy_file_range(source_fd, target_fd, chunk - done, i * chunk + done, i * (chunk + 4096) + done)
+                done += os.copy_file_range(source_fd, target_fd, chunk - done, begin + i * chunk + done, i * (chunk + 4096) + done)
         os.close(source_fd)
         os.close(target_fd)
 
+    def hash_by_reads(digest, fd: int, start: int, end: int) -> int:
+        """manifest._hash_window reading into memory instead of mapping the page cache, whose unmapping
+        interrupts every core that runs a thread of the process (a TLB shootdown), the writer's included."""
+        view = memoryview(read_buffer.setdefault(threading.get_ident(), bytearray(64 << 20)))
+        count = os.preadv(fd, [view[: min(end - start, len(view))]], start)
+        digest.update(view[:count])
+        return start + count
+
+    read_buffer: dict[int, bytearray] = {}
+
+    def with_dcp_writer(hashing: bool | str, checking: bool) -> float:
+        buffers = Buffers()
+
+        def check(i: int) -> None:
+            if checking:
+                into = buffers.take(chunk)
+                try:
+                    hf.read("w", i, into)
+                finally:
+                    buffers.give_back([into])
+
+        def copy(worker: int, i: int, checked: None) -> None:
+            write.copy_chunk("w", (i, 0, 0), tuple(shape), [(path, begin + i * chunk, chunk)])
+
+        with contextlib.ExitStack() as hashes, one_core_per_tensor_op():
+            if hashing == "by reads":
+                hashes.enter_context(mock.patch.object(manifest, "_hash_window", hash_by_reads))
+            follow = (lambda file, written, closed: hashes.enter_context(hashed_while_written(file, written, closed))) if hashing else None
+            # No .metadata: its writer would import torch's DCP package beside the loop.
+            write = dcp_writer.DCPWriter(out, plans=False, follow=follow)
+            write.declare("w", (count, *shape), torch.bfloat16)
+            try:
+                run_pieces(range(count), [chunk] * count, check, copy)
+            finally:
+                write.abort()
+            return time.perf_counter()
+
+    loops = {
+        "copy_file_range per chunk": (with_copy_file_range, False, False),
+        "DCPWriter.copy_chunk alone": (with_dcp_writer, False, False),
+        "with hashing beside": (with_dcp_writer, True, False),
+        "with checking beside": (with_dcp_writer, False, True),
+        "with hashing and checking beside": (with_dcp_writer, True, True),
+        "with hashing by reads and checking beside": (with_dcp_writer, "by reads", True),
+    }
     for round_number in range(1, options.rounds + 1):
-        for name, loop in (("copy_file_range per chunk", with_copy_file_range), ("DCPWriter.copy_chunk", with_dcp_writer)):
+        for name, (loop, hashing, checking) in loops.items():
             out.mkdir()
             warm(options.work_dir)
+            before = resource.getrusage(resource.RUSAGE_SELF)
             started = time.perf_counter()
-            loop()
+            copied = loop(hashing, checking) or time.perf_counter()
             seconds = time.perf_counter() - started
+            after = resource.getrusage(resource.RUSAGE_SELF)
             remove(out)
-            print(f"round {round_number}, {name}: {seconds:.2f} s, {count * chunk / seconds / 1e9:.2f} GB/s ({count} chunks)", flush=True)
+            print(f"round {round_number}, {name}: {seconds:.2f} s, copies done at {copied - started:.2f} s, "
+                  f"{count * chunk / (copied - started) / 1e9:.2f} GB/s ({count} chunks), "
+                  f"{after.ru_utime - before.ru_utime:.1f} user + {after.ru_stime - before.ru_stime:.1f} sys s", flush=True)
 
 
 def rates(options: argparse.Namespace) -> None:
@@ -128,7 +195,7 @@ def rates(options: argparse.Namespace) -> None:
 
     from mconvert.manifest import sha256_of
 
-    source = data_file(options.work_dir, options.gb)
+    source = expert_file(options.work_dir, options.gb) / "model.safetensors"
     started = time.perf_counter()
     sha256_of(source)
     print(f"sha256 of {options.gb} GB on one core: {options.gb / (time.perf_counter() - started):.2f} GB/s", flush=True)
