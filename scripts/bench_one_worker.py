@@ -9,6 +9,10 @@ in at one worker on a 16-core host"). Three measurements, page cache warm, each 
             each) of a file of GB gigabytes, against copy_file_range of the same chunks; alone, and with the
             hashing of the data files, the reading and checking of the chunks, or both, beside it, the hashing
             also reading into memory instead of mapping the page cache
+  stages    hf-to-mcore of MODEL as shipped, in a fresh interpreter whose stages are timed from its launch: the
+            imports, the header reads, the plan, the writing loop (and, summed over its calls, the building of
+            pieces, the reads and checks of HF tensors, the copies and writes of chunks), the hashing's tail, the
+            metadata, the manifest, the return and the exit
   rates     SHA-256 of GB gigabytes on one core (the manifest's hash of one data file), and memory copies by 1 to 8
             threads
 
@@ -38,7 +42,7 @@ from bench_convert import make_source, remove, run_timed  # noqa: E402
 from bench_scaling import warm  # noqa: E402
 
 # Each variant: code run before mconvert's command line in a fresh interpreter, and extra flags.
-_MAIN = "from mconvert.cli import main; sys.exit(main(sys.argv[1:]))"
+_MAIN = "from mconvert.cli import run; run()"
 VARIANTS = {
     "as shipped": ("import sys", []),
     "--allow-nonfinite": ("import sys", ["--allow-nonfinite"]),
@@ -216,9 +220,114 @@ def rates(options: argparse.Namespace) -> None:
         print(f"memory copies by {threads} threads: {threads * 4 * (1 << 29) / (time.perf_counter() - started) / 1e9:.1f} GB/s", flush=True)
 
 
+# Functions hf-to-mcore calls once (or a few times), timed as (first start, last end); and those it calls per
+# piece or chunk, timed as (calls, seconds summed over the threads that call them, first start, last end).
+_ONCE = {
+    "read config.json": ("mconvert.converters.hf_to_mcore", "read_hf_config"),
+    "read HF headers": ("mconvert.converters.hf_to_mcore", "HFCheckpoint"),
+    "build the plan": ("mconvert.converters.hf_to_mcore", "build_plan"),
+    "check the sources": ("mconvert.converters.hf_to_mcore", "check_sources"),
+    "write the pieces": ("mconvert.converters.hf_to_mcore", "write_pieces"),
+    "import torch DCP (thread)": ("mconvert.converters.dcp_writer", "_import_planning"),
+    "writer.abort (flush, close)": ("mconvert.converters.dcp_writer", "DCPWriter.abort"),
+    "writer.finish (.metadata)": ("mconvert.converters.dcp_writer", "DCPWriter.finish"),
+    "write common.pt": ("mconvert.converters.torch_dist", "write_common"),
+    "write the manifest": ("mconvert.converters.output", "write_manifest"),
+    "convert_hf_to_mcore": ("mconvert.converters.hf_to_mcore", "convert_hf_to_mcore"),
+}
+_PER_PIECE = {
+    "build_piece (loading threads)": ("mconvert.converters.hf_to_mcore", "build_piece"),
+    "HFCheckpoint.read": ("mconvert.converters.safetensors_io", "HFCheckpoint.read"),
+    "DCPWriter.copy_chunk": ("mconvert.converters.dcp_writer", "DCPWriter.copy_chunk"),
+    "DCPWriter.write_chunk": ("mconvert.converters.dcp_writer", "DCPWriter.write_chunk"),
+}
+
+
+def stage_child(events: Path, argv: list[str]) -> int:
+    """mconvert's command line as `mconvert.cli.run` runs it, its stages timed (module docstring); the times, on
+    the monotonic clock that the parent shares, written to `events` as JSON."""
+    import functools
+    import importlib
+
+    import gc
+
+    times: dict[str, list[float]] = {"interpreter up": [time.perf_counter()] * 2}
+    import mconvert.cli
+
+    options = mconvert.cli.build_parser().parse_args(argv)
+    times["import mconvert.cli, parse"] = [times["interpreter up"][0], time.perf_counter()]
+    mconvert.cli._import_torch_frozen()
+    times["import torch, frozen"] = [times["import mconvert.cli, parse"][1], time.perf_counter()]
+    import mconvert.converters.hf_to_mcore  # noqa: F401  (imported by the command; here to be patched)
+
+    times["import the converter"] = [times["import torch, frozen"][1], time.perf_counter()]
+    lock = threading.Lock()
+
+    def wrap(label: str, module: str, name: str, summed: bool) -> None:
+        owner = importlib.import_module(module)
+        *path, attribute = name.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, attribute)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                ended = time.perf_counter()
+                with lock:
+                    entry = times.setdefault(label, [0, 0.0, started, ended] if summed else [started, ended])
+                    if summed:
+                        entry[0] += 1
+                        entry[1] += ended - started
+                    entry[-1] = ended
+
+        setattr(owner, attribute, timed)
+
+    for label, (module, name) in _ONCE.items():
+        wrap(label, module, name, False)
+    for label, (module, name) in _PER_PIECE.items():
+        wrap(label, module, name, True)
+    status = mconvert.cli._execute(options)  # as mconvert.cli.run
+    gc.freeze()
+    times["command returned"] = [time.perf_counter()] * 2
+    events.write_text(json.dumps(times))
+    return status
+
+
+def stages(options: argparse.Namespace) -> None:
+    source = make_source(options.model, options.work_dir)
+    out, events = options.work_dir / "out", options.work_dir / "events.json"
+    if out.exists():
+        remove(out)
+    run_timed(["cp", "-r", str(source), str(out)])
+    remove(out)
+    for round_number in range(1, options.rounds + 1):
+        warm(source)
+        copied = run_timed(["cp", "-r", str(source), str(out)])
+        remove(out)
+        warm(source)
+        launched = time.perf_counter()
+        run = run_timed([sys.executable, __file__, "stage-child", str(events), "hf-to-mcore", "--load-dir", str(source),
+                         "--save-dir", str(out), "--workers", str(options.workers)])
+        times = json.loads(events.read_text())
+        remove(out)
+        print(f"round {round_number}: cp -r {copied.seconds:.2f} s, +sync {copied.synced_seconds:.2f} s; hf-to-mcore "
+              f"{run.seconds:.2f} s to exit, +sync {run.synced_seconds:.2f} s; its stages, s from launch:", flush=True)
+        for label, entry in sorted(times.items(), key=lambda item: item[1][-2]):
+            start, end = entry[-2] - launched, entry[-1] - launched
+            summed = f", {entry[0]} calls summing {entry[1]:.2f} s" if len(entry) == 4 else ""
+            print(f"  {label}: {start:.2f} to {end:.2f} ({end - start:.2f}){summed}", flush=True)
+        print(f"  exited: {run.seconds:.2f}", flush=True)
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["stage-child"]:
+        return stage_child(Path(sys.argv[2]), sys.argv[3:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("measurement", choices=("variants", "writer", "rates"))
+    parser.add_argument("measurement", choices=("variants", "writer", "stages", "rates"))
     parser.add_argument("--work-dir", type=Path, required=True, help="source and outputs (one disk); removed after")
     parser.add_argument("--model", default="qwen3-30b-a3b@8")
     parser.add_argument("--rounds", type=int, default=3)
@@ -228,7 +337,7 @@ def main() -> int:
     options = parser.parse_args()
     options.work_dir.mkdir(parents=True, exist_ok=True)
     try:
-        {"variants": variants, "writer": writer, "rates": rates}[options.measurement](options)
+        {"variants": variants, "writer": writer, "stages": stages, "rates": rates}[options.measurement](options)
     finally:
         remove(options.work_dir)
     return 0
