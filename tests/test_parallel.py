@@ -132,6 +132,37 @@ def test_a_writer_goes_on_in_new_data_files_and_megatron_loads_them(hf_model_fac
     assert_megatron_loads(split, hf, tp=2)
 
 
+def test_each_record_is_what_torch_save_writes_for_its_chunk(tmp_path):
+    """DCPWriter makes a layout's record with torch.save once and reuses its bytes around each later chunk's
+    data: every record, written from memory (contiguous, a slice, a strided view) or copied from a file, holds
+    torch.save's bytes for that chunk (without CRC32s, as DCP's own writer can be set to), which torch.load
+    reads back."""
+    import io
+
+    from torch.utils.serialization import config
+
+    chunks = [torch.randn(3, 5).to(torch.bfloat16) for _ in range(4)] + [torch.randn(5, 3).to(torch.bfloat16).t(), torch.arange(5.0)]
+    source = tmp_path / "source.bin"
+    source.write_bytes(chunks[2].view(torch.uint8).numpy().tobytes() + chunks[3].view(torch.uint8).numpy().tobytes())
+    (tmp_path / "out").mkdir()
+    writer = dcp_writer.DCPWriter(tmp_path / "out", plans=False)
+    writer.declare("w", (5, 3, 5), torch.bfloat16)
+    writer.declare("b", (1, 5), torch.float32)
+    writer.write_chunk("w", (0, 0, 0), chunks[0])
+    writer.write_chunk("w", (1, 0, 0), torch.cat([chunks[1], chunks[1]])[3:])  # a slice of a larger storage
+    writer.copy_chunk("w", (2, 0, 0), (3, 5), [(source, 0, 30)])
+    writer.copy_chunk("w", (3, 0, 0), (3, 5), [(source, 30, 10), (source, 40, 20)])
+    writer.write_chunk("w", (4, 0, 0), chunks[4])  # not contiguous
+    writer.write_chunk("b", (0, 0), chunks[5])
+    for (_, _, shape, (name, offset, length)), chunk in zip(writer.local_part().chunks, chunks):
+        record = (tmp_path / "out" / name).read_bytes()[offset : offset + length]
+        expected = io.BytesIO()
+        with config.patch({"save.compute_crc32": False}):
+            torch.save(chunk.contiguous().reshape(shape), expected)
+        assert record == expected.getvalue()
+        assert torch.equal(torch.load(io.BytesIO(record)), chunk.reshape(shape))
+
+
 def test_two_torchrun_ranks_write_the_single_process_checkpoint_and_megatron_loads_it(hf_model_factory, tmp_path):
     hf = hf_model_factory("qwen2.5-7b-instruct", layers=2)
     single, ranked = tmp_path / "single", tmp_path / "ranked"
