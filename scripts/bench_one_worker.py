@@ -7,7 +7,7 @@ in at one worker on a 16-core host"). Three measurements, page cache warm, each 
             model-sized write on a fresh virtual machine is the slowest: scripts/bench_scaling.py)
   writer    the writing thread's loop: DCPWriter.copy_chunk of 3 MB chunks (one Qwen3-30B-A3B expert projection
             each) of a file of GB gigabytes, against copy_file_range of the same chunks; alone, and with the
-            hashing of the data files, the reading and checking of the chunks, or both, beside it, the hashing
+            hashing of the data files, the checking of the chunks, or both, beside it, the hashing
             also reading into memory instead of mapping the page cache
   stages    hf-to-mcore of MODEL as shipped, in a fresh interpreter whose stages are timed from its launch: the
             imports, the header reads, the plan, the writing loop (and, summed over its calls, the building of
@@ -110,12 +110,12 @@ def expert_file(work_dir: Path, gigabytes: float) -> Path:
 
 def writer(options: argparse.Namespace) -> None:
     """The writing loop, alone and with the conversion's other threads beside it: the hashing of its data files
-    as they fill (manifest.hashed_while_written), and the reading and checking of each chunk's HF bytes ahead of
-    its copy (HFCheckpoint.read through parallel.run_pieces, as hf-to-mcore's one worker runs them)."""
+    as they fill (manifest.hashed_while_written), and the checking of each chunk's HF bytes ahead of its copy
+    (HFCheckpoint.check through parallel.run_pieces, as hf-to-mcore's one worker runs them)."""
     import torch
 
     from mconvert.converters import dcp_writer
-    from mconvert.converters.parallel import Buffers, one_core_per_tensor_op, run_pieces
+    from mconvert.converters.parallel import one_core_per_tensor_op, run_pieces
     from mconvert.converters.safetensors_io import HFCheckpoint
     from mconvert import manifest
     from mconvert.manifest import hashed_while_written
@@ -145,15 +145,9 @@ def writer(options: argparse.Namespace) -> None:
     read_buffer: dict[int, bytearray] = {}
 
     def with_dcp_writer(hashing: bool | str, checking: bool) -> float:
-        buffers = Buffers()
-
         def check(i: int) -> None:
             if checking:
-                into = buffers.take(chunk)
-                try:
-                    hf.read("w", i, into)
-                finally:
-                    buffers.give_back([into])
+                hf.check("w", i)
 
         def copy(worker: int, i: int, checked: None) -> None:
             write.copy_chunk("w", (i, 0, 0), tuple(shape), [(path, begin + i * chunk, chunk)])

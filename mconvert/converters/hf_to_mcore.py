@@ -172,17 +172,11 @@ def build_piece(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | list[FileChunk]:
     """`piece_parts` of HF tensors read from files into reused buffers, and those buffers, to hand back once
     the region is written; or, for a piece whose chunks are runs of stored bytes (`FileCopies.chunks`), those
-    chunks, once its HF tensors are checked (read and checked for NaN and Inf, unless the checkpoint is not
-    checked)."""
+    chunks, once its HF tensors are checked for NaN and Inf (`HFCheckpoint.check`)."""
     chunks = copies.chunks(piece, dtype)
     if chunks is not None:
-        if hf.check_finite:
-            for ref in piece.sources:
-                into = buffers.take(hf.nbytes(ref.name, ref.index))
-                try:
-                    hf.read(ref.name, ref.index, into)
-                finally:
-                    buffers.give_back([into])
+        for ref in piece.sources:
+            hf.check(ref.name, ref.index)
         return chunks
     taken = [buffers.take(hf.nbytes(ref.name, ref.index)) for ref in piece.sources]
     sources = [hf.read(ref.name, ref.index, into) for ref, into in zip(piece.sources, taken)]
