@@ -2,19 +2,19 @@
 in at one worker on a 16-core host"). Three measurements, page cache warm, each a command:
 
   variants  hf-to-mcore of MODEL launched in several ways (as shipped; --allow-nonfinite; without hashing;
-            torch's DCP package imported first; a 0.5 ms switch interval of the interpreter's lock; torch on one
-            thread) and `cp -r`, ROUNDS rounds in the same order, after one unrecorded `cp -r` (the first
+            torch's DCP package imported first; a 0.5 or 0.1 ms switch interval of the interpreter's lock; torch on
+            one thread; the check by reads into memory) and `cp -r`, ROUNDS rounds in the same order, after one unrecorded `cp -r` (the first
             model-sized write on a fresh virtual machine is the slowest: scripts/bench_scaling.py)
   writer    the writing thread's loop: DCPWriter.copy_chunk of 3 MB chunks (one Qwen3-30B-A3B expert projection
             each) of a file of GB gigabytes, against copy_file_range of the same chunks; alone, and with the
             hashing of the data files, the checking of the chunks, or both, beside it, the hashing
             also reading into memory instead of mapping the page cache
-  stages    hf-to-mcore of MODEL as shipped, in a fresh interpreter whose stages are timed from its launch: the
+  stages    hf-to-mcore of MODEL as shipped (or launched as VARIANTS say), in a fresh interpreter whose stages are timed from its launch: the
             imports, the header reads, the plan, the writing loop (and, summed over its calls, the building of
             pieces, the reads and checks of HF tensors, the copies and writes of chunks), the hashing's tail, the
             metadata, the manifest, the return and the exit
-  rates     SHA-256 of GB gigabytes on one core (the manifest's hash of one data file), and memory copies by 1 to 8
-            threads
+  rates     SHA-256 of GB gigabytes on one core (the manifest's hash of one data file), the NaN and Inf check of its
+            experts on one thread (read into memory, and through a map), and memory copies by 1 to 8 threads
 
   python3 scripts/bench_one_worker.py variants --work-dir DIR --model qwen3-30b-a3b@8 --rounds 3 --workers 1
 """
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -45,7 +46,7 @@ from bench_scaling import warm  # noqa: E402
 _MAIN = "from mconvert.cli import run; run()"
 VARIANTS = {
     "as shipped": ("import sys", []),
-    "--allow-nonfinite": ("import sys", ["--allow-nonfinite"]),
+    "with --allow-nonfinite": ("import sys", ["--allow-nonfinite"]),
     # The manifest then lists zeros: nothing is hashed, neither while written nor at the end.
     "no hashing, --allow-nonfinite": (
         "import sys, contextlib, mconvert.manifest as m, mconvert.converters.hf_to_mcore as h; "
@@ -54,8 +55,28 @@ VARIANTS = {
     ),
     "DCP imported first": ("import sys, torch.distributed.checkpoint.default_planner", []),
     "switch interval 0.5 ms": ("import sys; sys.setswitchinterval(0.0005)", []),
+    "switch interval 0.1 ms": ("import sys; sys.setswitchinterval(0.0001)", []),
     "torch on one thread": ("import sys, torch; torch.set_num_threads(1)", []),
+    "check by reads": ("import sys; sys.path.insert(0, 'scripts'); import bench_one_worker; bench_one_worker.check_by_reads()", []),
 }
+
+
+def check_by_reads() -> None:
+    """HFCheckpoint.check reading each tensor into reused memory and checking it there, as before it checked
+    through a map of the page cache."""
+    from mconvert.converters.parallel import Buffers
+    from mconvert.converters.safetensors_io import HFCheckpoint
+
+    buffers = Buffers()
+
+    def check(self, name: str, index: int | None = None) -> None:
+        into = buffers.take(self.nbytes(name, index))
+        try:
+            self.read(name, index, into)
+        finally:
+            buffers.give_back([into])
+
+    HFCheckpoint.check = check
 
 
 def variants(options: argparse.Namespace) -> None:
@@ -66,7 +87,7 @@ def variants(options: argparse.Namespace) -> None:
     run_timed(["cp", "-r", str(source), str(out)])
     remove(out)
     for round_number in range(1, options.rounds + 1):
-        for name in ["cp -r", *options.variants]:
+        for name in ["cp -r", *(options.variants or VARIANTS)]:
             warm(source)
             if name == "cp -r":
                 command = ["cp", "-r", str(source), str(out)]
@@ -191,12 +212,32 @@ def writer(options: argparse.Namespace) -> None:
 def rates(options: argparse.Namespace) -> None:
     import torch
 
+    from mconvert.converters.parallel import one_core_per_tensor_op
+    from mconvert.converters.safetensors_io import HFCheckpoint
     from mconvert.manifest import sha256_of
 
-    source = expert_file(options.work_dir, options.gb) / "model.safetensors"
+    directory = expert_file(options.work_dir, options.gb)
     started = time.perf_counter()
-    sha256_of(source)
+    sha256_of(directory / "model.safetensors")
     print(f"sha256 of {options.gb} GB on one core: {options.gb / (time.perf_counter() - started):.2f} GB/s", flush=True)
+    # The check of each expert for NaN and Inf, on one thread: its parts, and through a map of the page cache.
+    unchecked, checked = HFCheckpoint(directory, check_finite=False), HFCheckpoint(directory)
+    count = unchecked.tensors["w"].shape[0]
+    buffers = [torch.empty(unchecked.nbytes("w", 0), dtype=torch.uint8) for _ in range(64)]
+    in_memory = [buffer.view(torch.bfloat16) for buffer in buffers]
+    ways = {
+        "read into memory": lambda i: unchecked.read("w", i, buffers[i % 64]),
+        "read into memory and checked (aminmax)": lambda i: checked.read("w", i, buffers[i % 64]),
+        "aminmax of bytes in memory": lambda i: torch.aminmax(in_memory[i % 64]),
+        "checked through a map (HFCheckpoint.check)": lambda i: checked.check("w", i),
+    }
+    with one_core_per_tensor_op():
+        for name, way in ways.items():
+            warm(directory)
+            started = time.perf_counter()
+            for i in range(count):
+                way(i)
+            print(f"{name}, one thread: {options.gb / (time.perf_counter() - started):.2f} GB/s", flush=True)
     torch.set_num_threads(1)
     for threads in (1, 2, 4, 8):
         pairs = [(torch.ones(1 << 29, dtype=torch.uint8), torch.empty(1 << 29, dtype=torch.uint8)) for _ in range(threads)]
@@ -237,25 +278,27 @@ _PER_PIECE = {
 }
 
 
-def stage_child(events: Path, argv: list[str]) -> int:
-    """mconvert's command line as `mconvert.cli.run` runs it, its stages timed (module docstring); the times, on
-    the monotonic clock that the parent shares, written to `events` as JSON."""
+def stage_child(events: Path, variant: str, argv: list[str]) -> int:
+    """mconvert's command line as `mconvert.cli.run` runs it, after the code of `variant`, its stages timed
+    (module docstring); the times, on the monotonic clock that the parent shares, written to `events` as JSON."""
     import functools
+    import gc
     import importlib
 
-    import gc
-
     times: dict[str, list[float]] = {"interpreter up": [time.perf_counter()] * 2}
+    exec(VARIANTS[variant][0])
+    times[f"variant's code ({variant})"] = [times["interpreter up"][0], time.perf_counter()]
     import mconvert.cli
 
     options = mconvert.cli.build_parser().parse_args(argv)
-    times["import mconvert.cli, parse"] = [times["interpreter up"][0], time.perf_counter()]
+    times["import mconvert.cli, parse"] = [times[f"variant's code ({variant})"][1], time.perf_counter()]
     mconvert.cli._import_torch_frozen()
     times["import torch, frozen"] = [times["import mconvert.cli, parse"][1], time.perf_counter()]
     import mconvert.converters.hf_to_mcore  # noqa: F401  (imported by the command; here to be patched)
 
     times["import the converter"] = [times["import torch, frozen"][1], time.perf_counter()]
     lock = threading.Lock()
+    ends: dict[str, list[float]] = {}  # of each call of the functions timed per piece or chunk
 
     def wrap(label: str, module: str, name: str, summed: bool) -> None:
         owner = importlib.import_module(module)
@@ -276,6 +319,7 @@ def stage_child(events: Path, argv: list[str]) -> int:
                     if summed:
                         entry[0] += 1
                         entry[1] += ended - started
+                        ends.setdefault(label, []).append(ended)
                     entry[-1] = ended
 
         setattr(owner, attribute, timed)
@@ -287,7 +331,7 @@ def stage_child(events: Path, argv: list[str]) -> int:
     status = mconvert.cli._execute(options)  # as mconvert.cli.run
     gc.freeze()
     times["command returned"] = [time.perf_counter()] * 2
-    events.write_text(json.dumps(times))
+    events.write_text(json.dumps({"times": times, "ends": ends}))
     return status
 
 
@@ -298,35 +342,41 @@ def stages(options: argparse.Namespace) -> None:
         remove(out)
     run_timed(["cp", "-r", str(source), str(out)])
     remove(out)
-    for round_number in range(1, options.rounds + 1):
+    for round_number, name in itertools.product(range(1, options.rounds + 1), options.variants or ["as shipped"]):
         warm(source)
         copied = run_timed(["cp", "-r", str(source), str(out)])
         remove(out)
         warm(source)
         launched = time.perf_counter()
-        run = run_timed([sys.executable, __file__, "stage-child", str(events), "hf-to-mcore", "--load-dir", str(source),
-                         "--save-dir", str(out), "--workers", str(options.workers)])
-        times = json.loads(events.read_text())
+        run = run_timed([sys.executable, __file__, "stage-child", str(events), name, "hf-to-mcore", "--load-dir", str(source),
+                         "--save-dir", str(out), "--workers", str(options.workers), *VARIANTS[name][1]])
+        recorded = json.loads(events.read_text())
+        times = recorded["times"]
         remove(out)
-        print(f"round {round_number}: cp -r {copied.seconds:.2f} s, +sync {copied.synced_seconds:.2f} s; hf-to-mcore "
+        print(f"round {round_number}: cp -r {copied.seconds:.2f} s, +sync {copied.synced_seconds:.2f} s; hf-to-mcore {name}, "
               f"{run.seconds:.2f} s to exit, +sync {run.synced_seconds:.2f} s; its stages, s from launch:", flush=True)
         for label, entry in sorted(times.items(), key=lambda item: item[1][-2]):
             start, end = entry[-2] - launched, entry[-1] - launched
             summed = f", {entry[0]} calls summing {entry[1]:.2f} s" if len(entry) == 4 else ""
             print(f"  {label}: {start:.2f} to {end:.2f} ({end - start:.2f}){summed}", flush=True)
+            if label in recorded["ends"]:
+                per_second = [0] * (math.ceil(end) + 1)
+                for ended in recorded["ends"][label]:
+                    per_second[int(ended - launched)] += 1
+                print(f"    calls ended in each second from launch: {' '.join(map(str, per_second))}", flush=True)
         print(f"  exited: {run.seconds:.2f}", flush=True)
 
 
 def main() -> int:
     if sys.argv[1:2] == ["stage-child"]:
-        return stage_child(Path(sys.argv[2]), sys.argv[3:])
+        return stage_child(Path(sys.argv[2]), sys.argv[3], sys.argv[4:])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("measurement", choices=("variants", "writer", "stages", "rates"))
     parser.add_argument("--work-dir", type=Path, required=True, help="source and outputs (one disk); removed after")
     parser.add_argument("--model", default="qwen3-30b-a3b@8")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, help="default: all (variants), as shipped (stages)")
     parser.add_argument("--gb", type=float, default=10.8, help="writer and rates: gigabytes of the file")
     options = parser.parse_args()
     options.work_dir.mkdir(parents=True, exist_ok=True)
