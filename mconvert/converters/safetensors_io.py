@@ -251,6 +251,7 @@ class HFCheckpoint:
             if os.fstat(f.fileno()).st_size < begin + length:
                 raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
             # Private and writable, as torch's tensors over a buffer are, but never written: nothing is copied.
+            # A file cut short by another process while mapped ends this one (SIGBUS) instead of this error.
             with mmap.mmap(f.fileno(), begin + length - base, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base) as window:
                 finite = _finite(torch.frombuffer(window, dtype=stored.dtype, count=length // stored.dtype.itemsize, offset=begin - base))
         if not finite:
