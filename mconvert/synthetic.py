@@ -107,6 +107,9 @@ def make_hf_checkpoint(
         for parameter in model.parameters():
             # Norm weights of ones and zero biases would hide mistakes in their mapping.
             parameter.normal_(0.0, 0.05 if parameter.dim() > 1 else 0.5).add_(1.0 if parameter.dim() == 1 else 0.0)
+            # The hub stores every weight in the model's dtype; transformers 5.24 holds a router's gate in fp32,
+            # and save_pretrained would write it so.
+            parameter.data = parameter.data.to(getattr(torch, dtype))
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 # A router's expert bias is zero at init: a dropped one would go unseen. Large enough to
@@ -306,7 +309,10 @@ def write_random_hf_checkpoint(
     # named_parameters() lists a tied output layer once, under the embedding's name, as save_pretrained stores it.
     # Persistent buffers (a router's expert bias) are stored too.
     stored = model.state_dict()
-    parameters = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in stored]
+    # The hub stores every weight in the model's dtype, though transformers 5.24 holds a router's gate in fp32; a
+    # stored buffer (a router's expert bias) keeps the dtype it has.
+    parameters = [(n, p.to(dtype)) for n, p in model.named_parameters()]
+    parameters += [(n, b) for n, b in model.named_buffers() if n in stored]
     parameters = parameters if fused_experts else _per_expert(parameters, config)
     shards = _shards(_fp8_blocks(parameters, block) if block else parameters, max_shard_bytes)
     out_dir = Path(out_dir)
