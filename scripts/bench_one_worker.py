@@ -2,8 +2,8 @@
 in at one worker on a 16-core host"). Three measurements, page cache warm, each a command:
 
   variants  hf-to-mcore of MODEL launched in several ways (as shipped; --allow-nonfinite; without hashing;
-            torch's DCP package imported first; a 0.5 or 0.1 ms switch interval of the interpreter's lock; torch on
-            one thread; the check by reads into memory) and `cp -r`, ROUNDS rounds in the same order, after one unrecorded `cp -r` (the first
+            torch's DCP package imported first; `.metadata` made in the conversion's process; a 0.5 or 0.1 ms
+            switch interval of the interpreter's lock; torch on one thread; the check by reads into memory) and `cp -r`, ROUNDS rounds in the same order, after one unrecorded `cp -r` (the first
             model-sized write on a fresh virtual machine is the slowest: scripts/bench_scaling.py)
   writer    the writing thread's loop: DCPWriter.copy_chunk of 3 MB chunks (one Qwen3-30B-A3B expert projection
             each) of a file of GB gigabytes, against copy_file_range of the same chunks; alone, and with the
@@ -54,6 +54,8 @@ VARIANTS = {
         ["--allow-nonfinite"],
     ),
     "DCP imported first": ("import sys, torch.distributed.checkpoint.default_planner", []),
+    # `.metadata` made in the conversion's process, importing torch's DCP package at the end, as below BESIDE_BYTES.
+    "metadata in this process": ("import sys, mconvert.converters.dcp_metadata as m; m.BESIDE_BYTES = float('inf')", []),
     "switch interval 0.5 ms": ("import sys; sys.setswitchinterval(0.0005)", []),
     "switch interval 0.1 ms": ("import sys; sys.setswitchinterval(0.0001)", []),
     "torch on one thread": ("import sys, torch; torch.set_num_threads(1)", []),
@@ -178,7 +180,7 @@ def writer(options: argparse.Namespace) -> None:
                 hashes.enter_context(mock.patch.object(manifest, "_hash_window", hash_by_reads))
             follow = (lambda file, written, closed: hashes.enter_context(hashed_while_written(file, written, closed))) if hashing else None
             # No .metadata: its writer would import torch's DCP package beside the loop.
-            write = dcp_writer.DCPWriter(out, plans=False, follow=follow)
+            write = dcp_writer.DCPWriter(out, follow=follow)
             write.declare("w", (count, *shape), torch.bfloat16)
             try:
                 run_pieces(range(count), [chunk] * count, check, copy)
@@ -262,8 +264,8 @@ _ONCE = {
     "read HF headers": ("mconvert.converters.hf_to_mcore", "HFCheckpoint"),
     "build the plan": ("mconvert.converters.hf_to_mcore", "build_plan"),
     "check the sources": ("mconvert.converters.hf_to_mcore", "check_sources"),
+    "start the .metadata helper": ("mconvert.converters.dcp_metadata", "MetadataMaker.__init__"),
     "write the pieces": ("mconvert.converters.hf_to_mcore", "write_pieces"),
-    "import torch DCP (thread)": ("mconvert.converters.dcp_writer", "_import_planning"),
     "writer.abort (flush, close)": ("mconvert.converters.dcp_writer", "DCPWriter.abort"),
     "writer.finish (.metadata)": ("mconvert.converters.dcp_writer", "DCPWriter.finish"),
     "write common.pt": ("mconvert.converters.torch_dist", "write_common"),

@@ -145,7 +145,7 @@ def test_each_record_is_what_torch_save_writes_for_its_chunk(tmp_path):
     source = tmp_path / "source.bin"
     source.write_bytes(chunks[2].view(torch.uint8).numpy().tobytes() + chunks[3].view(torch.uint8).numpy().tobytes())
     (tmp_path / "out").mkdir()
-    writer = dcp_writer.DCPWriter(tmp_path / "out", plans=False)
+    writer = dcp_writer.DCPWriter(tmp_path / "out")
     writer.declare("w", (5, 3, 5), torch.bfloat16)
     writer.declare("b", (1, 5), torch.float32)
     writer.write_chunk("w", (0, 0, 0), chunks[0])

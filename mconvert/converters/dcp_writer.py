@@ -1,21 +1,13 @@
 """Writing `torch_dist` checkpoints' DCP part (the format: mconvert.converters.torch_dist): the chunks streamed
-into data files as they come, and `.metadata` made with torch's own DCP classes and global save planning, so
-that any DCP reader (megatron-core's included) reads it.
-
-Importing torch's DCP package costs about a second (DTensor and sympy, which it imports): mcore-to-hf and
-inspect do without it, and the writer records what it wrote as plain tuples while a thread imports the
-package (`DCPWriter` starts it), so that the import overlaps the writing and torch's objects are made only
-for `.metadata`, at the end."""
+into data files as they come, their places recorded as plain tuples, from which `.metadata` is made with torch's
+own DCP classes (mconvert.converters.dcp_metadata), at the end."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import importlib
 import io
 import math
 import os
-import pickle
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,22 +18,14 @@ from torch.serialization import skip_data
 from torch.utils.serialization import config as serialization_config
 
 from mconvert.converters.copying import copy_range
+from mconvert.converters.dcp_metadata import MetadataMaker
 from mconvert.converters.torch_dist import tensor_data_start
-
-_PLANNING = "torch.distributed.checkpoint.default_planner"
 
 Shape = tuple[int, ...]
 # Where an item is stored: (data file name, offset, length), as DCP's filesystem storage records it.
 Place = tuple[str, int, int]
 # Bytes of another file: (path, first byte, length).
 Span = tuple[Path, int, int]
-
-
-def _import_planning() -> None:
-    """Import torch's DCP planning ahead of `write_metadata`, which imports it again where it is needed: a
-    failure is reported there, once, rather than as a thread's traceback."""
-    with contextlib.suppress(Exception):
-        importlib.import_module(_PLANNING)
 
 
 @dataclass
@@ -67,11 +51,9 @@ DATA_FILE_BYTES = 2 * 10**9
 class DCPWriter:
     """Writes a DCP checkpoint's chunks as they come into data files of this rank (`__<rank>_<n>.distcp`: each
     writing thread, a stream, fills its own, one after another, of about DATA_FILE_BYTES each), and records
-    their places; `.metadata` is made from those of every rank by torch's own global planning
-    (`write_metadata`). `follow(path, written, closed)` is called for each data file as it is opened, to hash
-    it while it is written: `written()` is how many bytes from its start are in place, and the event `closed`
-    is set once the writer has gone on to its next file. `plans`: this writer writes `.metadata` (under
-    torchrun, rank 0's), for which torch's DCP package is imported beside the writing."""
+    their places, from which `finish` makes `.metadata`. `follow(path, written, closed)` is called for each data
+    file as it is opened, to hash it while it is written: `written()` is how many bytes from its start are in
+    place, and the event `closed` is set once the writer has gone on to its next file."""
 
     def __init__(
         self,
@@ -79,11 +61,7 @@ class DCPWriter:
         streams: int = 1,
         rank: int = 0,
         follow: Callable[[Path, Callable[[], int], threading.Event], None] | None = None,
-        plans: bool = True,
     ):
-        self._importing = threading.Thread(target=_import_planning, name="import torch DCP", daemon=True)
-        if plans:
-            self._importing.start()
         self.directory = directory
         self._rank, self._follow = rank, follow
         self._lock = threading.Lock()
@@ -220,53 +198,16 @@ class DCPWriter:
         self.abort()
         return self._written
 
-    def finish(self, parts: list[WrittenPart] | None = None) -> None:
-        """Write `.metadata`: of what this writer wrote, or of every rank's `local_part` (`parts`)."""
-        write_metadata(self.directory, parts if parts is not None else [self.local_part()], self._declared)
+    def finish(self, parts: list[WrittenPart] | None = None, maker: MetadataMaker | None = None) -> None:
+        """Write `.metadata`: of what this writer wrote, or of every rank's `local_part` (`parts`), by `maker`
+        (by default, in this process)."""
+        parts = parts if parts is not None else [self.local_part()]
+        (maker or MetadataMaker()).make(self.directory, parts, self._declared)
 
     def abort(self) -> None:
         for _, f in self._files:
             f.close()
-        # The process may end next (an error): not in the middle of the import, which torch's extensions can
-        # end with an abort.
-        if self._importing.ident is not None:
-            self._importing.join()
         with self._lock:
             for fd in self._sources.values():
                 os.close(fd)
             self._sources.clear()
-
-
-def write_metadata(directory: Path, parts: list[WrittenPart], declared: dict[str, tuple[torch.dtype, Shape]]) -> None:
-    """`.metadata` from what every rank wrote, merged by torch's global save planning, once the chunks cover
-    every declared tensor exactly."""
-    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata
-    from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
-
-    properties = {key: (TensorProperties(dtype=dtype), torch.Size(size)) for key, (dtype, size) in declared.items()}
-    plans, stored = [], {}
-    for part in parts:
-        items = []
-        for key, offsets, shape, place in part.chunks:
-            index = MetadataIndex(key, torch.Size(offsets))
-            chunk = ChunkStorageMetadata(index.offset, torch.Size(shape))
-            items.append(WriteItem(index, WriteItemType.SHARD, tensor_data=TensorWriteData(chunk, *properties[key])))
-            stored[index] = _StorageInfo(*place)
-        for key, place in part.objects:
-            index = MetadataIndex(key)
-            items.append(WriteItem(index, WriteItemType.BYTE_IO))
-            stored[index] = _StorageInfo(*place)
-        plans.append(SavePlan(items))
-    plans, metadata = create_default_global_save_plan(plans)
-    # The global plan numbers each chunk within its tensor (the index hints readers probe first).
-    metadata.storage_data = {item.index: stored[item.index] for plan in plans for item in plan.items}
-    for key, (_, size) in declared.items():
-        meta = metadata.state_dict_metadata.get(key)
-        filled = sum(math.prod(chunk.sizes) for chunk in meta.chunks) if isinstance(meta, TensorStorageMetadata) else 0
-        if filled != math.prod(size):
-            raise AssertionError(f"'{key}': chunks cover {filled} of {math.prod(size)} elements")
-    metadata.version = "1.0.0"
-    with open(directory / ".metadata", "wb") as f:
-        pickle.dump(metadata, f)

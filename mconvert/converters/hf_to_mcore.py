@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from mconvert.converters import dcp_writer, launch, megatron, torch_dist
+from mconvert.converters import dcp_metadata, dcp_writer, launch, megatron, torch_dist
+from mconvert.converters.dcp_metadata import MetadataMaker
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces
@@ -206,7 +207,7 @@ def write_pieces(
     writing even with one worker: one piece slower to build than to write (fc1) then does not stall the
     writes. Pieces that are copies of others (`piece.copy`) are not written."""
     pieces = [piece for piece in plan.pieces if not piece.copy]
-    sizes = [math.prod(piece.layout.shape) * plan.dtype_of(piece).itemsize for piece in pieces]
+    sizes = [plan.nbytes(piece) for piece in pieces]
     mine = ranks.mine(sizes)
     progress.start(len(mine), sum(sizes[i] for i in mine))
     buffers, copies = Buffers(), FileCopies(hf, plan.spec, writer.directory)
@@ -264,7 +265,8 @@ def convert_hf_to_mcore(
     args = megatron.megatron_args(spec, parallelism, plan.dtype, transformer_impl, tokenizer_dir=load_dir)
     flags = megatron.megatron_flags(args)
 
-    with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
+    beside = sum(plan.nbytes(piece) for piece in plan.pieces if not piece.copy) >= dcp_metadata.BESIDE_BYTES
+    with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work, MetadataMaker(beside and ranks.is_first) as metadata:
         release = work / torch_dist.RELEASE
         if ranks.is_first:
             release.mkdir()
@@ -276,7 +278,6 @@ def convert_hf_to_mcore(
                 workers,
                 ranks.rank,
                 follow=lambda path, written, closed: hashing.enter_context(hashed_while_written(path, written, closed)),
-                plans=ranks.is_first,
             )
             try:
                 dtypes = plan.key_dtypes()
@@ -291,7 +292,7 @@ def convert_hf_to_mcore(
         ranks.settle()  # every rank's chunks are on disk
         parts = ranks.gather(writer.local_part())
         if ranks.is_first:
-            writer.finish(parts)
+            writer.finish(parts, metadata)
             torch_dist.write_common(release, args)
             (work / ARGS_SCRIPT).write_text(megatron.args_script(args, save_dir))
             launch.write_launch(work, save_dir, parallelism)

@@ -8,6 +8,7 @@ conversion execute the same plan.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -77,6 +78,9 @@ class Plan:
     def dtype_of(self, piece: Piece) -> torch.dtype:
         """The dtype of a piece's tensors, on both sides: the conversion's, unless the tensor has its own."""
         return piece.layout.dtype or self.dtype
+
+    def nbytes(self, piece: Piece) -> int:
+        return math.prod(piece.layout.shape) * self.dtype_of(piece).itemsize
 
     def key_dtypes(self) -> dict[str, torch.dtype]:
         return {key: self.dtype_of(piece) for piece in self.pieces for key in piece.keys}
