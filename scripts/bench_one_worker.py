@@ -264,7 +264,7 @@ _ONCE = {
     "read HF headers": ("mconvert.converters.hf_to_mcore", "HFCheckpoint"),
     "build the plan": ("mconvert.converters.hf_to_mcore", "build_plan"),
     "check the sources": ("mconvert.converters.hf_to_mcore", "check_sources"),
-    "start the .metadata helper": ("mconvert.converters.dcp_metadata", "MetadataMaker.__init__"),
+    "MetadataMaker (starts a helper if beside)": ("mconvert.converters.dcp_metadata", "MetadataMaker.__init__"),
     "write the pieces": ("mconvert.converters.hf_to_mcore", "write_pieces"),
     "writer.abort (flush, close)": ("mconvert.converters.dcp_writer", "DCPWriter.abort"),
     "writer.finish (.metadata)": ("mconvert.converters.dcp_writer", "DCPWriter.finish"),
