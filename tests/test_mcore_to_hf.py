@@ -283,13 +283,13 @@ def test_a_helper_making_dcp_metadata_reports_in_one_line_and_ends_with_the_conv
     assert not (tmp_path / ".metadata").exists()
 
     with dcp_metadata.MetadataMaker(beside=True) as maker:
-        helper = maker._helper
-    assert helper.returncode is not None
+        helper = maker._pid
+    assert not pathlib.Path(f"/proc/{helper}").exists()  # ended and reaped
 
     # Killed: the helper reads the end of its input and ends, writing nothing.
     program = (
         "import os, signal; from mconvert.converters.dcp_metadata import MetadataMaker; "
-        "print(MetadataMaker(beside=True)._helper.pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+        "print(MetadataMaker(beside=True)._pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
     )
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
     pid = int(done.stdout)

@@ -18,7 +18,7 @@ from mconvert.converters import dcp_metadata, dcp_writer, launch, megatron, torc
 from mconvert.converters.dcp_metadata import MetadataMaker
 from mconvert.converters.megatron import Parallelism
 from mconvert.converters.output import atomic_directory, check_target
-from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces
+from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces, torchrun_rank
 from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
 from mconvert.converters.safetensors_io import HFCheckpoint, fp8_block_size, read_hf_config
 from mconvert.errors import ConversionError
@@ -265,8 +265,9 @@ def convert_hf_to_mcore(
     args = megatron.megatron_args(spec, parallelism, plan.dtype, transformer_impl, tokenizer_dir=load_dir)
     flags = megatron.megatron_flags(args)
 
+    # Rank 0 makes `.metadata`; its helper, if any, forked before the ranks' threads and the output's lock.
     beside = sum(plan.nbytes(piece) for piece in plan.pieces if not piece.copy) >= dcp_metadata.BESIDE_BYTES
-    with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work, MetadataMaker(beside and ranks.is_first) as metadata:
+    with MetadataMaker(beside and torchrun_rank()[0] == 0) as metadata, Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
         release = work / torch_dist.RELEASE
         if ranks.is_first:
             release.mkdir()
