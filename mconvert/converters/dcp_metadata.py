@@ -1,12 +1,13 @@
 """`.metadata` of a `torch_dist` checkpoint, made from what every rank wrote (`dcp_writer.WrittenPart`) by torch's
 own DCP classes and global save planning, so that any DCP reader (megatron-core's included) reads it.
 
-Importing torch's DCP package takes about a second on one core, seconds on some hosts (it pulls in DTensor and
-sympy), and holds the interpreter's lock through most of it: on a thread beside the writing, it cut the copies
-of a mixture-of-experts model's small tensors from hundreds a second to a few while it ran (docs/performance.md,
-"The way in at one worker on a 16-core host"). A conversion that writes enough to hide the import makes
-`.metadata` in a helper process forked as the writing starts, which imports the package on another core and
-waits for the records; a smaller one imports it when `.metadata` is due."""
+Importing torch's DCP package takes 1.3-1.7 s on the 2-core box, 4-10 s on the 16-core GPU hosts (CUDA torch),
+holding the interpreter's lock through most of it (it pulls in DTensor and sympy). It is imported beside the
+writing: on a thread of the conversion, or, for a large conversion on a host with cores to spare, in a helper
+process forked as the writing starts, which waits for the records. On the GPU hosts the thread stalled the copies
+of a mixture-of-experts model's small tensors while it ran, and the helper saves 1.1-1.6 s of 15.5 at one worker
+and 5.6 s of 16.4 at eight; on the 2-core box it takes a core the writing needs and costs about 1 s
+(docs/performance.md, "The DCP import beside the writing")."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import math
 import os
 import pickle
 import signal
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,9 +25,15 @@ import torch
 if TYPE_CHECKING:
     from mconvert.converters.dcp_writer import Shape, WrittenPart
 
-# Bytes written from which the helper process pays: writing them at about 1 GB/s takes about as long as the DCP
-# package's import.
-BESIDE_BYTES = 10**9
+# A conversion gets the helper process from these bytes written (at about 1 GB/s they take as long as the import)
+# on a host with this many cores for it (measured: 2 too few, 16 enough; 4 leaves one beside a worker's loading,
+# writing and hashing threads).
+HELPER_BYTES = 10**9
+HELPER_CORES = 4
+
+
+def helper_pays(nbytes: int) -> bool:
+    return nbytes >= HELPER_BYTES and len(os.sched_getaffinity(0)) >= HELPER_CORES
 
 
 def write_metadata(directory: Path, parts: list[WrittenPart], declared: dict[str, tuple[torch.dtype, Shape]]) -> None:
@@ -64,15 +72,18 @@ def write_metadata(directory: Path, parts: list[WrittenPart], declared: dict[str
 
 
 class MetadataMaker:
-    """Makes `.metadata` (`make`): in this process, or with `beside`, in a helper process forked now, which has
-    torch imported already and imports the DCP package while this one writes. Made before any thread of the
-    conversion starts and before the output directory is locked (the helper inherits open files). Used as a
-    context manager, it ends a helper that has not made it (the conversion failed or was interrupted); a helper
-    whose parent dies reads the end of its input and ends without writing."""
+    """Makes `.metadata` (`make`), importing torch's DCP package from now on: on a thread, or with `helper`, in a
+    process forked now, which has torch imported already. Made before any other thread of the conversion starts
+    and before the output directory is locked (a helper inherits open files). Used as a context manager, it ends
+    a helper that has not made it (the conversion failed or was interrupted), and lets the thread's import finish
+    (torch's extensions can end a process that exits in the middle of one with an abort); a helper whose parent
+    dies reads the end of its input and ends without writing."""
 
-    def __init__(self, beside: bool = False):
-        self._pid = None
-        if not beside:
+    def __init__(self, helper: bool = False):
+        self._pid = self._importing = None
+        if not helper:
+            self._importing = threading.Thread(target=_import_planning, kwargs={"quietly": True}, daemon=True)
+            self._importing.start()
             return
         records_in, records_out = os.pipe()
         errors_in, errors_out = os.pipe()
@@ -83,7 +94,7 @@ class MetadataMaker:
                 os.close(records_out)
                 os.close(errors_in)
                 # Its own session: a terminal's Ctrl-C reaches the conversion, which ends the helper on its way
-                # out, not the helper in the middle of an import (torch's extensions can end that with an abort).
+                # out, not the helper in the middle of an import.
                 os.setsid()
                 code = _helper(records_in, errors_out)
             finally:
@@ -94,7 +105,8 @@ class MetadataMaker:
         self._errors = errors_in
 
     def make(self, directory: Path, parts: list[WrittenPart], declared: dict[str, tuple[torch.dtype, Shape]]) -> None:
-        if self._pid is None:
+        if self._importing is not None:
+            self._importing.join()
             write_metadata(directory, parts, declared)
             return
         unsent = memoryview(pickle.dumps((directory, parts, declared)))
@@ -111,6 +123,8 @@ class MetadataMaker:
             raise RuntimeError(f"{directory / '.metadata'}: {error or f'the helper ended with status {status}'}")
 
     def close(self) -> None:
+        if self._importing is not None:
+            self._importing.join()
         if self._pid is not None:
             os.kill(self._pid, signal.SIGKILL)
             os.waitpid(self._pid, 0)
@@ -126,12 +140,21 @@ class MetadataMaker:
         self.close()
 
 
+def _import_planning(quietly: bool = False) -> None:
+    """Import torch's DCP planning ahead of `write_metadata`, which imports it again where it is needed: a thread's
+    failed import (`quietly`) is reported there, once, rather than as the thread's traceback as well."""
+    try:
+        import torch.distributed.checkpoint.default_planner  # noqa: F401
+    except Exception:
+        if not quietly:
+            raise
+
+
 def _helper(records_in: int, errors_out: int) -> int:
     """The helper: import what `write_metadata` needs, then make `.metadata` from the records that come; nothing
     when the input ends first (the conversion did not finish). Its exit code; an error in one line."""
     try:
-        import torch.distributed.checkpoint.default_planner  # noqa: F401
-
+        _import_planning()
         with open(records_in, "rb") as records:
             received = records.read()
         if received:

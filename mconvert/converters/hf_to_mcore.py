@@ -265,9 +265,10 @@ def convert_hf_to_mcore(
     args = megatron.megatron_args(spec, parallelism, plan.dtype, transformer_impl, tokenizer_dir=load_dir)
     flags = megatron.megatron_flags(args)
 
-    # Rank 0 makes `.metadata`; its helper, if any, forked before the ranks' threads and the output's lock.
-    beside = sum(plan.nbytes(piece) for piece in plan.pieces if not piece.copy) >= dcp_metadata.BESIDE_BYTES
-    with MetadataMaker(beside and torchrun_rank()[0] == 0) as metadata, Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
+    # Rank 0 makes `.metadata`, started before the ranks' threads and the output's lock (MetadataMaker).
+    helper = dcp_metadata.helper_pays(sum(plan.nbytes(piece) for piece in plan.pieces if not piece.copy))
+    maker = MetadataMaker(helper) if torchrun_rank()[0] == 0 else contextlib.nullcontext()
+    with maker as metadata, Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
         release = work / torch_dist.RELEASE
         if ranks.is_first:
             release.mkdir()
