@@ -212,22 +212,25 @@ def test_common_state_stored_among_the_dcp_objects_is_read(hf_model_factory, tmp
     assert isinstance(read, argparse.Namespace) and vars(read) == vars(conversion.args)
 
 
+def dcp_modules_imported_by(argv: list[str], before: str = "pass") -> str:
+    """The torch.distributed.checkpoint modules that mconvert's command line `argv` imports, run to success in a
+    fresh interpreter after the code `before`."""
+    program = (
+        f"import sys; {before}; from mconvert.cli import main; code = main(sys.argv[1:]); "
+        "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint'))); sys.exit(code)"
+    )
+    done = subprocess.run([sys.executable, "-c", program, *argv], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
 def test_the_way_back_reads_dcp_metadata_without_torchs_dcp_package(hf_model_factory, tmp_path):
     """`.metadata` is read into plain records (importing torch.distributed.checkpoint is a third of the start):
     the whole conversion runs without that package, and the records say what torch's own classes say."""
     hf = hf_model_factory("qwen3-30b-a3b", layers=2)
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, ep=2))
-    program = (
-        "import sys; from mconvert.cli import main; code = main(sys.argv[1:]); "
-        "loaded = sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint')); "
-        "print(loaded); sys.exit(code)"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", program, "mcore-to-hf", "--load-dir", str(tmp_path / "mcore"), "--save-dir", str(tmp_path / "back")],
-        capture_output=True, text=True,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+    argv = ["mcore-to-hf", "--load-dir", str(tmp_path / "mcore"), "--save-dir", str(tmp_path / "back")]
+    assert dcp_modules_imported_by(argv) == "[]"
     assert sorted(HFCheckpoint(tmp_path / "back").tensors) == sorted(HFCheckpoint(hf).tensors)
 
     release = tmp_path / "mcore" / torch_dist.RELEASE
@@ -258,15 +261,9 @@ def test_the_way_in_imports_torchs_dcp_package_beside_the_writing(hf_model_facto
 
     hf = hf_model_factory("qwen3-30b-a3b", layers=2)
     convert_hf_to_mcore(hf, tmp_path / "here", parallelism=Parallelism(tp=2, ep=2))
-    program = (
-        "import sys; import mconvert.converters.dcp_metadata as m; m.HELPER_BYTES, m.HELPER_CORES = 0, 1; "
-        "from mconvert.cli import main; code = main(sys.argv[1:]); "
-        "print(sorted(m for m in sys.modules if m.startswith('torch.distributed.checkpoint'))); sys.exit(code)"
-    )
     argv = ["hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(tmp_path / "helper"), "--tp", "2", "--ep", "2"]
-    done = subprocess.run([sys.executable, "-c", program, *argv], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().splitlines()[-1] == "[]"
+    helper_always = "import mconvert.converters.dcp_metadata as m; m.HELPER_BYTES, m.HELPER_CORES = 0, 1"
+    assert dcp_modules_imported_by(argv, helper_always) == "[]"
     metadata = [(tmp_path / d / torch_dist.RELEASE / ".metadata").read_bytes() for d in ("here", "helper")]
     assert metadata[0] == metadata[1]
     assert FileSystemReader(tmp_path / "helper" / torch_dist.RELEASE).read_metadata().state_dict_metadata
