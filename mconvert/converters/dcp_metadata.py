@@ -2,12 +2,12 @@
 own DCP classes and global save planning, so that any DCP reader (megatron-core's included) reads it.
 
 Importing torch's DCP package took 1.3-1.7 s beside the writing on the 2-core box and 3.8-10.4 s on the 16-core
-GPU hosts (CUDA torch), holding the interpreter's lock through most of it (it pulls in DTensor and sympy). It is imported beside the
-writing: on a thread of the conversion, or, for a large conversion on a host with cores to spare, in a helper
-process forked as the writing starts, which waits for the records. On the GPU hosts the thread stalled the copies
-of a mixture-of-experts model's small tensors while it ran, and the helper saves 1.1-1.6 s of 15.5 at one worker
-and 5.6 s of 16.4 at eight; on the 2-core box it takes a core the writing needs and costs about 0.7 s
-(docs/performance.md, "The DCP import in a forked helper")."""
+GPU hosts (CUDA torch), holding the interpreter's lock through most of it (it pulls in DTensor and sympy). It is
+imported beside the writing: on a thread of the conversion, or, for a large conversion on a host with cores to
+spare, in a helper process forked as the writing starts, which waits for the records. On the GPU hosts the
+thread stalled the copies of a mixture-of-experts model's small tensors while it ran, and the helper saved
+1.1-1.6 s of 15.5 at one worker and 5.6-6.6 s of 16.4-17.4 at eight; on the 2-core box it takes a core the
+writing needs and cost about 0.7 s (docs/performance.md, "The DCP import in a forked helper")."""
 
 from __future__ import annotations
 
