@@ -4,13 +4,15 @@ megatron-core 0.16.1: its GPTModel (local spec, gloo CPU ranks) loads the checkp
 PP=2 (the dense first layer on another stage than the MoE one); every parameter equals what the HF weights
 imply (written out here from the HF tensors, independently of the mapping tables), every key megatron asks for
 is in the checkpoint, and its forward gives transformers' logits. The expert bias is filled with values that
-change which experts are chosen, so a dropped bias shows in the logits."""
+change which experts are chosen, so a dropped bias shows in the logits. In bf16, the router Megatron builds from
+the stored args sends every token to the experts transformers' router sends it to."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +20,10 @@ from safetensors.torch import load_file
 
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.megatron import Parallelism
+from mconvert.converters.torch_dist import iteration_dir, read_args
 from mconvert.synthetic import add_mtp_layers, make_hf_checkpoint, real_config, shrink
 from mconvert.verify.distributed import run_ranks
+from mconvert.verify.megatron_side import load_model
 from tests.test_moe_megatron import TOKENS, hf_logits, megatron_view, stored_keys
 
 # name: (config, config overrides, HF experts fused in 3-D tensors)
@@ -163,3 +167,40 @@ def test_megatron_loads_what_hf_holds(layout, hf_models, tmp_path):
         assert extra and extra <= te_names, (name, extra)
         vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
         torch.testing.assert_close(logits[..., :vocab], hf_logits(hf_dir, TOKENS), rtol=1e-4, atol=1e-4)
+
+
+def megatron_routes(ckpt_dirs: dict[str, str], hidden: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each checkpoint's first MoE layer's router, as Megatron-LM builds it from the stored args, in bf16:
+    the routing weights [tokens, experts] (zero where not chosen) and the choice."""
+    routes = {}
+    for name, ckpt_dir in ckpt_dirs.items():
+        model = load_model(ckpt_dir, read_args(iteration_dir(Path(ckpt_dir))), torch.bfloat16, transformer_impl="local")
+        with torch.no_grad():
+            probs, chosen = model[0].decoder.layers[1].mlp.router(hidden.unsqueeze(1))
+        routes[name] = probs.float(), chosen
+    return routes
+
+
+def test_megatron_routes_bf16_tokens_as_transformers_does(tmp_path):
+    """transformers computes these families' router logits in fp32 whatever the model's dtype; in bf16,
+    Megatron's router must too (`moe_router_dtype` fp32), or near-equal expert scores round to ties and tokens
+    go to other experts than the HF model sends them to."""
+    import transformers
+
+    hidden = torch.randn(512, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
+    hf_dirs, ckpts = {}, {}
+    for name, (config, overrides, fused) in MODELS.items():
+        hf_dirs[name] = make_hf_checkpoint(shrink(real_config(config), layers=2, **overrides), tmp_path / name, dtype="bfloat16", fused_experts=fused)
+        ckpts[name] = str(tmp_path / f"{name}-mcore")
+        convert_hf_to_mcore(hf_dirs[name], ckpts[name])
+
+    routes = run_ranks(megatron_routes, ckpts, hidden)
+
+    for name, hf_dir in hf_dirs.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16)
+        with torch.no_grad():
+            _, weights, experts = model.model.layers[1].mlp.gate(hidden)
+        expected = torch.zeros(len(hidden), routes[name][0].shape[1]).scatter(1, experts, weights.float())
+        probs, chosen = routes[name]
+        assert torch.equal(chosen, expected > 0), (name, (chosen != (expected > 0)).any(1).sum().item())
+        torch.testing.assert_close(probs, expected, rtol=1e-5, atol=1e-6)

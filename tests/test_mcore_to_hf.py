@@ -26,7 +26,7 @@ from mconvert.converters.megatron import Parallelism
 from mconvert.converters.safetensors_io import INDEX_FILE, HFCheckpoint, SafetensorsWriter, parse_size
 from mconvert.converters.state_dict import hf_to_mcore_state_dict, mcore_to_hf_state_dict
 from mconvert.errors import ConversionError
-from mconvert.mappings import family_for_spec, get_mapping
+from mconvert.mappings import family_for_spec, get_mapping, write_hf_config
 from mconvert.synthetic import add_mtp_layers, make_hf_checkpoint, real_config, shrink
 
 # id: (real config, overrides)
@@ -141,6 +141,22 @@ def test_args_read_back_into_the_same_model_of_the_same_family(name):
     from_args = megatron.spec_from_args(args)
     assert family_for_spec(from_args) is family
     assert dataclasses.replace(from_args, family=family.name) == dataclasses.replace(spec, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_router_dtype_is_written_and_either_converts_back(name):
+    """fp32 routing is how transformers computes DeepSeek's and GLM-4.5's routers, so their args ask Megatron for
+    it; it is how a model computes, not what it is, so a checkpoint trained with or without it converts back."""
+    config_name, overrides = MODELS[name]
+    family, spec = get_mapping(shrink(real_config(config_name), **overrides))
+    args = megatron.megatron_args(spec, Parallelism(), torch.bfloat16, "transformer_engine")
+    assert args.moe_router_dtype == ("fp32" if family.name in ("deepseek", "glm4_moe") else None)
+    assert megatron.spec_from_args(args).moe.router_fp32 == (args.moe_router_dtype == "fp32")
+    configs = [
+        write_hf_config(family, megatron.spec_from_args(argparse.Namespace(**{**vars(args), "moe_router_dtype": dtype})))
+        for dtype in (None, "fp32")
+    ]
+    assert configs[0] == configs[1]
 
 
 def moe_args(**changes) -> argparse.Namespace:

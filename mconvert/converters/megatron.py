@@ -237,7 +237,7 @@ MEGATRON_LM_DEFAULTS: dict[str, Any] = {
     "untie_embeddings_and_output_weights": False, "attention_dropout": 0.1, "hidden_dropout": 0.1,
     "window_size": None, "num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None,
     "moe_router_pre_softmax": False, "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None,
-    "moe_shared_expert_gate": False, "moe_aux_loss_coeff": 0.0,
+    "moe_shared_expert_gate": False, "moe_aux_loss_coeff": 0.0, "moe_router_dtype": None,
 }
 # Args whose name in Megatron-LM 0.19 (its parser's dest, after TransformerConfig's field) differs from the
 # flag's, and from the name earlier Megatron-LM versions store: both names are written, either is read.
@@ -353,8 +353,9 @@ def megatron_args(
 
 def _router_args(moe: MoESpec) -> dict[str, Any]:
     """DeepSeek-V3 and GLM-4.5 routing: sigmoid scores, an expert bias that only chooses experts, scaled
-    weights, group-limited choice."""
+    weights, group-limited choice, fp32 routing."""
     return dict(
+        moe_router_dtype="fp32" if moe.router_fp32 else None,
         moe_router_score_function=moe.score_function,
         moe_router_enable_expert_bias=moe.expert_bias,
         moe_router_topk_scaling_factor=moe.topk_scaling_factor,
@@ -475,6 +476,8 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
 
 def _router_flags(a: argparse.Namespace) -> list[str]:
     flags = []
+    if getattr(a, "moe_router_dtype", None) is not None:
+        flags.append(f"--moe-router-dtype {a.moe_router_dtype}")
     if a.moe_router_score_function != "softmax":
         flags.append(f"--moe-router-score-function {a.moe_router_score_function}")
     if a.moe_router_enable_expert_bias:
@@ -638,6 +641,7 @@ def spec_from_args(
             num_groups=arg("moe_router_num_groups"),
             group_topk=arg("moe_router_group_topk"),
             aux_loss_coeff=float(arg("moe_aux_loss_coeff", 0.0)),
+            router_fp32=arg("moe_router_dtype") == "fp32",
         )
     mla: MLASpec | None = None
     if arg("multi_latent_attention", False):

@@ -120,6 +120,7 @@ def read_moe(config: dict[str, Any], num_layers: int, sigmoid: bool, source: str
         topk_scaling_factor=None if scale == 1.0 else scale,
         num_groups=groups[0],
         group_topk=groups[1],
+        router_fp32=True,
     )
 
 

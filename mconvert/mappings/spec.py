@@ -60,6 +60,11 @@ class MoESpec:
     group_topk: int | None = None
     # The load-balancing loss's weight in training (HF `router_aux_loss_coef`); no effect on the weights.
     aux_loss_coeff: float = 0.0
+    # Router logits and routing weights computed in fp32 whatever the model's dtype, as transformers does for
+    # DeepSeek-V2/V3 and GLM-4.5 (Megatron's `moe_router_dtype` fp32): in bf16, near-equal expert scores
+    # otherwise round to ties and tokens go to other experts. How the model computes, not what it is: HF
+    # configs cannot say it, so a Megatron checkpoint trained either way converts back to the same model.
+    router_fp32: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,7 @@ def transformer_config_from_args(
             moe_router_enable_expert_bias=getattr(args, "moe_router_enable_expert_bias", False),
             moe_router_num_groups=getattr(args, "moe_router_num_groups", None),
             moe_router_group_topk=getattr(args, "moe_router_group_topk", None),
+            moe_router_dtype=getattr(args, "moe_router_dtype", None),
             moe_layer_freq=getattr(args, "moe_layer_freq", 1),
             # The local spec's grouped gemm is the legacy GroupedMLP (CUDA-only grouped_gemm kernels,
             # other checkpoint keys); its SequentialMLP stores the keys TEGroupedMLP stores
