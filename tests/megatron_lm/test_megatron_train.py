@@ -90,10 +90,12 @@ def driver_loss_on_cpu(argv: list[str]) -> tuple[float, int]:
     return total, count
 
 
-# Dense under TP, and MoE under EP, on 2 CPU ranks.
+# Dense under TP, and MoE under EP, on 2 CPU ranks; GLM-4.5's sigmoid routing with the expert bias, fp32 routing
+# and partial rope through Megatron-LM's own config builder (DeepSeek's MLA needs Transformer Engine there).
 CASES = {
     "qwen2-tp2": ("qwen2.5-0.5b", {}, Parallelism(tp=2)),
     "qwen3_moe-ep2": ("qwen3-30b-a3b", {}, Parallelism(ep=2)),
+    "glm4_moe-ep2": ("glm-4.5-air", {}, Parallelism(ep=2)),
 }
 
 
