@@ -23,6 +23,8 @@
 #   launch      the same through the train.sh a conversion writes (scripts/gpu_train.py --launcher train.sh)
 #   verify      mconvert verify --spec te on real shapes (scripts/gpu_verify.py)
 #   verify-mla  the same for GLM-4.5-Air and DeepSeek-V3, cut to their first dense and first MoE layer
+#   train-mla   on one GPU: Megatron-LM training steps from DeepSeek-V3 and GLM-4.5-Air cuts (hidden 2048, 32 experts)
+#   verify-mla-bf16  the same cuts verified under TE in bf16
 #   verify-v2lite  DeepSeek-V2-Lite whole, with megatron-core 0.18.0 (carry .whl018: 0.19 cannot build it)
 #   te-export   megatron-core's own TE-spec grouped-GEMM saves exported bit-exactly (scripts/gpu_te_export.py)
 #   bench       weight sync (gather_hf_weights) at TP=2 and EP=2, and loading, on the GPUs
@@ -146,6 +148,24 @@ for stage in "$@"; do
       glm-4.5-air@2:tp2ep2etp1 glm-4.5-air@2:pp2 'deepseek-v3@2+first_k_dense_replace=1:ep2' > "$OUT/verify-mla.log" 2>&1
     note "verify-mla: exit $?"
     mark verify-mla
+    ;;
+  train-mla | verify-mla-bf16)
+    # One GPU: DeepSeek-V3's and GLM-4.5-Air's first dense and first MoE layer, hidden 2048 and 32 experts (all
+    # else as published: MLA ranks, heads, group-limited sigmoid routing with the expert bias, partial rope), small
+    # enough for fp32 training with its optimizer save on one GPU and its disk. train-mla: Megatron-LM training
+    # steps (scripts/gpu_train.py); verify-mla-bf16: mconvert verify --spec te in bf16, where the routers' dtype
+    # (--moe-router-dtype fp32) shows.
+    models=("deepseek-v3@2+first_k_dense_replace=1+hidden_size=2048+n_routed_experts=32" "glm-4.5-air@2+hidden_size=2048+n_routed_experts=32")
+    if [ "$stage" = train-mla ]; then
+      python3 scripts/gpu_train.py --nproc 1 --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" \
+        "${models[0]}:tp1" "${models[1]}:tp1" > "$OUT/train-mla.log" 2>&1
+    else
+      python3 scripts/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) - 60))" \
+        "${models[0]}:tp1:bf16" "${models[1]}:tp1:bf16" > "$OUT/verify-mla-bf16.log" 2>&1
+    fi
+    code=$?
+    note "$stage: exit $code"
+    [ "$code" = 3 ] || mark "$stage"
     ;;
   verify-v2lite)
     # Megatron-core 0.19 builds a query norm that V2-Lite does not have (docs/verification.md); 0.18 is the
