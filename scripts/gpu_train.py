@@ -7,8 +7,8 @@ A job is MODEL:LAYOUT as in scripts/gpu_verify.py. For each: a random-init HF mo
 runs of `torchrun scripts/megatron_train.py` with exactly the checkpoint's MODEL_ARGS (from megatron_args.sh)
 plus the load, data and optimizer flags (with `--launcher train.sh`: two runs of the train.sh the conversion
 wrote, MEGATRON_LM naming a folder whose pretrain_gpt.py is that driver, the schedule in its environment):
-- --lr 0 for 2 steps with --save: its loss must equal transformers' and its training save must export to the
-  HF input bit for bit;
+- --lr 0 for 2 steps with --save (and the expert bias's update off, where the model has one): its loss must
+  equal transformers' and its training save must export to the HF input bit for bit;
 - --lr LR for --steps steps: its loss must fall at every step;
 then scripts/megatron_train_check.py judges. Without Transformer Engine (it does not import) MODEL_ARGS'
 `--transformer-impl transformer_engine` cannot run; the local spec is added then, with what Megatron-LM's
@@ -159,7 +159,12 @@ def main() -> int:
                 "--dist-ckpt-strictness", "raise_unexpected",
             ]
             launch = train_sh if options.launcher == "train.sh" else torchrun
-            lr0 = launch(options, ckpt, have_te, data, lr=0.0, iters=2, save=work / "save0", loss_log=work / "log0")
+            # Megatron moves DeepSeek-V3's and GLM-4.5's expert bias by the token counts after every step
+            # (aux-loss-free balancing, --moe-router-bias-update-rate 1e-3), whatever the learning rate: at lr 0
+            # it is frozen too, so that the weights stay those converted (measured: step 2's loss moved by 3e-4 to
+            # 9e-4 and the save's bias differed, with the update on).
+            frozen = ["--moe-router-bias-update-rate", "0"] if "--moe-router-enable-expert-bias" in result["model_args"] else []
+            lr0 = launch(options, ckpt, have_te, data + frozen, lr=0.0, iters=2, save=work / "save0", loss_log=work / "log0")
             trained = launch(options, ckpt, have_te, data, lr=options.lr, iters=options.steps, save=None, loss_log=work / "log1")
             result["command_lr0"] = " ".join(f"{k}={shlex.quote(v)}" for k, v in lr0[1].items()) + " " + shlex.join(lr0[0])
             code0, result["lr0_s"] = run(lr0[0], min(left(), 300), work / "lr0.log", lr0[1])
