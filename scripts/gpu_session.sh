@@ -23,7 +23,8 @@
 #   launch      the same through the train.sh a conversion writes (scripts/gpu_train.py --launcher train.sh)
 #   verify      mconvert verify --spec te on real shapes (scripts/gpu_verify.py)
 #   verify-mla  the same for GLM-4.5-Air and DeepSeek-V3, cut to their first dense and first MoE layer
-#   train-mla   on one GPU: Megatron-LM training steps from DeepSeek-V3 and GLM-4.5-Air cuts (hidden 2048, 32 experts)
+#   train-mla   on one GPU: Megatron-LM training steps from DeepSeek-V3 and GLM-4.5-Air cuts (hidden 2048, 32 experts;
+#               MTP=1: with their multi-token prediction layers)
 #   verify-mla-bf16  the same cuts verified under TE in bf16
 #   verify-v2lite  DeepSeek-V2-Lite whole, with megatron-core 0.18.0 (carry .whl018: 0.19 cannot build it)
 #   te-export   megatron-core's own TE-spec grouped-GEMM saves exported bit-exactly (scripts/gpu_te_export.py)
@@ -157,8 +158,9 @@ for stage in "$@"; do
     # (--moe-router-dtype fp32) shows.
     models=("deepseek-v3@2+first_k_dense_replace=1+hidden_size=2048+n_routed_experts=32" "glm-4.5-air@2+hidden_size=2048+n_routed_experts=32")
     if [ "$stage" = train-mla ]; then
-      python3 scripts/gpu_train.py --nproc 1 --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" \
-        "${models[0]}:tp1" "${models[1]}:tp1" > "$OUT/train-mla.log" 2>&1
+      # ${MTP:+--mtp}: with the multi-token prediction layer each config names, as the hub's checkpoints hold it.
+      python3 scripts/gpu_train.py --nproc 1 ${MTP:+--mtp} --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" \
+        --done-dir "$STATE" "${models[0]}:tp1" "${models[1]}:tp1" > "$OUT/train-mla.log" 2>&1
     else
       python3 scripts/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) - 60))" \
         "${models[0]}:tp1:bf16" "${models[1]}:tp1:bf16" > "$OUT/verify-mla-bf16.log" 2>&1

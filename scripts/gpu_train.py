@@ -2,8 +2,8 @@
 
     python scripts/gpu_train.py --work /tmp/gt --out results/ qwen2.5-0.5b:tp2 qwen2.5-0.5b:pp2 qwen3-30b-a3b@2:ep2
 
-A job is MODEL:LAYOUT as in scripts/gpu_verify.py. For each: a random-init HF model of that shape (bf16),
-`mconvert hf-to-mcore --dtype fp32` at the layout, a token file of --rows rows (one global batch), then two
+A job is MODEL:LAYOUT as in scripts/gpu_verify.py. For each: a random-init HF model of that shape (bf16; with
+--mtp also the multi-token prediction layers its config names, which transformers does not build), `mconvert hf-to-mcore --dtype fp32` at the layout, a token file of --rows rows (one global batch), then two
 runs of `torchrun scripts/megatron_train.py` with exactly the checkpoint's MODEL_ARGS (from megatron_args.sh)
 plus the load, data and optimizer flags (with `--launcher train.sh`: two runs of the train.sh the conversion
 wrote, MEGATRON_LM naming a folder whose pretrain_gpt.py is that driver, the schedule in its environment):
@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import torch  # noqa: E402
 from gpu_verify import parse_job, write_hf_model  # noqa: E402
 from megatron_train_check import write_tokens  # noqa: E402
+from mconvert.synthetic import add_mtp_layers  # noqa: E402
 from mconvert.verify.megatron_lm import script_arrays  # noqa: E402
 
 # What Megatron-LM's defaults take from Transformer Engine, off for the local spec.
@@ -112,6 +113,8 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--done-dir", type=Path, help="a marker per finished job here; jobs marked are skipped")
+    parser.add_argument("--mtp", action="store_true",
+                        help="give each HF model the multi-token prediction layers its config names, as the hub's hold them")
     parser.add_argument("--launcher", choices=("torchrun", "train.sh"), default="torchrun",
                         help="the driver under torchrun with MODEL_ARGS, or the train.sh the conversion wrote")
     options = parser.parse_args()
@@ -124,7 +127,8 @@ def main() -> int:
 
     skipped = 0
     for job in options.jobs:
-        marker = options.done_dir / f"train-{options.launcher}-{job.replace(':', '-')}" if options.done_dir else None
+        name = f"{options.launcher}{'-mtp' if options.mtp else ''}-{job.replace(':', '-')}"
+        marker = options.done_dir / f"train-{name}" if options.done_dir else None
         if marker and marker.exists():
             print(f"skipped {job}: done in an earlier run", flush=True)
             continue
@@ -133,13 +137,15 @@ def main() -> int:
             skipped += 1
             continue
         model, sizes, _ = parse_job(job)
-        tag = f"{model}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}"
+        tag = f"{model}{'+mtp' if options.mtp else ''}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}"
         work = options.work / tag
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        hf = options.work / model
-        result: dict = {"job": job, "launcher": options.launcher, "transformer_engine": have_te}
+        hf = options.work / (model + "+mtp" if options.mtp else model)
+        result: dict = {"job": job, "launcher": options.launcher, "transformer_engine": have_te, "mtp": options.mtp}
         result["make_hf_s"] = write_hf_model(model, hf, "cuda" if torch.cuda.is_available() else "cpu")
+        if options.mtp and not (hf / "mtp.safetensors").exists():
+            add_mtp_layers(hf)
         ckpt = work / "mcore"
         code, result["convert_s"] = run(
             [sys.executable, "-m", "mconvert.cli", "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(ckpt),

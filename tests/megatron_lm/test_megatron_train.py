@@ -20,6 +20,7 @@ pytest.importorskip("megatron.training.argument_utils")
 
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
 from mconvert.converters.megatron import Parallelism  # noqa: E402
+from mconvert.synthetic import add_mtp_layers, make_hf_checkpoint, real_config, shrink  # noqa: E402
 from mconvert.verify.distributed import run_ranks  # noqa: E402
 from mconvert.verify.megatron_lm import script_arrays  # noqa: E402
 
@@ -90,25 +91,30 @@ def driver_loss_on_cpu(argv: list[str]) -> tuple[float, int]:
     return total, count
 
 
-# Dense under TP, and MoE under EP, on 2 CPU ranks; GLM-4.5's sigmoid routing with the expert bias, fp32 routing
-# and partial rope through Megatron-LM's own config builder (DeepSeek's MLA needs Transformer Engine there).
+# Dense under TP, and MoE under EP, on 2 CPU ranks; GLM-4.5 with the multi-token prediction layer the hub's
+# checkpoints hold (--mtp-num-layers 1), sigmoid routing with the expert bias, fp32 routing and partial rope,
+# through Megatron-LM's own builders (DeepSeek's MLA needs Transformer Engine there).
 CASES = {
-    "qwen2-tp2": ("qwen2.5-0.5b", {}, Parallelism(tp=2)),
-    "qwen3_moe-ep2": ("qwen3-30b-a3b", {}, Parallelism(ep=2)),
-    "glm4_moe-ep2": ("glm-4.5-air", {}, Parallelism(ep=2)),
+    # name: (config, parallelism, with the config's multi-token prediction layers)
+    "qwen2-tp2": ("qwen2.5-0.5b", Parallelism(tp=2), False),
+    "qwen3_moe-ep2": ("qwen3-30b-a3b", Parallelism(ep=2), False),
+    "glm4_moe-mtp-ep2": ("glm-4.5-air", Parallelism(ep=2), True),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_driver_loss_equals_transformers(case, hf_model_factory, tmp_path, monkeypatch):
-    config, overrides, parallelism = CASES[case]
-    hf = Path(hf_model_factory(config, **overrides))
+def test_driver_loss_equals_transformers(case, tmp_path, monkeypatch):
+    config, parallelism, mtp = CASES[case]
+    hf = make_hf_checkpoint(shrink(real_config(config)), tmp_path / "hf")
+    if mtp:
+        add_mtp_layers(hf)
     ckpt = tmp_path / "mcore"
     convert_hf_to_mcore(hf, ckpt, parallelism=parallelism)
     check = _script("megatron_train_check")
     rows, seq_length = 2, 12
     check.write_tokens(hf, rows, seq_length, tmp_path / "tokens.npy")
     argv = driver_command_line(ckpt, tmp_path / "tokens.npy", tmp_path / "log", seq_length, rows)
+    assert ("--mtp-num-layers" in argv) == mtp
     if not importlib.util.find_spec("transformer_engine"):
         # Without Transformer Engine: the local spec, and off what Megatron-LM defaults to and only TE provides
         # (rope fusion, the persistent layer norm); grouped GEMM experts are TE's (the local spec's are the legacy
