@@ -26,6 +26,8 @@
 #   train-mla   on one GPU: Megatron-LM training steps from DeepSeek-V3 and GLM-4.5-Air cuts (hidden 2048, 32 experts;
 #               MTP=1: with their multi-token prediction layers)
 #   verify-mla-bf16  the same cuts verified under TE in bf16
+#   train-distopt  on one GPU: Megatron-LM training steps with --use-distributed-optimizer (Qwen2.5-0.5B's shape and
+#               Qwen3-30B-A3B's first 2 layers), whose saves hold that optimizer's state beside the weights
 #   verify-v2lite  DeepSeek-V2-Lite whole, with megatron-core 0.18.0 (carry .whl018: 0.19 cannot build it)
 #   te-export   megatron-core's own TE-spec grouped-GEMM saves exported bit-exactly (scripts/gpu_te_export.py)
 #   bench       weight sync (gather_hf_weights) at TP=2 and EP=2, and loading, on the GPUs
@@ -168,6 +170,13 @@ for stage in "$@"; do
     code=$?
     note "$stage: exit $code"
     [ "$code" = 3 ] || mark "$stage"
+    ;;
+  train-distopt)
+    python3 scripts/gpu_train.py --nproc 1 --distributed-optimizer --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" \
+      --done-dir "$STATE" qwen2.5-0.5b:tp1 qwen3-30b-a3b@2:tp1 > "$OUT/train-distopt.log" 2>&1
+    code=$?
+    note "train-distopt: exit $code"
+    [ "$code" = 3 ] || mark train-distopt
     ;;
   verify-v2lite)
     # Megatron-core 0.19 builds a query norm that V2-Lite does not have (docs/verification.md); 0.18 is the

@@ -3,13 +3,15 @@
     python scripts/gpu_train.py --work /tmp/gt --out results/ qwen2.5-0.5b:tp2 qwen2.5-0.5b:pp2 qwen3-30b-a3b@2:ep2
 
 A job is MODEL:LAYOUT as in scripts/gpu_verify.py. For each: a random-init HF model of that shape (bf16; with
---mtp also the multi-token prediction layers its config names, which transformers does not build), `mconvert hf-to-mcore --dtype fp32` at the layout, a token file of --rows rows (one global batch), then two
+--mtp also the multi-token prediction layers its config names, which transformers does not build),
+`mconvert hf-to-mcore --dtype fp32` at the layout, a token file of --rows rows (one global batch), then two
 runs of `torchrun scripts/megatron_train.py` with exactly the checkpoint's MODEL_ARGS (from megatron_args.sh)
 plus the load, data and optimizer flags (with `--launcher train.sh`: two runs of the train.sh the conversion
 wrote, MEGATRON_LM naming a folder whose pretrain_gpt.py is that driver, the schedule in its environment):
 - --lr 0 for 2 steps with --save (and the expert bias's update off, where the model has one): its loss must
   equal transformers' and its training save must export to the HF input bit for bit;
-- --lr LR for --steps steps: its loss must fall at every step;
+- --lr LR for --steps steps: its loss must fall at every step
+(with --distributed-optimizer, both add --use-distributed-optimizer: the save holds that optimizer's state);
 then scripts/megatron_train_check.py judges. Without Transformer Engine (it does not import) MODEL_ARGS'
 `--transformer-impl transformer_engine` cannot run; the local spec is added then, with what Megatron-LM's
 defaults take from TE turned off, and the result says so. Dropout is off (--hidden-dropout 0
@@ -115,6 +117,9 @@ def main() -> int:
     parser.add_argument("--done-dir", type=Path, help="a marker per finished job here; jobs marked are skipped")
     parser.add_argument("--mtp", action="store_true",
                         help="give each HF model the multi-token prediction layers its config names, as the hub's hold them")
+    parser.add_argument("--distributed-optimizer", action="store_true",
+                        help="train with --use-distributed-optimizer, as most Megatron-LM runs do: its saves hold the "
+                             "optimizer state in that optimizer's sharded form")
     parser.add_argument("--launcher", choices=("torchrun", "train.sh"), default="torchrun",
                         help="the driver under torchrun with MODEL_ARGS, or the train.sh the conversion wrote")
     options = parser.parse_args()
@@ -127,7 +132,8 @@ def main() -> int:
 
     skipped = 0
     for job in options.jobs:
-        name = f"{options.launcher}{'-mtp' if options.mtp else ''}-{job.replace(':', '-')}"
+        variant = ("-mtp" if options.mtp else "") + ("-distopt" if options.distributed_optimizer else "")
+        name = f"{options.launcher}{variant}-{job.replace(':', '-')}"
         marker = options.done_dir / f"train-{name}" if options.done_dir else None
         if marker and marker.exists():
             print(f"skipped {job}: done in an earlier run", flush=True)
@@ -137,12 +143,13 @@ def main() -> int:
             skipped += 1
             continue
         model, sizes, _ = parse_job(job)
-        tag = f"{model}{'+mtp' if options.mtp else ''}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}"
+        tag = f"{model}{variant}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}"
         work = options.work / tag
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
         hf = options.work / (model + "+mtp" if options.mtp else model)
-        result: dict = {"job": job, "launcher": options.launcher, "transformer_engine": have_te, "mtp": options.mtp}
+        result: dict = {"job": job, "launcher": options.launcher, "transformer_engine": have_te, "mtp": options.mtp,
+                        "distributed_optimizer": options.distributed_optimizer}
         result["make_hf_s"] = write_hf_model(model, hf, "cuda" if torch.cuda.is_available() else "cpu")
         if options.mtp and not (hf / "mtp.safetensors").exists():
             add_mtp_layers(hf)
@@ -163,6 +170,7 @@ def main() -> int:
                 "--seq-length", str(options.seq_length), "--hidden-dropout", "0", "--attention-dropout", "0",
                 "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1", "--lr-decay-style", "constant",
                 "--dist-ckpt-strictness", "raise_unexpected",
+                *(["--use-distributed-optimizer"] if options.distributed_optimizer else []),
             ]
             launch = train_sh if options.launcher == "train.sh" else torchrun
             # Megatron moves DeepSeek-V3's and GLM-4.5's expert bias by the token counts after every step
