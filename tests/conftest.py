@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
+from mconvert.synthetic import add_mtp_layers, make_hf_checkpoint, real_config, shrink
 
 
 @pytest.fixture(scope="session")
 def hf_model_factory(tmp_path_factory):
-    """make(name, layers, max_shard_size, seed, **config overrides) -> directory of a shrunk random-init HF checkpoint (cached per args)."""
+    """make(name, layers, max_shard_size, seed, mtp, **config overrides) -> directory of a shrunk random-init HF
+    checkpoint (cached per args); mtp: with the multi-token prediction layers its config names (add_mtp_layers),
+    in a directory of its own, so that the checkpoint without them stays as made."""
     made = {}
 
-    def make(config_name: str, layers: int = 2, max_shard_size: str | None = None, seed: int = 0, **overrides):
-        key = (config_name, layers, max_shard_size, seed, repr(sorted(overrides.items())))  # values may be lists
+    def make(config_name: str, layers: int = 2, max_shard_size: str | None = None, seed: int = 0, mtp: bool = False, **overrides):
+        key = (config_name, layers, max_shard_size, seed, mtp, repr(sorted(overrides.items())))  # values may be lists
         if key not in made:
             out = tmp_path_factory.mktemp(config_name.replace(".", "_"))
             made[key] = make_hf_checkpoint(shrink(real_config(config_name), layers=layers, **overrides), out / "hf", seed=seed, max_shard_size=max_shard_size)
+            if mtp:
+                add_mtp_layers(made[key])
         return made[key]
 
     return make

@@ -25,7 +25,6 @@ from mconvert.converters.rank_export import gather_hf_weights
 from mconvert.converters.safetensors_io import HFCheckpoint
 from mconvert.converters.state_dict import mcore_to_hf_state_dict
 from mconvert.converters.torch_dist import TRACKER_FILE, read_args, RELEASE
-from mconvert.synthetic import add_mtp_layers
 
 # The megatron-core harness (CPU shims, gloo ranks, model loading) lives in mconvert.verify.
 run_ranks = pytest.importorskip("mconvert.verify.distributed").run_ranks
@@ -183,7 +182,7 @@ def test_multi_token_prediction_layers_are_handed_out_and_exported(hf_model_fact
     the local spec's names, the MTP layer's experts numbered within each EP rank) and a torch_dist checkpoint
     whose args name the MTP layers export to the original, with --hf-config too (the HF config names MTP layers
     whether or not HF weights hold them)."""
-    hf = add_mtp_layers(hf_model_factory("deepseek-v3"))
+    hf = Path(hf_model_factory("deepseek-v3", mtp=True))
     results = run_megatron_saves(tmp_path, {"deepseek": hf}, Parallelism(ep=2))
     original = read_hf(hf)
     assert any(".layers.2." in name for name in original)  # the MTP layer, after the model's 2

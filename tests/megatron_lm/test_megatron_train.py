@@ -20,7 +20,6 @@ pytest.importorskip("megatron.training.argument_utils")
 
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
 from mconvert.converters.megatron import Parallelism  # noqa: E402
-from mconvert.synthetic import add_mtp_layers, make_hf_checkpoint, real_config, shrink  # noqa: E402
 from mconvert.verify.distributed import run_ranks  # noqa: E402
 from mconvert.verify.megatron_lm import script_arrays  # noqa: E402
 
@@ -103,11 +102,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_driver_loss_equals_transformers(case, tmp_path, monkeypatch):
+def test_driver_loss_equals_transformers(case, hf_model_factory, tmp_path, monkeypatch):
     config, parallelism, mtp = CASES[case]
-    hf = make_hf_checkpoint(shrink(real_config(config)), tmp_path / "hf")
-    if mtp:
-        add_mtp_layers(hf)
+    hf = Path(hf_model_factory(config, mtp=mtp))
     ckpt = tmp_path / "mcore"
     convert_hf_to_mcore(hf, ckpt, parallelism=parallelism)
     check = _script("megatron_train_check")
