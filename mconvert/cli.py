@@ -32,6 +32,34 @@ def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
         "--etp", "--target-expert-tensor-parallel-size", dest="etp", type=int, default=None,
         help="expert tensor parallel size (default: the same as --tp, as in Megatron)",
     )
+    split = parser.add_argument_group(
+        "pipeline split", "how Megatron-LM splits the layers over the --pp stages, as its own flags say (default: evenly)"
+    )
+    split.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None, metavar="N", help="layers of the first stage")
+    split.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None, metavar="N", help="layers of the last stage")
+    split.add_argument("--account-for-embedding-in-pipeline-split", action="store_true", help="count the embedding as a layer")
+    split.add_argument("--account-for-loss-in-pipeline-split", action="store_true", help="count the loss as a layer")
+    split.add_argument(
+        "--pipeline-model-parallel-layout", default=None, metavar="LAYOUT",
+        help='each stage\'s layers, e.g. "Et*3|(tt|)*29,m|L" (E embedding, t decoder layer, m MTP layer, L loss)',
+    )
+
+
+def _parallelism(options: argparse.Namespace):
+    """The layout `_add_parallel_flags`'s flags ask for."""
+    from mconvert.converters.megatron import Parallelism, PipelineSplit
+
+    return Parallelism(
+        options.tp, options.pp, options.ep, options.etp,
+        make_vocab_size_divisible_by=getattr(options, "make_vocab_size_divisible_by", 128),
+        pipeline=PipelineSplit(
+            first_stage_layers=options.decoder_first_pipeline_num_layers,
+            last_stage_layers=options.decoder_last_pipeline_num_layers,
+            embedding_counts=options.account_for_embedding_in_pipeline_split,
+            loss_counts=options.account_for_loss_in_pipeline_split,
+            layout=options.pipeline_model_parallel_layout,
+        ),
+    )
 
 
 def _add_workers_flag(parser: argparse.ArgumentParser) -> None:
@@ -76,16 +104,13 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     from mconvert.converters import megatron
     from mconvert.converters.hf_to_mcore import ARGS_SCRIPT, convert_hf_to_mcore
     from mconvert.converters.launch import SBATCH_SCRIPT, TORCHRUN_SCRIPT
-    from mconvert.converters.megatron import Parallelism
     from mconvert.hub import resolve_hf_dir
     from mconvert.progress import progress_for
 
     started = time.perf_counter()
     load_dir = resolve_hf_dir(options.load_dir, "--load-dir", revision=options.revision)
     save_dir = Path(options.save_dir)
-    parallelism = Parallelism(
-        options.tp, options.pp, options.ep, options.etp, options.make_vocab_size_divisible_by
-    )
+    parallelism = _parallelism(options)
     progress = progress_for("hf-to-mcore", options.quiet)
     try:
         result = convert_hf_to_mcore(
@@ -119,7 +144,8 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     print(f"Megatron-LM flags (also in {save_dir}/{ARGS_SCRIPT}):")
     print(megatron.args_script(result.args, Path(save_dir)), end="")
     print("next:")
-    print(f"  mconvert verify --hf {options.load_dir} --mcore {save_dir} --tp {parallelism.tp} --pp {parallelism.pp} --ep {parallelism.ep} --device cuda  # --device cpu without GPUs")
+    layout = " ".join([f"--tp {parallelism.tp} --pp {parallelism.pp} --ep {parallelism.ep}", *parallelism.pipeline.flags()])
+    print(f"  mconvert verify --hf {options.load_dir} --mcore {save_dir} {layout} --device cuda  # --device cpu without GPUs")
     print(f"  MEGATRON_LM=/path/to/Megatron-LM bash {save_dir}/{TORCHRUN_SCRIPT}      # train on this node")
     print(f"  MEGATRON_LM=/path/to/Megatron-LM sbatch {save_dir}/{SBATCH_SCRIPT}  # or on a Slurm cluster")
     return 0
@@ -182,7 +208,6 @@ def _verify(options: argparse.Namespace) -> int:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     warnings.simplefilter("ignore")
 
-    from mconvert.converters.megatron import Parallelism
     from mconvert.hub import resolve_hf_dir
     from mconvert.verify.run import ArchitectureMismatch, VerifyRequest, verify
 
@@ -190,7 +215,7 @@ def _verify(options: argparse.Namespace) -> int:
         request = VerifyRequest(
             hf_dir=resolve_hf_dir(options.hf, "--hf", revision=options.revision),
             mcore_dir=Path(options.mcore),
-            parallelism=Parallelism(options.tp, options.pp, options.ep, options.etp),
+            parallelism=_parallelism(options),
             device=options.device,
             dtype=options.dtype,
             prompts_file=Path(options.prompts) if options.prompts else None,

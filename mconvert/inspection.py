@@ -134,7 +134,10 @@ def inspect_megatron(load_dir: Path) -> dict[str, Any]:
             "padding": embedding_rows - spec.vocab_size,
             "make_vocab_size_divisible_by": written_for.make_vocab_size_divisible_by,
         },
-        "written_for": {"tp": written_for.tp, "pp": written_for.pp, "ep": written_for.ep, "etp": written_for.expert_tp},
+        "written_for": {
+            "tp": written_for.tp, "pp": written_for.pp, "ep": written_for.ep, "etp": written_for.expert_tp,
+            "pipeline_split": written_for.pipeline.flags(),
+        },
         "suits": suits,
         "args": {k: _jsonable(v) for k, v in sorted(vars(args).items())} if args is not None else None,
         "tensors": tensors,
@@ -171,7 +174,7 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"vocab: {vocab['size']} tokens")
     if "written_for" in report:
         w = report["written_for"]
-        lines.append(f"written for: TP={w['tp']} PP={w['pp']} EP={w['ep']} ETP={w['etp']}")
+        lines.append(" ".join([f"written for: TP={w['tp']} PP={w['pp']} EP={w['ep']} ETP={w['etp']}", *w["pipeline_split"]]))
     suits = report["suits"]
     lines.append("suits: " + "; ".join(f"{dim.upper()} in {{{', '.join(map(str, sizes))}}}" for dim, sizes in suits.items()))
     if report.get("args") is not None:

@@ -86,7 +86,14 @@ def test_unknown_architecture(hf, tmp_path, capsys):
     [
         (["--tp", "3"], "--tp 3"),  # 4 heads, 2 query groups
         (["--tp", "4"], "query groups"),
-        (["--pp", "3"], "--pp 3"),  # 2 layers
+        (["--pp", "3"], "--pp 3 does not divide num_hidden_layers (2): split the layers unevenly"),  # 2 layers
+        (["--pp", "2", "--decoder-first-pipeline-num-layers", "3"], "take 3 layers, the model has 2"),
+        (["--pp", "2", "--decoder-last-pipeline-num-layers", "0"], "--decoder-last-pipeline-num-layers 0: must be at least 1"),
+        (["--pp", "2", "--account-for-embedding-in-pipeline-split"], "with the embedding and loss counted as layers"),
+        (["--pp", "2", "--pipeline-model-parallel-layout", "Et|t"], "the loss (L) last"),
+        (["--pp", "2", "--pipeline-model-parallel-layout", "Et|tL|L"], "3 stages, not a multiple of --pp 2"),
+        (["--pp", "2", "--pipeline-model-parallel-layout", "Et|ttL"], "3 decoder layers (t), the model has 2"),
+        (["--pp", "2", "--pipeline-model-parallel-layout", "Et|tL", "--decoder-first-pipeline-num-layers", "1"], "not with the other"),
         (["--ep", "2"], "--ep"),  # dense model
         (["--model-size", "qwen3"], "--model-size"),
         (["--model-size", "gpt-j"], "--model-size"),

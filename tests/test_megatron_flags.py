@@ -71,6 +71,32 @@ def test_args_that_use_checkpoint_args_misses_are_named(config_name, overrides, 
     assert megatron.not_restored_by_checkpoint_args(args) == missed
 
 
+def test_an_uneven_pipeline_split_is_in_the_flags_and_the_verify_command(hf_model_factory, tmp_path):
+    """3 layers over 2 stages: the split's flag goes into MODEL_ARGS and into the printed verify command, which
+    passes as printed (on CPU); the way back does not depend on the split."""
+    hf = hf_model_factory("qwen3-8b", layers=3)
+    out = tmp_path / "mcore"
+    done = subprocess.run(
+        [sys.executable, "-m", "mconvert.cli", "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(out),
+         "--pp", "2", "--decoder-first-pipeline-num-layers", "1"],
+        capture_output=True, text=True, check=True,
+    )
+    listed = subprocess.run(
+        ["bash", "-c", f'source {out}/megatron_args.sh && printf "%s\n" "${{MODEL_ARGS[@]}}"'], capture_output=True, text=True, check=True,
+    ).stdout.splitlines()
+    assert listed[listed.index("--decoder-first-pipeline-num-layers") + 1] == "1"
+    (verify,) = [line for line in done.stdout.splitlines() if line.strip().startswith("mconvert verify")]
+    command = verify.split("#")[0].split()
+    assert command[command.index("--decoder-first-pipeline-num-layers") + 1] == "1"
+    command[command.index("--device") + 1] = "cpu"
+    checked = subprocess.run([sys.executable, "-m", "mconvert.cli", *command[1:]], capture_output=True, text=True)
+    assert checked.returncode == 0 and checked.stdout.strip().endswith("PASS"), checked.stdout + checked.stderr[-2000:]
+    shown = subprocess.run([sys.executable, "-m", "mconvert.cli", "inspect", str(out)], capture_output=True, text=True, check=True)
+    assert "written for: TP=1 PP=2 EP=1 ETP=1 --decoder-first-pipeline-num-layers 1" in shown.stdout
+    back = convert_mcore_to_hf(out, tmp_path / "back")
+    assert back.config["num_hidden_layers"] == 3
+
+
 def test_console_prints_exactly_megatron_args_sh(hf_model_factory, tmp_path):
     hf = hf_model_factory("qwen3-8b")
     out = tmp_path / "mcore"

@@ -4,13 +4,14 @@ checkpoint of another model, and reports usage errors with exit code 2."""
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
 
 from mconvert.cli import main
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
-from mconvert.converters.megatron import Parallelism
+from mconvert.converters.megatron import Parallelism, PipelineSplit
 
 FAMILIES = {
     "llama": ("llama-3.1-8b", Parallelism(tp=2)),
@@ -26,6 +27,9 @@ FAMILIES = {
     "llama-mha-tp4": ("llama-2-7b", Parallelism(tp=4)),
     "qwen3-tp2-pp2": ("qwen3-8b", Parallelism(tp=2, pp=2)),
     "qwen3_moe-tp2-ep4": ("qwen3-30b-a3b", Parallelism(tp=2, ep=4, etp=1)),
+    # Layers split unevenly over the pipeline stages, as Megatron-LM's flags say.
+    "qwen3-pp2-first-stage-1": ("qwen3-8b", Parallelism(pp=2, pipeline=PipelineSplit(first_stage_layers=1))),
+    "qwen2-pp2-layout": ("qwen2.5-7b-instruct", Parallelism(pp=2, pipeline=PipelineSplit(layout="Et|tttL"))),
 }
 
 
@@ -44,6 +48,7 @@ def test_verify_passes_for_a_faithful_conversion(family, hf_model_factory, tmp_p
     sizes = ["--tp", str(parallelism.tp), "--pp", str(parallelism.pp), "--ep", str(parallelism.ep)]
     if parallelism.etp:
         sizes += ["--etp", str(parallelism.etp)]
+    sizes += [word for flag in parallelism.pipeline.flags() for word in shlex.split(flag)]
     code, out, _ = verify(capsys, hf, tmp_path / "mcore", *sizes, "--json", str(report))
     assert code == 0, out
     assert out.strip().endswith("PASS")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,129 @@ EXTRA_STATE_ONLY_MODULES = ("self_attention.core_attention",)
 
 
 @dataclass(frozen=True)
+class PipelineSplit:
+    """How Megatron-LM splits the decoder layers over the pipeline stages, by its flags; evenly by default.
+    torch_dist stores each layer at its global index whatever the split, so it shapes the flags, not the
+    checkpoint: models whose layer count no pipeline size of interest divides (DeepSeek-V3's 61, Qwen3-235B's
+    94) train at PP > 1 only with one of these."""
+
+    first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers
+    last_stage_layers: int | None = None  # --decoder-last-pipeline-num-layers
+    embedding_counts: bool = False  # --account-for-embedding-in-pipeline-split
+    loss_counts: bool = False  # --account-for-loss-in-pipeline-split
+    layout: str | None = None  # --pipeline-model-parallel-layout, e.g. "Et*3|(tt|)*29,m|L"
+
+    # Megatron-LM's arg of each field, in its 0.19.2 parser.
+    ARGS = {
+        "first_stage_layers": "decoder_first_pipeline_num_layers",
+        "last_stage_layers": "decoder_last_pipeline_num_layers",
+        "embedding_counts": "account_for_embedding_in_pipeline_split",
+        "loss_counts": "account_for_loss_in_pipeline_split",
+        "layout": "pipeline_model_parallel_layout",
+    }
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "PipelineSplit":
+        return cls(**{field: getattr(args, arg, None) or cls.__dataclass_fields__[field].default for field, arg in cls.ARGS.items()})
+
+    def args(self, pp: int) -> dict[str, Any]:
+        """The split as Megatron-LM's args, with the virtual pipeline size its validation derives from a layout
+        of several stages a rank (None for one)."""
+        virtual = len(self.stages()) // pp if self.layout is not None else 1
+        return {arg: getattr(self, field) for field, arg in self.ARGS.items()} | {
+            "virtual_pipeline_model_parallel_size": virtual if virtual > 1 else None
+        }
+
+    def flags(self) -> list[str]:
+        flags = []
+        for field, arg in self.ARGS.items():
+            value, flag = getattr(self, field), "--" + arg.replace("_", "-")
+            if value is True:
+                flags.append(flag)
+            elif value not in (None, False):
+                flags.append(f"{flag} {shlex.quote(str(value))}")
+        return flags
+
+    def stages(self) -> list[str]:
+        """A layout's stages, its repetitions unrolled, as megatron-core reads it ("E", "L", "t", "m" a layer);
+        stage i runs on pipeline rank i % pp."""
+        layout = self.layout.replace(",", "")
+        for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+            layout = re.sub(pattern, lambda match: match.group(1) * int(match.group(2)), layout)
+        return layout.split("|")
+
+    def check(self, pp: int, num_layers: int, mtp_layers: int = 0) -> None:
+        """Megatron's rules for the split (Megatron-LM's validate_args and megatron-core's TransformerConfig,
+        0.19.2), each refusal naming the flag."""
+        uneven = self.first_stage_layers is not None or self.last_stage_layers is not None
+        if self.layout is not None:
+            if uneven or self.embedding_counts or self.loss_counts:
+                raise ConversionError("--pipeline-model-parallel-layout: not with the other pipeline split flags")
+            self._check_layout(pp, num_layers, mtp_layers)
+        elif uneven:
+            if self.embedding_counts or self.loss_counts:
+                raise ConversionError(
+                    "--decoder-first/last-pipeline-num-layers: not with --account-for-embedding/loss-in-pipeline-split"
+                )
+            middle_layers, middle_stages = num_layers, pp
+            for flag, layers in (("--decoder-first-pipeline-num-layers", self.first_stage_layers),
+                                 ("--decoder-last-pipeline-num-layers", self.last_stage_layers)):
+                if layers is not None:
+                    if layers < 1:
+                        raise ConversionError(f"{flag} {layers}: must be at least 1")
+                    middle_layers, middle_stages = middle_layers - layers, middle_stages - 1
+            if middle_layers < 0:
+                raise ConversionError(
+                    f"--decoder-first/last-pipeline-num-layers take {num_layers - middle_layers} layers, the model has {num_layers}"
+                )
+            if middle_stages < 0 or bool(middle_layers) != bool(middle_stages):
+                raise ConversionError(
+                    f"--pp {pp}: --decoder-first/last-pipeline-num-layers leave {middle_layers} layers for "
+                    f"{max(middle_stages, 0)} middle stages"
+                )
+            if middle_stages and middle_layers % middle_stages:
+                raise ConversionError(
+                    f"--pp {pp}: the {middle_layers} layers between the first and last stages do not divide over "
+                    f"its {middle_stages} middle stages"
+                )
+        else:
+            counted = num_layers + self.embedding_counts + self.loss_counts
+            if counted % pp:
+                what = f"num_hidden_layers ({num_layers})"
+                if self.embedding_counts or self.loss_counts:
+                    what += " with the embedding and loss counted as layers"
+                raise ConversionError(
+                    f"--pp {pp} does not divide {what}: split the layers unevenly with "
+                    "--decoder-first-pipeline-num-layers/--decoder-last-pipeline-num-layers or --pipeline-model-parallel-layout"
+                )
+
+    def _check_layout(self, pp: int, num_layers: int, mtp_layers: int) -> None:
+        flag = f"--pipeline-model-parallel-layout {self.layout!r}"
+        stages = self.stages()
+        unknown = sorted(set("".join(stages)) - set("ELtm"))
+        if unknown:
+            raise ConversionError(f"{flag}: unknown layer '{unknown[0]}' (E embedding, t decoder layer, m MTP layer, L loss)")
+        if len(stages) % pp:
+            raise ConversionError(f"{flag}: {len(stages)} stages, not a multiple of --pp {pp}")
+        layers = "".join(stages)
+        if layers.count("E") != 1 or layers.count("L") != 1 or not layers.startswith("E") or not layers.endswith("L"):
+            raise ConversionError(f"{flag}: the embedding (E) must come first and the loss (L) last, once each")
+        if layers.count("t") != num_layers:
+            raise ConversionError(f"{flag}: {layers.count('t')} decoder layers (t), the model has {num_layers}")
+        if layers.count("m") != mtp_layers:
+            raise ConversionError(f"{flag}: {layers.count('m')} MTP layers (m), the converted model has {mtp_layers}")
+        if "m" in layers and "t" in layers[layers.index("m") :]:
+            raise ConversionError(f"{flag}: the MTP layers (m) must follow every decoder layer (t)")
+        virtual = len(stages) // pp
+        if virtual > 1 and pp == 1:
+            raise ConversionError(f"{flag}: {len(stages)} stages on one rank; an interleaved schedule needs --pp 2 or more")
+        if "m" in "".join(stages[: len(stages) - pp]):
+            raise ConversionError(f"{flag}: the MTP layers (m) must be in a rank's last virtual stage")
+        if mtp_layers and not any(stages[(virtual - 1) * pp + rank].count("m") == mtp_layers for rank in range(pp)):
+            raise ConversionError(f"{flag}: the MTP layers (m) must all be in one stage")
+
+
+@dataclass(frozen=True)
 class Parallelism:
     tp: int = 1
     pp: int = 1
@@ -53,6 +177,7 @@ class Parallelism:
     # Expert tensor parallelism; None means Megatron's default, the same as tp.
     etp: int | None = None
     make_vocab_size_divisible_by: int = 128
+    pipeline: PipelineSplit = PipelineSplit()
 
     @property
     def expert_tp(self) -> int:
@@ -66,7 +191,6 @@ class Parallelism:
         checks = [
             ("--tp", self.tp, "num_attention_heads", spec.num_attention_heads),
             ("--tp", self.tp, "num_key_value_heads (query groups)", spec.num_query_groups),
-            ("--pp", self.pp, "num_hidden_layers", spec.num_layers),
         ]
         if spec.moe is None or not all(spec.moe.moe_layers):
             checks.append(("--tp", self.tp, "intermediate_size", spec.ffn_hidden_size))
@@ -82,6 +206,7 @@ class Parallelism:
         for flag, size, what, value in checks:
             if value % size:
                 raise ConversionError(f"{flag} {size} does not divide {what} ({value})")
+        self.pipeline.check(self.pp, spec.num_layers, spec.mtp_layers)
 
 
 def checkpoint_names(name: str, spec: ModelSpec, is_moe_layer: bool) -> tuple[str, ...]:
@@ -311,9 +436,9 @@ def megatron_args(
         make_vocab_size_divisible_by=par.make_vocab_size_divisible_by,
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
+        **par.pipeline.args(par.pp),
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.expert_tp,
-        virtual_pipeline_model_parallel_size=None,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         params_dtype=dtype,
@@ -420,6 +545,7 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         f"--make-vocab-size-divisible-by {a.make_vocab_size_divisible_by}",
         f"--tensor-model-parallel-size {a.tensor_model_parallel_size}",
         f"--pipeline-model-parallel-size {a.pipeline_model_parallel_size}",
+        *PipelineSplit.from_args(a).flags(),
         f"--transformer-impl {a.transformer_impl}",
     ]
     if a.rotary_percent != 1.0:
@@ -577,6 +703,7 @@ def parallelism_from_args(args: argparse.Namespace) -> Parallelism:
         ep=getattr(args, "expert_model_parallel_size", 1) or 1,
         etp=None if etp in (None, tp) else etp,
         make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128) or 128,
+        pipeline=PipelineSplit.from_args(args),
     )
 
 

@@ -196,9 +196,26 @@ def transformer_config_from_args(
         use_cpu_initialization=True,
         perform_initialization=perform_initialization,
         mtp_num_layers=getattr(args, "mtp_num_layers", None),
+        **pipeline_split_settings(args),
         **moe_settings,
         **mla_settings,
     )
+
+
+# TransformerConfig's field for each of Megatron-LM's pipeline split args (its core_transformer_config_from_args).
+PIPELINE_SPLIT_FIELDS = {
+    "decoder_first_pipeline_num_layers": "num_layers_in_first_pipeline_stage",
+    "decoder_last_pipeline_num_layers": "num_layers_in_last_pipeline_stage",
+    "account_for_embedding_in_pipeline_split": "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split": "account_for_loss_in_pipeline_split",
+    "pipeline_model_parallel_layout": "pipeline_model_parallel_layout",
+}
+
+
+def pipeline_split_settings(args: argparse.Namespace) -> dict:
+    """How the layers are split over the pipeline stages, as `args` set it (only what they set: megatron-core
+    releases before a field's arrival do not take it)."""
+    return {field: getattr(args, arg) for arg, field in PIPELINE_SPLIT_FIELDS.items() if getattr(args, arg, None)}
 
 
 def _layer_spec(

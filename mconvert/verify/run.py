@@ -13,6 +13,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -104,12 +105,15 @@ def resolve_spec(spec: str | None) -> str:
 
 
 def megatron_outputs(
-    ckpt_dir: str, prompts: list[torch.Tensor], vocab_size: int, dtype: torch.dtype, device: str, spec: str
+    ckpt_dir: str, prompts: list[torch.Tensor], vocab_size: int, dtype: torch.dtype, device: str, spec: str,
+    pipeline: dict[str, Any],
 ) -> Outputs:
-    """Runs in every rank: load the checkpoint into megatron-core's GPTModel and run the prompts."""
+    """Runs in every rank: load the checkpoint into megatron-core's GPTModel, its layers split over the
+    pipeline stages as `pipeline` (Megatron-LM's args) says, and run the prompts."""
     from mconvert.verify.megatron_side import forward_logits_and_hidden_states, load_model
 
     args = read_args(iteration_dir(Path(ckpt_dir)))
+    vars(args).update(pipeline)  # this run's split, not necessarily the one the checkpoint was written for
     model = load_model(ckpt_dir, args, dtype, device, transformer_impl=SPECS[spec])
     outputs = Outputs([], [])
     for tokens in prompts:
@@ -156,6 +160,10 @@ def verify(request: VerifyRequest) -> Report:
         raise ConversionError(f"--hf {request.hf_dir}: no config.json")
     stored = read_args(iteration_dir(request.mcore_dir))
     check_architecture(request.hf_dir, stored)
+    par.pipeline.check(par.pp, stored.num_layers, getattr(stored, "mtp_num_layers", None) or 0)
+    pipeline = par.pipeline.args(par.pp)
+    if pipeline["virtual_pipeline_model_parallel_size"] is not None:
+        raise ConversionError("--pipeline-model-parallel-layout: verify runs one stage a rank (no virtual pipeline stages)")
     vocab_size = read_hf_config(request.hf_dir, "--hf")["vocab_size"]
     prompts = (
         text_prompts(request.prompts_file, request.hf_dir)
@@ -180,7 +188,7 @@ def verify(request: VerifyRequest) -> Report:
     seconds["hf"] = time.perf_counter() - started
     started = time.perf_counter()
     candidate = run_ranks(
-        megatron_outputs, str(request.mcore_dir), prompts, vocab_size, dtype, request.device, spec,
+        megatron_outputs, str(request.mcore_dir), prompts, vocab_size, dtype, request.device, spec, pipeline,
         tp=par.tp, pp=par.pp, ep=par.ep, etp=par.etp, device=request.device, timeout_s=request.timeout_s,
     )
     seconds["megatron"] = time.perf_counter() - started

@@ -23,7 +23,7 @@ import transformers  # noqa: E402
 
 from mconvert.converters import dcp_writer, megatron  # noqa: E402
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
-from mconvert.converters.megatron import Parallelism  # noqa: E402
+from mconvert.converters.megatron import Parallelism, PipelineSplit  # noqa: E402
 from mconvert.converters.torch_dist import iteration_dir, read_args  # noqa: E402
 from mconvert.synthetic import write_word_tokenizer  # noqa: E402
 from mconvert.verify.distributed import ParallelLayout, run_ranks  # noqa: E402
@@ -53,7 +53,14 @@ MODELS = {
     "glm4.5-air-pp2": ("glm-4.5-air", 2, {}, Parallelism(pp=2)),
     # Multi-latent attention without a query bottleneck (q_lora_rank null), softmax routing.
     "deepseek-v2-lite-ep2": ("deepseek-v2-lite", 2, {}, Parallelism(ep=2)),
+    # Layer counts that no pipeline size divides: Megatron-LM's uneven splits (DeepSeek-V3 has 61 layers).
+    "qwen3-pp2-first-stage-1": ("qwen3-8b", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(first_stage_layers=1))),
+    "llama3.1-pp2-embedding-counts": ("llama-3.1-8b", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(embedding_counts=True))),
+    "qwen2.5-pp2-layout": ("qwen2.5-7b-instruct", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(layout="Et|ttL"))),
+    "qwen2.5-pp2-interleaved-layout": ("qwen2.5-7b-instruct", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(layout="E|t|(t|)*1,tL"))),
 }
+# The pipeline split args, as Megatron-LM's parser names them.
+PIPELINE_SPLIT_ARGS = [*PipelineSplit.ARGS.values(), "virtual_pipeline_model_parallel_size"]
 TOKENS = torch.randint(0, 999, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
@@ -108,7 +115,7 @@ def test_megatron_lm_parses_the_printed_flags_as_the_stored_model(name, converte
     parsed = parse_megatron_lm_args(script_arrays(ckpt, "MODEL_ARGS", "LOAD_ARGS") + RUN_FLAGS, world_size(MODELS[name][3]))
     stored = read_args(iteration_dir(ckpt))
     for arg in [*megatron.MEGATRON_LM_DEFAULTS, "tokenizer_type", "tokenizer_model", "bf16", "fp16",
-                "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"]:
+                "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size", *PIPELINE_SPLIT_ARGS]:
         if arg == "num_query_groups" and not stored.group_query_attention:
             continue  # multi-head attention: Megatron-LM ignores the number of groups
         # Dense models' args leave the MoE ones out: Megatron-LM's defaults.
@@ -140,7 +147,8 @@ def run_megatron_lm(name: str, argv: list[str]) -> torch.Tensor:
 # Not DeepSeek on CPU: Megatron-LM 0.19.2's local (non-TE) MLA passes its core attention arguments that
 # DotProductAttention does not take; megatron-core's judge (tests/test_deepseek_megatron.py) shims that.
 @pytest.mark.parametrize(
-    "name", ["llama3.1-tp2", "mistral-window-tp2", "qwen3-pp2", "qwen2moe-ep2", "qwen3moe-dense-first-tp2ep2etp1", "glm4.5-air-pp2"]
+    "name", ["llama3.1-tp2", "mistral-window-tp2", "qwen3-pp2", "qwen2moe-ep2", "qwen3moe-dense-first-tp2ep2etp1", "glm4.5-air-pp2",
+             "qwen3-pp2-first-stage-1", "llama3.1-pp2-embedding-counts", "qwen2.5-pp2-layout"]
 )
 def test_megatron_lm_load_checkpoint_gives_transformers_logits(name, converted):
     hf, ckpt = converted(name)
@@ -182,10 +190,11 @@ def megatron_lm_save(argv: list[str], iteration: int) -> None:
     save_checkpoint(iteration, model, None, None, 0)
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-tp2", "qwen2moe-ep2"])
+@pytest.mark.parametrize("name", ["qwen2.5-tp2", "qwen2moe-ep2", "qwen3-pp2-first-stage-1"])
 def test_a_megatron_lm_training_save_exports_bit_identically(name, converted, tmp_path):
     """Megatron-LM's own save (iteration directory, common state in the DCP files, args with its enums and
-    0.19 names) of the loaded checkpoint exports to exactly the HF weights it came from."""
+    0.19 names; with its layers split unevenly over the pipeline stages) of the loaded checkpoint exports to
+    exactly the HF weights it came from."""
     from safetensors.torch import load_file
 
     hf, ckpt = converted(name)
