@@ -58,6 +58,8 @@ MODELS = {
     "llama3.1-pp2-embedding-counts": ("llama-3.1-8b", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(embedding_counts=True))),
     "qwen2.5-pp2-layout": ("qwen2.5-7b-instruct", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(layout="Et|ttL"))),
     "qwen2.5-pp2-interleaved-layout": ("qwen2.5-7b-instruct", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(layout="E|t|(t|)*1,tL"))),
+    # DeepSeek-V3's multi-token prediction layer in the layout (m), on the last stage.
+    "deepseek-v3-mtp-pp2-layout": ("deepseek-v3", 3, {"mtp": True}, Parallelism(pp=2, ep=2, pipeline=PipelineSplit(layout="Et|ttmL"))),
 }
 # The pipeline split args, as Megatron-LM's parser names them.
 PIPELINE_SPLIT_ARGS = [*PipelineSplit.ARGS.values(), "virtual_pipeline_model_parallel_size"]
@@ -121,6 +123,15 @@ def test_megatron_lm_parses_the_printed_flags_as_the_stored_model(name, converte
         # Dense models' args leave the MoE ones out: Megatron-LM's defaults.
         assert getattr(parsed, arg) == getattr(stored, arg, megatron.MEGATRON_LM_DEFAULTS.get(arg)), arg
     assert parsed.load == str(ckpt.absolute()) and parsed.finetune
+    if PipelineSplit.from_args(stored) != PipelineSplit():
+        # megatron-core's TransformerConfig checks the split against the model (a layout's layers, MTP included).
+        from megatron.training.arguments import core_transformer_config_from_args
+
+        argv = script_arrays(ckpt, "MODEL_ARGS", "LOAD_ARGS") + RUN_FLAGS + CPU_FLAGS
+        config = core_transformer_config_from_args(parse_megatron_lm_args(argv, world_size(MODELS[name][3])))
+        assert config.num_layers_in_first_pipeline_stage == stored.decoder_first_pipeline_num_layers
+        layout = config.pipeline_model_parallel_layout
+        assert (layout and layout.input_data) == stored.pipeline_model_parallel_layout
     assert (parsed.no_load_optim, parsed.no_load_rng, parsed.ckpt_format) == (True, True, "torch_dist")
 
 
