@@ -228,6 +228,24 @@ def test_common_state_stored_among_the_dcp_objects_is_read(hf_model_factory, tmp
     assert isinstance(read, argparse.Namespace) and vars(read) == vars(conversion.args)
 
 
+def test_metadata_that_records_the_checkpoints_path_is_read(hf_model_factory, tmp_path, capsys):
+    """torch's FileSystemWriter (and megatron-core's writer through the multi-storage client) records the
+    checkpoint's path, a pathlib path, in the metadata's storage_meta: such metadata reads as any other."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    hf = hf_model_factory("qwen3-8b")
+    convert_hf_to_mcore(hf, tmp_path / "mcore")
+    release = tmp_path / "mcore" / "release"
+    metadata = FileSystemReader(release).read_metadata()
+    metadata.storage_meta = FileSystemWriter(release).storage_meta()
+    assert isinstance(metadata.storage_meta.checkpoint_id, pathlib.PurePath)
+    (release / ".metadata").write_bytes(pickle.dumps(metadata))
+    export(capsys, tmp_path / "mcore", tmp_path / "back")
+    assert read_hf(tmp_path / "back").keys() == read_hf(hf).keys()
+
+
 def dcp_modules_imported_by(argv: list[str], before: str = "pass") -> str:
     """The torch.distributed.checkpoint modules that mconvert's command line `argv` imports, run to success in a
     fresh interpreter after the code `before`."""

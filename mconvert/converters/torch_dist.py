@@ -82,7 +82,12 @@ _DCP_MODULES = (
     "torch.distributed.checkpoint.filesystem",  # _StorageInfo
     "torch.distributed.checkpoint.planner",  # the save plans megatron-core keeps in the metadata
 )
-_METADATA_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+# torch's own FileSystemWriter records the checkpoint's path (a pathlib path) in the metadata's storage_meta;
+# megatron-core's writer does too when it writes through the multi-storage client.
+_METADATA_GLOBALS = {
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+}
 
 
 class _Record:
