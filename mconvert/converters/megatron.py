@@ -70,7 +70,12 @@ class PipelineSplit:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "PipelineSplit":
-        return cls(**{field: getattr(args, arg, None) or cls.__dataclass_fields__[field].default for field, arg in cls.ARGS.items()})
+        """The split stored args record; a layout only as Megatron-LM stores it, a string (megatron-core's
+        config also takes a list, which is not read)."""
+        values = {field: getattr(args, arg, None) or cls.__dataclass_fields__[field].default for field, arg in cls.ARGS.items()}
+        if not isinstance(values["layout"], (str, type(None))):
+            values["layout"] = None
+        return cls(**values)
 
     def args(self, pp: int) -> dict[str, Any]:
         """The split as Megatron-LM's args, with the virtual pipeline size its validation derives from a layout
