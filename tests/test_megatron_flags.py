@@ -85,6 +85,7 @@ def test_an_uneven_pipeline_split_is_in_the_flags_and_the_verify_command(hf_mode
         ["bash", "-c", f'source {out}/megatron_args.sh && printf "%s\n" "${{MODEL_ARGS[@]}}"'], capture_output=True, text=True, check=True,
     ).stdout.splitlines()
     assert listed[listed.index("--decoder-first-pipeline-num-layers") + 1] == "1"
+    assert "does not restore --norm-epsilon, --qk-layernorm, --decoder-first-pipeline-num-layers" in (out / "megatron_args.sh").read_text()
     (verify,) = [line for line in done.stdout.splitlines() if line.strip().startswith("mconvert verify")]
     command = verify.split("#")[0].split()
     assert command[command.index("--decoder-first-pipeline-num-layers") + 1] == "1"

@@ -368,6 +368,9 @@ MEGATRON_LM_DEFAULTS: dict[str, Any] = {
     "window_size": None, "num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None,
     "moe_router_pre_softmax": False, "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None,
     "moe_shared_expert_gate": False, "moe_aux_loss_coeff": 0.0, "moe_router_dtype": None,
+    "decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
+    "account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False,
+    "pipeline_model_parallel_layout": None,
 }
 # Args whose name in Megatron-LM 0.19 (its parser's dest, after TransformerConfig's field) differs from the
 # flag's, and from the name earlier Megatron-LM versions store: both names are written, either is read.

@@ -61,8 +61,7 @@ MODELS = {
     # DeepSeek-V3's multi-token prediction layer in the layout (m), on the last stage.
     "deepseek-v3-mtp-pp2-layout": ("deepseek-v3", 3, {"mtp": True}, Parallelism(pp=2, ep=2, pipeline=PipelineSplit(layout="Et|ttmL"))),
 }
-# The pipeline split args, as Megatron-LM's parser names them.
-PIPELINE_SPLIT_ARGS = [*PipelineSplit.ARGS.values(), "virtual_pipeline_model_parallel_size"]
+
 TOKENS = torch.randint(0, 999, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
@@ -117,7 +116,8 @@ def test_megatron_lm_parses_the_printed_flags_as_the_stored_model(name, converte
     parsed = parse_megatron_lm_args(script_arrays(ckpt, "MODEL_ARGS", "LOAD_ARGS") + RUN_FLAGS, world_size(MODELS[name][3]))
     stored = read_args(iteration_dir(ckpt))
     for arg in [*megatron.MEGATRON_LM_DEFAULTS, "tokenizer_type", "tokenizer_model", "bf16", "fp16",
-                "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size", *PIPELINE_SPLIT_ARGS]:
+                "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                "virtual_pipeline_model_parallel_size"]:
         if arg == "num_query_groups" and not stored.group_query_attention:
             continue  # multi-head attention: Megatron-LM ignores the number of groups
         # Dense models' args leave the MoE ones out: Megatron-LM's defaults.
