@@ -91,7 +91,7 @@ class PipelineSplit:
             value, flag = getattr(self, field), "--" + arg.replace("_", "-")
             if value is True:
                 flags.append(flag)
-            elif value not in (None, False):
+            elif value is not None and value is not False:
                 flags.append(f"{flag} {shlex.quote(str(value))}")
         return flags
 

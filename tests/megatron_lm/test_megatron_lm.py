@@ -135,6 +135,52 @@ def test_megatron_lm_parses_the_printed_flags_as_the_stored_model(name, converte
     assert (parsed.no_load_optim, parsed.no_load_rng, parsed.ckpt_format) == (True, True, "torch_dist")
 
 
+SPLITS = [
+    PipelineSplit(), PipelineSplit(first_stage_layers=1), PipelineSplit(last_stage_layers=2),
+    PipelineSplit(first_stage_layers=1, last_stage_layers=1), PipelineSplit(first_stage_layers=3), PipelineSplit(first_stage_layers=0),
+    PipelineSplit(embedding_counts=True), PipelineSplit(loss_counts=True), PipelineSplit(embedding_counts=True, loss_counts=True),
+    PipelineSplit(first_stage_layers=1, embedding_counts=True),
+    PipelineSplit(layout="Et|ttL"), PipelineSplit(layout="Et|t|t|L"), PipelineSplit(layout="E|t|t|tL"), PipelineSplit(layout="Ett|tL"),
+    PipelineSplit(layout="E(t|)*3,L"), PipelineSplit(layout="tE|ttL"), PipelineSplit(layout="Et|ttm|L"),
+]
+
+
+def test_the_pipeline_split_is_refused_exactly_where_megatron_lm_refuses_it(converted):
+    """For layer counts, pipeline sizes and splits around the edges: mconvert's check passes exactly where
+    Megatron-LM's parser and validation and megatron-core's TransformerConfig take the same flags and its stages
+    then build every layer of the model. (Megatron takes --decoder-first/last-pipeline-num-layers at PP 1, where
+    its one stage builds only the last stage's count: refused here.)"""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from mconvert.errors import ConversionError
+
+    _, ckpt = converted("qwen3-pp2")
+    model_args = script_arrays(ckpt, "MODEL_ARGS", "LOAD_ARGS") + RUN_FLAGS + CPU_FLAGS
+    disagreements = []
+    for num_layers in (3, 4):
+        for pp in (1, 2, 3, 4):
+            for split in SPLITS:
+                try:
+                    split.check(pp, num_layers)
+                    ours = True
+                except ConversionError:
+                    ours = False
+                argv = model_args + ["--num-layers", str(num_layers), "--pipeline-model-parallel-size", str(pp)]
+                argv += [word for flag in split.flags() for word in flag.split(" ", 1)]
+                argv = [word.strip("'") for word in argv]
+                try:
+                    config = core_transformer_config_from_args(parse_megatron_lm_args(argv, pp))
+                    theirs = split.layout is not None or sum(
+                        get_num_layers_to_build(config, pp_rank=rank) for rank in range(pp)
+                    ) == num_layers
+                except (AssertionError, ValueError):
+                    theirs = False
+                if ours != theirs:
+                    disagreements.append((num_layers, pp, split, ours, theirs))
+    assert not disagreements, "\n".join(map(str, disagreements))
+
+
 def megatron_lm_logits(argv: list[str], tokens: torch.Tensor) -> torch.Tensor:
     """In each rank: Megatron-LM parses, builds and loads; rank 0 returns the logits."""
     model, _ = load_as_megatron_lm(argv)
