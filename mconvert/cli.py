@@ -46,19 +46,13 @@ def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _parallelism(options: argparse.Namespace):
-    """The layout `_add_parallel_flags`'s flags ask for."""
+    """The layout `_add_parallel_flags`'s flags ask for (the split's flags are Megatron-LM's, dests and all)."""
     from mconvert.converters.megatron import Parallelism, PipelineSplit
 
     return Parallelism(
         options.tp, options.pp, options.ep, options.etp,
         make_vocab_size_divisible_by=getattr(options, "make_vocab_size_divisible_by", 128),
-        pipeline=PipelineSplit(
-            first_stage_layers=options.decoder_first_pipeline_num_layers,
-            last_stage_layers=options.decoder_last_pipeline_num_layers,
-            embedding_counts=options.account_for_embedding_in_pipeline_split,
-            loss_counts=options.account_for_loss_in_pipeline_split,
-            layout=options.pipeline_model_parallel_layout,
-        ),
+        pipeline=PipelineSplit.from_args(options),
     )
 
 

@@ -72,7 +72,8 @@ class PipelineSplit:
     def from_args(cls, args: argparse.Namespace) -> "PipelineSplit":
         """The split stored args record; a layout only as Megatron-LM stores it, a string (megatron-core's
         config also takes a list, which is not read)."""
-        values = {field: getattr(args, arg, None) or cls.__dataclass_fields__[field].default for field, arg in cls.ARGS.items()}
+        values = {field: getattr(args, arg, None) for field, arg in cls.ARGS.items()}
+        values = {field: cls.__dataclass_fields__[field].default if value is None else value for field, value in values.items()}
         if not isinstance(values["layout"], (str, type(None))):
             values["layout"] = None
         return cls(**values)
@@ -86,6 +87,7 @@ class PipelineSplit:
         }
 
     def flags(self) -> list[str]:
+        """The split as Megatron-LM's flags (none for the even split)."""
         flags = []
         for field, arg in self.ARGS.items():
             value, flag = getattr(self, field), "--" + arg.replace("_", "-")

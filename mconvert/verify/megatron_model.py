@@ -27,7 +27,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from packaging.version import Version
 
-from mconvert.converters.megatron import Parallelism, padded_vocab_size, stored_arg, unnormalized_mla_query
+from mconvert.converters.megatron import Parallelism, PipelineSplit, padded_vocab_size, stored_arg, unnormalized_mla_query
 from mconvert.errors import ConversionError
 from mconvert.verify import cpu_shims
 
@@ -202,20 +202,20 @@ def transformer_config_from_args(
     )
 
 
-# TransformerConfig's field for each of Megatron-LM's pipeline split args (its core_transformer_config_from_args).
-PIPELINE_SPLIT_FIELDS = {
+# TransformerConfig's name for a pipeline split arg where it is not the arg's (core_transformer_config_from_args).
+_SPLIT_CONFIG_FIELDS = {
     "decoder_first_pipeline_num_layers": "num_layers_in_first_pipeline_stage",
     "decoder_last_pipeline_num_layers": "num_layers_in_last_pipeline_stage",
-    "account_for_embedding_in_pipeline_split": "account_for_embedding_in_pipeline_split",
-    "account_for_loss_in_pipeline_split": "account_for_loss_in_pipeline_split",
-    "pipeline_model_parallel_layout": "pipeline_model_parallel_layout",
 }
 
 
 def pipeline_split_settings(args: argparse.Namespace) -> dict:
     """How the layers are split over the pipeline stages, as `args` set it (only what they set: megatron-core
     releases before a field's arrival do not take it)."""
-    return {field: getattr(args, arg) for arg, field in PIPELINE_SPLIT_FIELDS.items() if getattr(args, arg, None)}
+    return {
+        _SPLIT_CONFIG_FIELDS.get(arg, arg): getattr(args, arg)
+        for arg in PipelineSplit.ARGS.values() if getattr(args, arg, None) not in (None, False)
+    }
 
 
 def _layer_spec(
