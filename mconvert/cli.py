@@ -47,7 +47,7 @@ def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
 
 def _parallelism(options: argparse.Namespace):
     """The layout `_add_parallel_flags`'s flags ask for (the split's flags are Megatron-LM's, dests and all)."""
-    from mconvert.converters.megatron import Parallelism, PipelineSplit
+    from mconvert.mcore.parallelism import Parallelism, PipelineSplit
 
     return Parallelism(
         options.tp, options.pp, options.ep, options.etp,
@@ -75,7 +75,7 @@ def _directory_bytes(directory: Path) -> int:
 
 def _summary(started: float, source: Path, save_dir: Path) -> str:
     """Time, sizes and throughput of a finished conversion."""
-    from mconvert.progress import human_bytes, human_seconds
+    from mconvert.converters.progress import human_bytes, human_seconds
 
     seconds = time.perf_counter() - started
     written = _directory_bytes(save_dir)
@@ -95,11 +95,11 @@ def _first_rank() -> bool:
 def _hf_to_mcore(options: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from mconvert.converters import megatron
     from mconvert.converters.hf_to_mcore import ARGS_SCRIPT, convert_hf_to_mcore
-    from mconvert.converters.launch import SBATCH_SCRIPT, TORCHRUN_SCRIPT
+    from mconvert.converters.progress import progress_for
     from mconvert.hub import resolve_hf_dir
-    from mconvert.progress import progress_for
+    from mconvert.megatron_lm.flags import args_script, pipeline_split_flags
+    from mconvert.megatron_lm.launch import SBATCH_SCRIPT, TORCHRUN_SCRIPT
 
     started = time.perf_counter()
     load_dir = resolve_hf_dir(options.load_dir, "--load-dir", revision=options.revision)
@@ -136,9 +136,9 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     )
     # The same text as the file, so that what is printed and what is sourced never differ.
     print(f"Megatron-LM flags (also in {save_dir}/{ARGS_SCRIPT}):")
-    print(megatron.args_script(result.args, Path(save_dir)), end="")
+    print(args_script(result.args, Path(save_dir)), end="")
     print("next:")
-    layout = " ".join([f"--tp {parallelism.tp} --pp {parallelism.pp} --ep {parallelism.ep}", *parallelism.pipeline.flags()])
+    layout = " ".join([f"--tp {parallelism.tp} --pp {parallelism.pp} --ep {parallelism.ep}", *pipeline_split_flags(parallelism.pipeline)])
     print(f"  mconvert verify --hf {options.load_dir} --mcore {save_dir} {layout} --device cuda  # --device cpu without GPUs")
     print(f"  MEGATRON_LM=/path/to/Megatron-LM bash {save_dir}/{TORCHRUN_SCRIPT}      # train on this node")
     print(f"  MEGATRON_LM=/path/to/Megatron-LM sbatch {save_dir}/{SBATCH_SCRIPT}  # or on a Slurm cluster")
@@ -146,10 +146,10 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
 
 
 def _mcore_to_hf(options: argparse.Namespace) -> int:
-    from mconvert.converters import torch_dist
     from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+    from mconvert.converters.progress import progress_for
     from mconvert.hub import resolve_hf_dir
-    from mconvert.progress import progress_for
+    from mconvert.mcore.checkpoint import iteration_dir
 
     started = time.perf_counter()
     hf_config = (
@@ -179,7 +179,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
     print(
         f"wrote {save_dir}: {plan.family.name} ({result.config['architectures'][0]}), "
         f"{len(plan.hf_shapes())} tensors, {str(plan.dtype).removeprefix('torch.')}, "
-        + _summary(started, torch_dist.iteration_dir(Path(options.load_dir), options.iteration), save_dir)
+        + _summary(started, iteration_dir(Path(options.load_dir), options.iteration), save_dir)
     )
     print("next:")
     print(f"  mconvert verify --hf {save_dir} --mcore {options.load_dir} --device cuda  # --device cpu without GPUs")

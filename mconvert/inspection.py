@@ -10,13 +10,15 @@ from typing import Any
 
 import torch
 
-from mconvert.converters import megatron, torch_dist
-from mconvert.converters.megatron import Parallelism
-from mconvert.converters.safetensors_io import HFCheckpoint, read_hf_config
+from mconvert.converters.manifest import MANIFEST
 from mconvert.errors import ConversionError
-from mconvert.manifest import MANIFEST
+from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
 from mconvert.mappings import get_mapping
 from mconvert.mappings.spec import ModelSpec
+from mconvert.mcore.checkpoint import TRACKER_FILE
+from mconvert.mcore.parallelism import Parallelism, padded_vocab_size
+from mconvert.megatron_lm.args import parallelism_from_args
+from mconvert.megatron_lm.flags import pipeline_split_flags
 
 _MODEL_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "head_dim",
@@ -63,7 +65,7 @@ def suitable_layouts(spec: ModelSpec, stored_vocab_rows: int | None = None, divi
     tps = [
         tp for tp in powers
         if _fits(Parallelism(tp=tp, etp=1 if spec.moe else None), spec)
-        and (stored_vocab_rows is None or megatron.padded_vocab_size(spec.vocab_size, Parallelism(tp=tp, make_vocab_size_divisible_by=divisible_by)) == stored_vocab_rows)
+        and (stored_vocab_rows is None or padded_vocab_size(spec.vocab_size, Parallelism(tp=tp, make_vocab_size_divisible_by=divisible_by)) == stored_vocab_rows)
     ]
     pps = [pp for pp in range(1, spec.num_layers + 1) if _fits(Parallelism(pp=pp), spec)]
     experts = spec.moe.num_experts if spec.moe else 1
@@ -98,14 +100,15 @@ def inspect_hf(directory: Path) -> dict[str, Any]:
 
 
 def inspect_megatron(load_dir: Path) -> dict[str, Any]:
-    from mconvert.converters.legacy_torch import LegacyCheckpoint
-    from mconvert.converters.mcore_to_hf import open_megatron_checkpoint, plan_export
+    from mconvert.converters.legacy_source import LegacyCheckpoint
+    from mconvert.converters.mcore_sources import open_megatron_checkpoint
+    from mconvert.converters.mcore_to_hf import plan_export
 
     source = open_megatron_checkpoint(load_dir)
     plan, config = plan_export(source)
     spec, args = plan.spec, source.args
     shapes = source.stored_shapes(plan)
-    written_for = megatron.parallelism_from_args(args)
+    written_for = parallelism_from_args(args)
     embedding_rows = shapes["embedding.word_embeddings.weight"][0]
     legacy = isinstance(source, LegacyCheckpoint)
     tensors = []
@@ -136,7 +139,7 @@ def inspect_megatron(load_dir: Path) -> dict[str, Any]:
         },
         "written_for": {
             "tp": written_for.tp, "pp": written_for.pp, "ep": written_for.ep, "etp": written_for.expert_tp,
-            "pipeline_split": written_for.pipeline.flags(),
+            "pipeline_split": pipeline_split_flags(written_for.pipeline),
         },
         "suits": suits,
         "args": {k: _jsonable(v) for k, v in sorted(vars(args).items())} if args is not None else None,
@@ -151,9 +154,9 @@ def inspect_path(path: Path) -> dict[str, Any]:
         raise ConversionError(f"inspect {path}: not a directory")
     if (path / "config.json").exists():
         return inspect_hf(path)
-    if (path / torch_dist.TRACKER_FILE).exists() or (path / ".metadata").exists() or any(path.glob("mp_rank_*")):
+    if (path / TRACKER_FILE).exists() or (path / ".metadata").exists() or any(path.glob("mp_rank_*")):
         return inspect_megatron(path)
-    raise ConversionError(f"inspect {path}: neither an HF model (no config.json) nor a Megatron checkpoint (no {torch_dist.TRACKER_FILE})")
+    raise ConversionError(f"inspect {path}: neither an HF model (no config.json) nor a Megatron checkpoint (no {TRACKER_FILE})")
 
 
 def _shape(shape: list[int]) -> str:
@@ -195,7 +198,7 @@ def format_report(report: dict[str, Any]) -> str:
 def run_inspect(path: Path, as_json: bool, check: bool) -> int:
     """The `inspect` command: print the report (or, with `check`, re-hash every file against the manifest)."""
     if check:
-        from mconvert.manifest import check_manifest, read_manifest
+        from mconvert.converters.manifest import check_manifest, read_manifest
 
         count = len(read_manifest(path))
         problems = check_manifest(path)

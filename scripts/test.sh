@@ -8,4 +8,4 @@ bash scripts/install.sh
 python312=$(bash scripts/install312.sh)
 MEGATRON_TRAINING_PYTHON="$python312" "${VENV:-.venv}/bin/python" -m pytest -q -p no:cacheprovider "$@"
 MCONVERT_REQUIRE_MEGATRON_LM=1 "$python312" -m pytest -q -p no:cacheprovider tests/megatron_lm
-bash scripts/mcore_versions.sh  # the CPU load check against each supported megatron-core (docs/verification.md)
+bash scripts/checks/mcore_versions.sh  # the CPU load check against each supported megatron-core (docs/verification.md)

@@ -14,12 +14,12 @@ import subprocess
 
 import pytest
 import torch
+from cli_runner import assert_nothing_left, assert_one_line_error, run_cli
 from safetensors.torch import load_file, save_file
+from test_mcore_to_hf_bad_input import checkpoint, private_checkpoint  # noqa: F401 (fixtures)
 from torch.distributed.checkpoint import FileSystemReader
 
-from cli_runner import assert_nothing_left, assert_one_line_error, run_cli
-from mconvert.converters import torch_dist
-from test_mcore_to_hf_bad_input import checkpoint, private_checkpoint  # noqa: F401 (fixtures)
+from mconvert.mcore.checkpoint import RELEASE, TRACKER_FILE
 
 LAYER_WEIGHT = "model.layers.1.mlp.down_proj.weight"
 
@@ -266,25 +266,25 @@ def test_a_file_size_limit_during_the_write(hf, tmp_path):
 
 
 def test_a_missing_distcp_file(private_checkpoint, tmp_path):
-    data = private_checkpoint / torch_dist.RELEASE / "__0_0.distcp"
+    data = private_checkpoint / RELEASE / "__0_0.distcp"
     data.unlink()
     refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", data, "missing")
 
 
 def test_a_truncated_distcp_file(private_checkpoint, tmp_path):
-    data = private_checkpoint / torch_dist.RELEASE / "__0_0.distcp"
+    data = private_checkpoint / RELEASE / "__0_0.distcp"
     data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
     refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", data)
 
 
 def test_a_corrupt_metadata_file(private_checkpoint, tmp_path):
-    metadata = private_checkpoint / torch_dist.RELEASE / ".metadata"
+    metadata = private_checkpoint / RELEASE / ".metadata"
     metadata.write_bytes(metadata.read_bytes()[:200])
     refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", metadata, "unreadable DCP metadata")
 
 
 def test_metadata_without_the_fields_of_dcp_metadata(private_checkpoint, tmp_path):
-    metadata = private_checkpoint / torch_dist.RELEASE / ".metadata"
+    metadata = private_checkpoint / RELEASE / ".metadata"
     stored = FileSystemReader(metadata.parent).read_metadata()
     del stored.storage_data  # where each chunk is: without it no tensor can be found
     metadata.write_bytes(pickle.dumps(stored))
@@ -303,7 +303,7 @@ class _Marker:
 
 def test_metadata_that_would_run_code(private_checkpoint, tmp_path):
     marker = tmp_path / "ran"
-    metadata = private_checkpoint / torch_dist.RELEASE / ".metadata"
+    metadata = private_checkpoint / RELEASE / ".metadata"
     metadata.write_bytes(pickle.dumps(_Marker(marker)))
     refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", metadata, "not allowed")
     assert not marker.exists()
@@ -311,14 +311,14 @@ def test_metadata_that_would_run_code(private_checkpoint, tmp_path):
 
 @pytest.mark.parametrize("content", [b"PK\x03\x04 not really a zip", b""], ids=["corrupt", "empty"])
 def test_a_corrupt_common_pt(private_checkpoint, tmp_path, content):
-    common = private_checkpoint / torch_dist.RELEASE / "common.pt"
+    common = private_checkpoint / RELEASE / "common.pt"
     common.write_bytes(content)
     refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", common, "not a torch.save file")
 
 
 def test_a_tracker_holding_garbage(private_checkpoint, tmp_path):
-    (private_checkpoint / torch_dist.TRACKER_FILE).write_text("latest\n")
-    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", torch_dist.TRACKER_FILE, "'latest'")
+    (private_checkpoint / TRACKER_FILE).write_text("latest\n")
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", TRACKER_FILE, "'latest'")
 
 
 def legacy_checkpoint(directory, state):
@@ -326,7 +326,7 @@ def legacy_checkpoint(directory, state):
     rank_dir = directory / "iter_0000010" / "mp_rank_00"
     rank_dir.mkdir(parents=True)
     torch.save(state, rank_dir / "model_optim_rng.pt")
-    (directory / torch_dist.TRACKER_FILE).write_text("10")
+    (directory / TRACKER_FILE).write_text("10")
     return rank_dir / "model_optim_rng.pt"
 
 

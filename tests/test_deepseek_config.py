@@ -7,16 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mconvert.converters import megatron
-from mconvert.converters.megatron import Parallelism
 from mconvert.errors import ConversionError
 from mconvert.mappings import get_mapping
+from mconvert.mcore.parallelism import Parallelism
+from mconvert.megatron_lm.args import megatron_args
+from mconvert.megatron_lm.flags import megatron_flags
 from mconvert.synthetic import real_config
 
 
 def flags_of(config: dict) -> list[str]:
     _, spec = get_mapping(config)
-    return megatron.megatron_flags(megatron.megatron_args(spec, Parallelism(tp=8, ep=8), torch.bfloat16, "transformer_engine"))
+    return megatron_flags(megatron_args(spec, Parallelism(tp=8, ep=8), torch.bfloat16, "transformer_engine"))
 
 
 def test_deepseek_v3_flags():

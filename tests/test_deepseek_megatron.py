@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
-from mconvert.converters.megatron import Parallelism
-from mconvert.converters.torch_dist import iteration_dir, read_args
+from mconvert.mcore.checkpoint import iteration_dir, read_args
+from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import add_mtp_layers, make_hf_checkpoint, real_config, shrink
 from mconvert.verify.distributed import run_ranks
 from mconvert.verify.megatron_side import load_model

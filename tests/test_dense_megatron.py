@@ -14,8 +14,8 @@ import transformers
 from safetensors.torch import load_file
 
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
-from mconvert.converters.megatron import Parallelism
-from mconvert.converters.torch_dist import iteration_dir, read_args
+from mconvert.mcore.checkpoint import iteration_dir, read_args
+from mconvert.mcore.parallelism import Parallelism
 from mconvert.verify.distributed import run_ranks
 from mconvert.verify.megatron_side import forward_logits, gather_global_state, load_model
 

@@ -10,15 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_parallel import assert_same, dcp_tensors
 
 from mconvert.converters.hf_to_mcore import FileCopies, convert_hf_to_mcore, fused_expert_layers, piece_parts, rows_of
+from mconvert.converters.manifest import check_manifest
 from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
-from mconvert.manifest import check_manifest
-from mconvert.converters.megatron import Parallelism
 from mconvert.converters.plan import build_plan
-from mconvert.converters.safetensors_io import HFCheckpoint, fp8_block_size, read_hf_config
+from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
+from mconvert.formats.quantized import fp8_block_size
 from mconvert.mappings import get_mapping
-from test_parallel import assert_same, dcp_tensors
+from mconvert.mcore.parallelism import Parallelism
 
 
 def memory_chunk(piece, parts, offsets) -> torch.Tensor:

@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mconvert.cli import main
-from mconvert.converters import torch_dist
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
-from mconvert.converters.megatron import Parallelism
+from mconvert.formats.dcp import DCPCheckpoint
+from mconvert.mcore.checkpoint import RELEASE
+from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import is_fp8_on_the_hub, make_hf_checkpoint, real_config, shrink, write_random_hf_checkpoint
 
 # Smaller than the hub's 128 x 128, and not square, so that the test's widths (24 to 128) span several
@@ -65,7 +66,7 @@ def checkpoints(tmp_path_factory):
 
 
 def stored(ckpt):
-    dcp = torch_dist.DCPCheckpoint(ckpt / torch_dist.RELEASE)
+    dcp = DCPCheckpoint(ckpt / RELEASE)
     keys = sorted(dcp.shapes)
     return {key: dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key]) for key in keys}
 

@@ -13,9 +13,9 @@ import pytest
 
 from mconvert.cli import main
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
-from mconvert.converters.megatron import Parallelism
-from mconvert.manifest import MANIFEST
-from mconvert.progress import PlainProgress, progress_for
+from mconvert.converters.manifest import MANIFEST
+from mconvert.converters.progress import PlainProgress, progress_for
+from mconvert.mcore.parallelism import Parallelism
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_progress_lines_and_summary(hf_model_factory, tmp_path, capsys, monkeypa
     assert captured.err == ""
     assert " out (" in captured.out and "/s)" in captured.out
     assert f"bash {tmp_path / 'o2'}/train.sh" in captured.out
-    assert f"mconvert verify --hf " in captured.out
+    assert "mconvert verify --hf " in captured.out
 
 
 def test_version(capsys):
@@ -156,7 +156,7 @@ def test_a_file_hashed_while_written_has_the_digest_of_its_bytes(tmp_path):
     import os
     import time
 
-    from mconvert import manifest
+    from mconvert.converters import manifest
 
     path = tmp_path / "out" / "data"
     path.parent.mkdir()
@@ -182,7 +182,7 @@ def test_digests_handed_over_are_used_by_the_manifest_only_while_their_files_are
     import hashlib
     import os
 
-    from mconvert import manifest
+    from mconvert.converters import manifest
 
     out = tmp_path / "out"
     (out / "sub").mkdir(parents=True)
@@ -213,8 +213,8 @@ def test_a_file_filled_out_of_order_is_hashed_as_its_front_fills(tmp_path):
 
     import torch
 
-    from mconvert import manifest
-    from mconvert.converters.safetensors_io import SafetensorsWriter
+    from mconvert.converters import manifest
+    from mconvert.formats.safetensors import SafetensorsWriter
 
     shapes = {f"t{i}": (torch.float32, (50_000 + i,)) for i in range(6)}
     writer = SafetensorsWriter(tmp_path, shapes, max_shard_size=1 << 30)

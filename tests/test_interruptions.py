@@ -15,12 +15,12 @@ import sys
 import time
 
 import pytest
-
 from cli_runner import REPO, assert_nothing_left, assert_one_line_error, run_cli
-from mconvert.converters import torch_dist
+from test_parallel import assert_same, dcp_tensors
+
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.output import lock_path
-from test_parallel import assert_same, dcp_tensors
+from mconvert.mcore.checkpoint import TRACKER_FILE
 
 STOPPER = '''
 import os, signal, sys
@@ -66,7 +66,7 @@ def stopped_at(stopper, point, sig, *args):
 def assert_same_checkpoint(out, reference):
     """The same tensors and common state (the data files' layout depends on --workers: the CLI's default
     differs from the API's one worker)."""
-    assert (out / torch_dist.TRACKER_FILE).read_text() == "release"
+    assert (out / TRACKER_FILE).read_text() == "release"
     assert (out / "release" / "metadata.json").read_bytes() == (reference / "release" / "metadata.json").read_bytes()
     assert_same(dcp_tensors(out), dcp_tensors(reference))
 
@@ -75,7 +75,7 @@ HF_TO_MCORE_POINTS = {
     "first-chunk": ("open", "__0_0.distcp", 1),  # the data file is created
     "mid-read": ("open", "model.safetensors", 8),  # a read of the source, in the read-ahead thread
     "metadata": ("open", ".metadata", 1),  # every chunk written, not the DCP metadata
-    "tracker": ("open", torch_dist.TRACKER_FILE, 1),  # all but the tracker file written
+    "tracker": ("open", TRACKER_FILE, 1),  # all but the tracker file written
     "rename": ("os.rename", ".ckpt.tmp-", 1),  # complete, about to be put in place
 }
 

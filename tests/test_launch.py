@@ -14,8 +14,8 @@ import pytest
 from torch.distributed.run import get_args_parser
 
 from mconvert.cli import main
-from mconvert.converters.launch import default_nodes, min_world_size
-from mconvert.converters.megatron import Parallelism
+from mconvert.mcore.parallelism import Parallelism
+from mconvert.megatron_lm.launch import default_nodes, min_world_size
 
 # A Python whose megatron-core ships megatron.training (0.19 does; 0.16 does not): scripts/test.sh names the one
 # scripts/install312.sh makes.

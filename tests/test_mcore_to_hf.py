@@ -20,13 +20,18 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from mconvert.cli import main
-from mconvert.converters import dcp_metadata, dcp_writer, megatron, torch_dist
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
-from mconvert.converters.megatron import Parallelism
-from mconvert.converters.safetensors_io import INDEX_FILE, HFCheckpoint, SafetensorsWriter, parse_size
 from mconvert.converters.state_dict import hf_to_mcore_state_dict, mcore_to_hf_state_dict
 from mconvert.errors import ConversionError
+from mconvert.formats import dcp_metadata, dcp_writer
+from mconvert.formats.dcp import DCPCheckpoint
+from mconvert.formats.hf_checkpoint import HFCheckpoint
+from mconvert.formats.safetensors import INDEX_FILE, SafetensorsWriter, parse_size
 from mconvert.mappings import family_for_spec, get_mapping, write_hf_config
+from mconvert.mcore.checkpoint import RELEASE, TRACKER_FILE, read_args, read_common_args
+from mconvert.mcore.parallelism import Parallelism
+from mconvert.megatron_lm.args import megatron_args
+from mconvert.megatron_lm.spec_from_args import spec_from_args
 from mconvert.synthetic import add_mtp_layers, make_hf_checkpoint, real_config, shrink
 
 # id: (real config, overrides)
@@ -119,7 +124,7 @@ def test_state_dicts_convert_both_ways_as_the_files_do(hf_model_factory, tmp_pat
     mcore_state = hf_to_mcore_state_dict(hf_state, config, parallelism=parallelism)
 
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
-    dcp = torch_dist.DCPCheckpoint(tmp_path / "mcore" / torch_dist.RELEASE)
+    dcp = DCPCheckpoint(tmp_path / "mcore" / RELEASE)
     keys = sorted(dcp.shapes)
     written = [dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key]) for key in keys]
     assert sorted(mcore_state) == keys
@@ -128,7 +133,7 @@ def test_state_dicts_convert_both_ways_as_the_files_do(hf_model_factory, tmp_pat
     back = mcore_to_hf_state_dict(mcore_state, config)
     assert sorted(back) == sorted(hf_state) and all(torch.equal(back[k], hf_state[k]) for k in back)
     # The args the checkpoint stores describe the same model.
-    args = torch_dist.read_args(tmp_path / "mcore" / torch_dist.RELEASE)
+    args = read_args(tmp_path / "mcore" / RELEASE)
     from_args = mcore_to_hf_state_dict(mcore_state, args=args)
     assert all(torch.equal(from_args[k], hf_state[k]) for k in hf_state)
 
@@ -137,8 +142,8 @@ def test_state_dicts_convert_both_ways_as_the_files_do(hf_model_factory, tmp_pat
 def test_args_read_back_into_the_same_model_of_the_same_family(name):
     config_name, overrides = MODELS[name]
     family, spec = get_mapping(shrink(real_config(config_name), **overrides))
-    args = megatron.megatron_args(spec, Parallelism(tp=2), torch.bfloat16, "transformer_engine")
-    from_args = megatron.spec_from_args(args)
+    args = megatron_args(spec, Parallelism(tp=2), torch.bfloat16, "transformer_engine")
+    from_args = spec_from_args(args)
     assert family_for_spec(from_args) is family
     assert dataclasses.replace(from_args, family=family.name) == dataclasses.replace(spec, dtype=torch.bfloat16)
 
@@ -149,11 +154,11 @@ def test_router_dtype_is_written_and_either_converts_back(name):
     it; it is how a model computes, not what it is, so a checkpoint trained with or without it converts back."""
     config_name, overrides = MODELS[name]
     family, spec = get_mapping(shrink(real_config(config_name), **overrides))
-    args = megatron.megatron_args(spec, Parallelism(), torch.bfloat16, "transformer_engine")
+    args = megatron_args(spec, Parallelism(), torch.bfloat16, "transformer_engine")
     assert args.moe_router_dtype == ("fp32" if family.name in ("deepseek", "glm4_moe") else None)
-    assert megatron.spec_from_args(args).moe.router_fp32 == (args.moe_router_dtype == "fp32")
+    assert spec_from_args(args).moe.router_fp32 == (args.moe_router_dtype == "fp32")
     configs = [
-        write_hf_config(family, megatron.spec_from_args(argparse.Namespace(**{**vars(args), "moe_router_dtype": dtype})))
+        write_hf_config(family, spec_from_args(argparse.Namespace(**{**vars(args), "moe_router_dtype": dtype})))
         for dtype in (None, "fp32")
     ]
     assert configs[0] == configs[1]
@@ -162,17 +167,17 @@ def test_router_dtype_is_written_and_either_converts_back(name):
 def moe_args(**changes) -> argparse.Namespace:
     """Megatron-LM args of a small Qwen2-MoE (a gated shared expert, biases on q, k, v), changed."""
     _, spec = get_mapping(shrink(real_config("qwen1.5-moe-a2.7b")))
-    args = megatron.megatron_args(spec, Parallelism(), torch.float32, "transformer_engine")
+    args = megatron_args(spec, Parallelism(), torch.float32, "transformer_engine")
     return argparse.Namespace(**{**vars(args), **changes})
 
 
 def test_moe_layer_freq_reads_as_megatron_lm_stores_it():
     """Megatron-LM parses --moe-layer-freq ("([0]+[1]*1)") when reading its command line: args hold an int
     (every k-th layer from layer 0) or a list."""
-    assert megatron.spec_from_args(moe_args(num_layers=4, moe_layer_freq=2)).moe.moe_layers == (True, False, True, False)
-    assert megatron.spec_from_args(moe_args(moe_layer_freq=[0, 1])).moe.moe_layers == (False, True)
+    assert spec_from_args(moe_args(num_layers=4, moe_layer_freq=2)).moe.moe_layers == (True, False, True, False)
+    assert spec_from_args(moe_args(moe_layer_freq=[0, 1])).moe.moe_layers == (False, True)
     with pytest.raises(ConversionError, match="string"):
-        megatron.spec_from_args(moe_args(moe_layer_freq="([0]+[1]*1)"))
+        spec_from_args(moe_args(moe_layer_freq="([0]+[1]*1)"))
 
 
 @pytest.mark.parametrize(
@@ -199,7 +204,7 @@ def test_iteration_is_picked_by_tracker_or_flag(hf_model_factory, tmp_path, caps
     hf = hf_model_factory("qwen3-8b")
     convert_hf_to_mcore(hf, tmp_path / "mcore")
     shutil.copytree(tmp_path / "mcore" / "release", tmp_path / "mcore" / "iter_0000020")
-    (tmp_path / "mcore" / torch_dist.TRACKER_FILE).write_text("20")
+    (tmp_path / "mcore" / TRACKER_FILE).write_text("20")
     export(capsys, tmp_path / "mcore", tmp_path / "by-tracker")
     export(capsys, tmp_path / "mcore", tmp_path / "by-flag", "--iteration", "20")
     assert read_hf(tmp_path / "by-flag").keys() == read_hf(hf).keys()
@@ -212,8 +217,8 @@ def test_common_state_stored_among_the_dcp_objects_is_read(hf_model_factory, tmp
     conversion = convert_hf_to_mcore(hf, tmp_path / "mcore")
     release = tmp_path / "mcore" / "release"
     (release / "common.pt").unlink()
-    dcp = torch_dist.DCPCheckpoint(release)
-    assert torch_dist.read_common_args(release, dcp) is None
+    dcp = DCPCheckpoint(release)
+    assert read_common_args(release, dcp) is None
     rewritten = tmp_path / "rewritten"
     rewritten.mkdir()
     writer = dcp_writer.DCPWriter(rewritten)
@@ -224,7 +229,7 @@ def test_common_state_stored_among_the_dcp_objects_is_read(hf_model_factory, tmp
         writer.write_chunk(key, (0,) * tensor.dim(), tensor)
     writer.write_object("common_state/shard_0_1", {"args": conversion.args, "iteration": 0})
     writer.finish()
-    read = torch_dist.read_common_args(rewritten, torch_dist.DCPCheckpoint(rewritten))
+    read = read_common_args(rewritten, DCPCheckpoint(rewritten))
     assert isinstance(read, argparse.Namespace) and vars(read) == vars(conversion.args)
 
 
@@ -267,8 +272,8 @@ def test_the_way_back_reads_dcp_metadata_without_torchs_dcp_package(hf_model_fac
     assert dcp_modules_imported_by(argv) == "[]"
     assert sorted(HFCheckpoint(tmp_path / "back").tensors) == sorted(HFCheckpoint(hf).tensors)
 
-    release = tmp_path / "mcore" / torch_dist.RELEASE
-    records = torch_dist.DCPCheckpoint(release).metadata
+    release = tmp_path / "mcore" / RELEASE
+    records = DCPCheckpoint(release).metadata
     torchs = FileSystemReader(release).read_metadata()
     assert set(records.state_dict_metadata) == set(torchs.state_dict_metadata)
     for key, meta in torchs.state_dict_metadata.items():
@@ -296,11 +301,11 @@ def test_the_way_in_imports_torchs_dcp_package_beside_the_writing(hf_model_facto
     hf = hf_model_factory("qwen3-30b-a3b", layers=2)
     convert_hf_to_mcore(hf, tmp_path / "here", parallelism=Parallelism(tp=2, ep=2))
     argv = ["hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(tmp_path / "helper"), "--tp", "2", "--ep", "2"]
-    helper_always = "import mconvert.converters.dcp_metadata as m; m.HELPER_BYTES, m.HELPER_CORES = 0, 1"
+    helper_always = "import mconvert.formats.dcp_metadata as m; m.HELPER_BYTES, m.HELPER_CORES = 0, 1"
     assert dcp_modules_imported_by(argv, helper_always) == "[]"
-    metadata = [(tmp_path / d / torch_dist.RELEASE / ".metadata").read_bytes() for d in ("here", "helper")]
+    metadata = [(tmp_path / d / RELEASE / ".metadata").read_bytes() for d in ("here", "helper")]
     assert metadata[0] == metadata[1]
-    assert FileSystemReader(tmp_path / "helper" / torch_dist.RELEASE).read_metadata().state_dict_metadata
+    assert FileSystemReader(tmp_path / "helper" / RELEASE).read_metadata().state_dict_metadata
 
 
 def test_dcp_metadata_failures_are_reported_once_in_one_line(tmp_path):
@@ -313,8 +318,8 @@ def test_dcp_metadata_failures_are_reported_once_in_one_line(tmp_path):
         "    def find_spec(self, name, path, target=None):\n"
         "        if name == 'torch.distributed.checkpoint.default_planner': raise ImportError('refused here')\n"
         "sys.meta_path.insert(0, Refuse())\n"
-        "from mconvert.converters.dcp_metadata import MetadataMaker\n"
-        "from mconvert.converters.dcp_writer import DCPWriter\n"
+        "from mconvert.formats.dcp_metadata import MetadataMaker\n"
+        "from mconvert.formats.dcp_writer import DCPWriter\n"
         "writer = DCPWriter(Path(tempfile.mkdtemp()))\n"
         "writer.declare('x', (2,), torch.float32)\n"
         "writer.write_chunk('x', (0,), torch.zeros(2))\n"
@@ -344,7 +349,7 @@ def test_a_dcp_metadata_helper_ends_with_its_conversion():
     assert not pathlib.Path(f"/proc/{helper}").exists()  # ended and reaped
 
     program = (
-        "import os, signal; from mconvert.converters.dcp_metadata import MetadataMaker; "
+        "import os, signal; from mconvert.formats.dcp_metadata import MetadataMaker; "
         "print(MetadataMaker(helper=True)._pid, flush=True); os.kill(os.getpid(), signal.SIGKILL)"
     )
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True)
@@ -386,7 +391,7 @@ def test_a_tied_model_does_not_leak_its_tie_into_the_next(hf_model_factory):
     assert results == [(False, False), (True, True), (False, False)]
 
 
-class CountingDCPCheckpoint(torch_dist.DCPCheckpoint):
+class CountingDCPCheckpoint(DCPCheckpoint):
     def __init__(self, directory):
         super().__init__(directory)
         self.reads: list[tuple[str, int]] = []
@@ -402,12 +407,13 @@ def test_each_stored_chunk_is_read_once_straight_from_its_record(hf_model_factor
     zip directories were once parsed from the records' last 64 KiB, which Python 3.12.3's zipfile refuses for a
     record larger than that (zip64 offsets pointing outside it; 3.12.1 and 3.13.0 accept it), so there every
     chunk went through torch.load."""
-    from mconvert.converters.mcore_to_hf import TorchDistTensors, hf_tensors, plan_export
+    from mconvert.converters.mcore_sources import TorchDistTensors
+    from mconvert.converters.mcore_to_hf import hf_tensors, plan_export
 
     convert_hf_to_mcore(hf_model_factory("llama-3.1-8b", vocab_size=8192), tmp_path / "mcore", parallelism=Parallelism(tp=2))
-    release = tmp_path / "mcore" / torch_dist.RELEASE
+    release = tmp_path / "mcore" / RELEASE
     dcp = CountingDCPCheckpoint(release)
-    source = TorchDistTensors(dcp, torch_dist.read_args(release))
+    source = TorchDistTensors(dcp, read_args(release))
     plan, _ = plan_export(source)
     assert len(list(hf_tensors(plan, source))) == len(plan.hf_shapes())
     stored = [(key, n) for key in dcp.shapes for n in range(len(dcp.metadata.state_dict_metadata[key].chunks))]
@@ -420,7 +426,7 @@ def test_expert_bias_stays_fp32_in_a_bf16_round_trip(hf_model_factory, tmp_path,
     hf = tmp_path / "hf"
     make_hf_checkpoint(shrink(real_config("deepseek-v3")), hf, dtype="bfloat16")
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, ep=2))
-    dcp = torch_dist.DCPCheckpoint(tmp_path / "mcore" / torch_dist.RELEASE)
+    dcp = DCPCheckpoint(tmp_path / "mcore" / RELEASE)
     assert dcp.dtypes["decoder.layers.1.mlp.router.expert_bias"] == torch.float32
     assert dcp.dtypes["decoder.layers.1.mlp.router.weight"] == torch.bfloat16
     export(capsys, tmp_path / "mcore", tmp_path / "back")
@@ -437,7 +443,7 @@ def test_mtp_layers_convert_both_ways_or_are_left_out(tmp_path, capsys):
     assert main(["hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(tmp_path / "mcore"), "--tp", "2", "--pp", "2", "--ep", "2"]) == 0
     out = capsys.readouterr().out
     assert "converted 1 multi-token prediction layer" in out and "--mtp-num-layers 1" in out
-    shapes = torch_dist.DCPCheckpoint(tmp_path / "mcore" / torch_dist.RELEASE).shapes
+    shapes = DCPCheckpoint(tmp_path / "mcore" / RELEASE).shapes
     assert shapes["mtp.layers.0.eh_proj.weight"] == (64, 128)
     assert "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight" in shapes
     config = export(capsys, tmp_path / "mcore", tmp_path / "back")
@@ -449,18 +455,24 @@ def test_mtp_layers_convert_both_ways_or_are_left_out(tmp_path, capsys):
     assert main(["hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(tmp_path / "no-mtp"), "--no-mtp"]) == 0
     out = capsys.readouterr().out
     assert "left out 1 multi-token prediction layer" in out and "--mtp-num-layers" not in out
-    assert not any(key.startswith("mtp.") for key in torch_dist.DCPCheckpoint(tmp_path / "no-mtp" / torch_dist.RELEASE).shapes)
+    assert not any(key.startswith("mtp.") for key in DCPCheckpoint(tmp_path / "no-mtp" / RELEASE).shapes)
 
 
 def test_ranks_are_given_whole_hf_files_to_fill_and_hash(hf_model_factory, tmp_path):
     """Under torchrun each rank converts the pieces of whole HF files (balanced by bytes), so that it alone
     writes them and hashes them as they fill; the ranks' shares differ by at most one file. The files break
     between pieces only (q, k and v, gate and up in one file), so no file is left for rank 0 to hash at the end."""
-    from mconvert.converters.mcore_to_hf import TorchDistTensors, file_owners, files_written_only_by, piece_bytes, plan_export
+    from mconvert.converters.mcore_sources import TorchDistTensors
+    from mconvert.converters.mcore_to_hf import (
+        file_owners,
+        files_written_only_by,
+        piece_bytes,
+        plan_export,
+    )
 
     convert_hf_to_mcore(hf_model_factory("qwen3-30b-a3b"), tmp_path / "mcore")
-    release = tmp_path / "mcore" / torch_dist.RELEASE
-    source = TorchDistTensors(torch_dist.DCPCheckpoint(release), torch_dist.read_args(release))
+    release = tmp_path / "mcore" / RELEASE
+    source = TorchDistTensors(DCPCheckpoint(release), read_args(release))
     plan, _ = plan_export(source)
     dtypes = {ref.name: plan.dtype_of(piece) for piece in plan.pieces for ref in piece.sources}
     layout = {name: (dtypes[name], shape) for name, shape in plan.hf_shapes().items()}

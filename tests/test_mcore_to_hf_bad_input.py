@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mconvert.cli import main
-from mconvert.converters import torch_dist
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+from mconvert.mcore.checkpoint import RELEASE, TRACKER_FILE, read_args, write_common
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +38,9 @@ def export_fails(capsys, load_dir, out, *flags):
 
 
 def rewrite_args(checkpoint, **changes):
-    release = checkpoint / torch_dist.RELEASE
-    args = torch_dist.read_args(release)
-    torch_dist.write_common(release, argparse.Namespace(**{**vars(args), **changes}))
+    release = checkpoint / RELEASE
+    args = read_args(release)
+    write_common(release, argparse.Namespace(**{**vars(args), **changes}))
 
 
 def test_a_directory_that_is_not_a_checkpoint(hf_model_factory, tmp_path, capsys):
@@ -58,7 +58,7 @@ def test_an_iteration_that_does_not_exist(checkpoint, tmp_path, capsys):
 
 
 def test_a_tracker_naming_a_missing_iteration(private_checkpoint, tmp_path, capsys):
-    (private_checkpoint / torch_dist.TRACKER_FILE).write_text("300")
+    (private_checkpoint / TRACKER_FILE).write_text("300")
     assert "iter_0000300" in export_fails(capsys, private_checkpoint, tmp_path / "out")
 
 
@@ -81,7 +81,7 @@ def test_a_reference_config_of_another_model(checkpoint, hf_model_factory, tmp_p
 
 
 def test_no_args_and_no_reference(private_checkpoint, tmp_path, capsys):
-    torch.save({}, private_checkpoint / torch_dist.RELEASE / "common.pt")
+    torch.save({}, private_checkpoint / RELEASE / "common.pt")
     assert "--hf-config" in export_fails(capsys, private_checkpoint, tmp_path / "out")
 
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
-from pathlib import Path
-
 import weakref
+from pathlib import Path
 
 import numpy
 import pytest
@@ -20,11 +19,11 @@ import torch.distributed as dist
 
 from mconvert.cli import main
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
-from mconvert.converters.megatron import Parallelism
 from mconvert.converters.rank_export import gather_hf_weights
-from mconvert.converters.safetensors_io import HFCheckpoint
 from mconvert.converters.state_dict import mcore_to_hf_state_dict
-from mconvert.converters.torch_dist import TRACKER_FILE, read_args, RELEASE
+from mconvert.formats.hf_checkpoint import HFCheckpoint
+from mconvert.mcore.checkpoint import RELEASE, TRACKER_FILE, read_args
+from mconvert.mcore.parallelism import Parallelism
 
 # The megatron-core harness (CPU shims, gloo ranks, model loading) lives in mconvert.verify.
 run_ranks = pytest.importorskip("mconvert.verify.distributed").run_ranks
@@ -56,7 +55,8 @@ def save_as_megatron_does(checkpoints: list[tuple[str, str, str, str]]) -> list[
     then gather HF weights from the live model and check them against the HF originals, one at a time.
     Returns on rank 0, per checkpoint, the HF names all ranks produced and megatron-core's own view of the
     model's tensors (gather_global_state)."""
-    from megatron.core import dist_checkpointing, parallel_state as ps
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
 
     results = []
     for ours, hf_dir, dist_dir, legacy_dir in checkpoints:

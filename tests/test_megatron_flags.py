@@ -11,21 +11,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_dense_megatron import MISTRAL
 
-from mconvert.converters import megatron
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
-from mconvert.converters.megatron import Parallelism
 from mconvert.errors import ConversionError
 from mconvert.mappings import get_mapping
+from mconvert.mcore.parallelism import Parallelism
+from mconvert.megatron_lm.args import megatron_args
+from mconvert.megatron_lm.flags import (
+    args_script,
+    megatron_flags,
+    not_restored_by_checkpoint_args,
+    pretrain_gpt_caveats,
+)
 from mconvert.synthetic import real_config, shrink
-
-from test_dense_megatron import MISTRAL
 
 
 def flags_of(config: dict, **parallel) -> list[str]:
     _, spec = get_mapping(config)
-    return megatron.megatron_flags(megatron.megatron_args(spec, Parallelism(**parallel), torch.bfloat16, "transformer_engine"))
+    return megatron_flags(megatron_args(spec, Parallelism(**parallel), torch.bfloat16, "transformer_engine"))
 
 
 def test_rope_theta_is_printed_as_the_integer_megatron_lm_parses():
@@ -67,8 +72,8 @@ def test_tokenizer_flags_name_the_hf_directory_when_it_has_a_tokenizer(hf_model_
 )
 def test_args_that_use_checkpoint_args_misses_are_named(config_name, overrides, missed):
     _, spec = get_mapping(shrink(real_config(config_name), **overrides))
-    args = megatron.megatron_args(spec, Parallelism(), torch.bfloat16, "transformer_engine")
-    assert megatron.not_restored_by_checkpoint_args(args) == missed
+    args = megatron_args(spec, Parallelism(), torch.bfloat16, "transformer_engine")
+    assert not_restored_by_checkpoint_args(args) == missed
 
 
 def test_an_uneven_pipeline_split_is_in_the_flags_and_the_verify_command(hf_model_factory, tmp_path):
@@ -159,9 +164,9 @@ def test_llama_ignores_a_sliding_window_as_transformers_does():
 )
 def test_rope_scaling_that_pretrain_gpt_drops_is_said(rope_scaling, caveat):
     _, spec = get_mapping(shrink(real_config("llama-3.1-8b"), rope_scaling=rope_scaling))
-    args = megatron.megatron_args(spec, Parallelism(), torch.bfloat16, "transformer_engine")
-    caveats = megatron.pretrain_gpt_caveats(args)
-    script = megatron.args_script(args, Path("ckpt"))
+    args = megatron_args(spec, Parallelism(), torch.bfloat16, "transformer_engine")
+    caveats = pretrain_gpt_caveats(args)
+    script = args_script(args, Path("ckpt"))
     if caveat is None:
         assert caveats == [] and "Caveat" not in script
     else:

@@ -189,8 +189,10 @@ def test_megatron_flags_describe_the_moe(impl):
     import ast
     import re
 
-    from mconvert.converters.megatron import Parallelism, megatron_args, megatron_flags
     from mconvert.mappings import get_mapping
+    from mconvert.mcore.parallelism import Parallelism
+    from mconvert.megatron_lm.args import megatron_args
+    from mconvert.megatron_lm.flags import megatron_flags
 
     spec = get_mapping(shrink(real_config("qwen1.5-moe-a2.7b"), layers=4, decoder_sparse_step=2))[1]
     flags = megatron_flags(megatron_args(spec, Parallelism(tp=2, ep=4, etp=1), torch.bfloat16, impl))

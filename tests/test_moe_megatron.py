@@ -17,9 +17,9 @@ import transformers
 from safetensors.torch import load_file
 
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
-from mconvert.converters.megatron import Parallelism
 from mconvert.converters.rank_export import model_sharded_state_dict
-from mconvert.converters.torch_dist import iteration_dir, read_args
+from mconvert.mcore.checkpoint import iteration_dir, read_args
+from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 from mconvert.verify.distributed import run_ranks
 from mconvert.verify.megatron_side import forward_logits, gather_global_state, load_model

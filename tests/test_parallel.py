@@ -13,16 +13,17 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
-from mconvert.converters import dcp_writer, torch_dist
-from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
-from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
-from mconvert.manifest import check_manifest
-from mconvert.converters.megatron import Parallelism
-from mconvert.converters.parallel import READ_AHEAD_BYTES, assign, interleave_streams, run_pieces
-from mconvert.verify.distributed import run_ranks
-
 from test_dense_megatron import TOKENS, expected_megatron_state, megatron_view
+
+from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+from mconvert.converters.manifest import check_manifest
+from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+from mconvert.converters.parallel import READ_AHEAD_BYTES, assign, interleave_streams, run_pieces
+from mconvert.formats import dcp_writer
+from mconvert.formats.dcp import DCPCheckpoint
+from mconvert.mcore.checkpoint import TRACKER_FILE, iteration_dir
+from mconvert.mcore.parallelism import Parallelism
+from mconvert.verify.distributed import run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,7 +32,7 @@ def dcp_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a torch_dist checkpoint, whole, read through torch's own DCP reader."""
     import torch.distributed.checkpoint as dcp
 
-    release = torch_dist.iteration_dir(checkpoint)
+    release = iteration_dir(checkpoint)
     metadata = dcp.FileSystemReader(str(release)).read_metadata()
     state = {
         key: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
@@ -172,7 +173,7 @@ def test_two_torchrun_ranks_write_the_single_process_checkpoint_and_megatron_loa
     assert done.stdout.count(f"wrote {ranked}") == 1 and done.stdout.count("next:") == 1  # rank 0's
     files = sorted(p.name for p in (ranked / "release").glob("*.distcp"))
     assert {name.split("_")[2] for name in files} == {"0", "1"}  # __<rank>_<file>.distcp: both ranks wrote
-    assert (ranked / torch_dist.TRACKER_FILE).read_text() == "release"
+    assert (ranked / TRACKER_FILE).read_text() == "release"
     assert check_manifest(ranked) == []  # rank 1's data file by the digest rank 1 took while writing it
     assert_same(dcp_tensors(single), dcp_tensors(ranked))
     assert_megatron_loads(ranked, hf, tp=2)
@@ -193,7 +194,7 @@ def test_a_failing_rank_fails_the_run_and_leaves_nothing_complete(hf_model_facto
     convert_hf_to_mcore(hf, ckpt)
     # Zero the stored final norm: the one rank that converts that piece fails to read it, the other does not.
     release = ckpt / "release"
-    dcp = torch_dist.DCPCheckpoint(release)
+    dcp = DCPCheckpoint(release)
     for index, info in dcp.metadata.storage_data.items():
         if index.fqn == "decoder.final_layernorm.weight":
             with open(release / info.relative_path, "r+b") as f:

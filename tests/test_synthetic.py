@@ -3,7 +3,7 @@ transformers' own save_pretrained writes, MoE experts in the hub's per-expert la
 
 import pytest
 
-from mconvert.converters.safetensors_io import HFCheckpoint
+from mconvert.formats.hf_checkpoint import HFCheckpoint
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink, write_random_hf_checkpoint
 
 

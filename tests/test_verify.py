@@ -11,7 +11,8 @@ import torch
 
 from mconvert.cli import main
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
-from mconvert.converters.megatron import Parallelism, PipelineSplit
+from mconvert.mcore.parallelism import Parallelism, PipelineSplit
+from mconvert.megatron_lm.flags import pipeline_split_flags
 
 FAMILIES = {
     "llama": ("llama-3.1-8b", Parallelism(tp=2)),
@@ -48,7 +49,7 @@ def test_verify_passes_for_a_faithful_conversion(family, hf_model_factory, tmp_p
     sizes = ["--tp", str(parallelism.tp), "--pp", str(parallelism.pp), "--ep", str(parallelism.ep)]
     if parallelism.etp:
         sizes += ["--etp", str(parallelism.etp)]
-    sizes += [word for flag in parallelism.pipeline.flags() for word in shlex.split(flag)]
+    sizes += [word for flag in pipeline_split_flags(parallelism.pipeline) for word in shlex.split(flag)]
     code, out, _ = verify(capsys, hf, tmp_path / "mcore", *sizes, "--json", str(report))
     assert code == 0, out
     assert out.strip().endswith("PASS")

@@ -14,19 +14,23 @@ from pathlib import Path
 
 import torch
 
-from mconvert.converters import dcp_metadata, dcp_writer, launch, megatron, torch_dist
-from mconvert.converters.dcp_metadata import MetadataMaker
-from mconvert.converters.megatron import Parallelism
+from mconvert.converters.manifest import hashed_while_written
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces, torchrun_rank
 from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
-from mconvert.converters.safetensors_io import HFCheckpoint, fp8_block_size, read_hf_config
-from mconvert.errors import ConversionError
-from mconvert.manifest import hashed_while_written
+from mconvert.converters.progress import NoProgress, Progress
+from mconvert.formats import dcp_metadata, dcp_writer
+from mconvert.formats.dcp_metadata import MetadataMaker
+from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
+from mconvert.formats.quantized import fp8_block_size
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
-from mconvert.progress import NoProgress, Progress
+from mconvert.mcore.checkpoint import EMPTY_EXTRA_STATE, RELEASE, write_common, write_tracker
+from mconvert.mcore.parallelism import Parallelism
+from mconvert.megatron_lm import launch
+from mconvert.megatron_lm.args import megatron_args
+from mconvert.megatron_lm.flags import args_script, megatron_flags
 
 ARGS_SCRIPT = "megatron_args.sh"
 
@@ -262,14 +266,14 @@ def convert_hf_to_mcore(
     plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers(family, spec, hf))
     read = without_mtp_layers(family, spec, hf.tensors, held) if not mtp else hf.tensors
     check_sources(plan, {name: hf.tensors[name].shape for name in read}, hf.where)
-    args = megatron.megatron_args(spec, parallelism, plan.dtype, transformer_impl, tokenizer_dir=load_dir)
-    flags = megatron.megatron_flags(args)
+    args = megatron_args(spec, parallelism, plan.dtype, transformer_impl, tokenizer_dir=load_dir)
+    flags = megatron_flags(args)
 
     # Rank 0 makes `.metadata`, started before the ranks' threads and the output's lock (MetadataMaker).
     helper = dcp_metadata.helper_pays(sum(plan.nbytes(piece) for piece in plan.pieces if not piece.copy))
     maker = MetadataMaker(helper) if torchrun_rank()[0] == 0 else contextlib.nullcontext()
     with maker as metadata, Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
-        release = work / torch_dist.RELEASE
+        release = work / RELEASE
         if ranks.is_first:
             release.mkdir()
         ranks.barrier()
@@ -288,15 +292,15 @@ def convert_hf_to_mcore(
                 write_pieces(plan, hf, writer, workers, ranks, progress)
                 if ranks.is_first:
                     for key in plan.extra_state_keys:
-                        writer.write_object(key, torch_dist.EMPTY_EXTRA_STATE)
+                        writer.write_object(key, EMPTY_EXTRA_STATE)
             finally:
                 writer.abort()  # flushed and closed before the hashing's last pass
         ranks.settle()  # every rank's chunks are on disk
         parts = ranks.gather(writer.local_part())
         if ranks.is_first:
             writer.finish(parts, metadata)
-            torch_dist.write_common(release, args)
-            (work / ARGS_SCRIPT).write_text(megatron.args_script(args, save_dir))
+            write_common(release, args)
+            (work / ARGS_SCRIPT).write_text(args_script(args, save_dir))
             launch.write_launch(work, save_dir, parallelism)
-            torch_dist.write_tracker(work)
+            write_tracker(work)
     return Conversion(plan, args, flags, dropped_mtp_layers=0 if mtp else held)

@@ -16,128 +16,39 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator
 
 import torch
 
-from mconvert.converters import megatron, torch_dist
-from mconvert.converters.megatron import Parallelism
+from mconvert.converters.manifest import hashed_while_written
+from mconvert.converters.mcore_sources import (
+    MegatronTensors,
+    TorchDistTensors,
+    open_megatron_checkpoint,
+    piece_region,
+    stored_key,
+)
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.parallel import Buffers, Ranks, assign, check_workers, run_pieces
 from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
-from mconvert.converters.safetensors_io import SafetensorsWriter, parse_size, read_hf_config
+from mconvert.converters.progress import NoProgress, Progress
 from mconvert.errors import ConversionError
+from mconvert.formats.hf_checkpoint import read_hf_config
+from mconvert.formats.safetensors import SafetensorsWriter, parse_size
 from mconvert.hub import HF_SIDE_FILES
-from mconvert.manifest import hashed_while_written
 from mconvert.mappings import family_for_model_size, family_for_spec, get_mapping, write_hf_config
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
-from mconvert.progress import NoProgress, Progress
+from mconvert.mcore.parallelism import Parallelism
+from mconvert.megatron_lm.args import parallelism_from_args
+from mconvert.megatron_lm.spec_from_args import spec_from_args
 
 Shape = tuple[int, ...]
 
 # Each HF file is hashed for the manifest on one core (about 1 GB/s) as it fills, so its size bounds how soon
 # the last one is done: on the whole Qwen2.5-7B at 8 workers 2 GB files took 5.95-6.82 s and 5 GB ones
-# 8.47-10.15 s, side by side (docs/performance.md).
+# 8.47-10.15 s, side by side (docs/history.md).
 DEFAULT_MAX_SHARD_SIZE = "2GB"
-
-
-class MegatronTensors(Protocol):
-    """A Megatron checkpoint's model weights, whatever the format: global shapes, and regions on demand."""
-
-    args: argparse.Namespace | None
-    location: str  # for messages
-
-    @property
-    def weights_dtype(self) -> torch.dtype | None:
-        """The dtype the weights are stored in (the word embedding's), None when there is no embedding."""
-        ...
-
-    def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
-        """Every stored model tensor's global shape (vocabulary padded as saved), by checkpoint key."""
-        ...
-
-    def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
-        """The piece's region (layout shape, but the vocabulary rows as stored), in `into` (a uint8 buffer
-        of at least its bytes) where the format reads into given memory. Safe to call from several threads."""
-        ...
-
-
-def stored_key(piece: Piece, shapes: dict[str, Shape]) -> str:
-    """The key a piece is stored under: the first of its names that the checkpoint has."""
-    return next((key for key in piece.keys if key in shapes), piece.key)
-
-
-def piece_region(piece: Piece, stored_shape: Shape) -> tuple[Shape, Shape]:
-    """(offsets, shape) of a piece's region in the global tensor, with all its vocabulary rows as stored."""
-    layout_shape = piece.layout.shape
-    if piece.layout.real_rows is not None:
-        layout_shape = (stored_shape[len(piece.offsets)], *layout_shape[1:])
-    leading = len(piece.offsets)
-    return (*piece.offsets, *(0,) * len(layout_shape)), (*(1,) * leading, *layout_shape)
-
-
-@dataclass
-class TorchDistTensors:
-    """The model weights of a torch_dist checkpoint, read chunk by chunk through its DCP metadata."""
-
-    dcp: torch_dist.DCPCheckpoint
-    args: argparse.Namespace | None
-
-    @property
-    def location(self) -> str:
-        return str(self.dcp.directory)
-
-    @property
-    def weights_dtype(self) -> torch.dtype | None:
-        return self.dcp.dtypes.get("embedding.word_embeddings.weight")
-
-    def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
-        return {k: v for k, v in self.dcp.shapes.items() if k.startswith(megatron.MODEL_KEY_PREFIXES)}
-
-    def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
-        key = stored_key(piece, self.dcp.shapes)
-        region = self.dcp.read_region(key, *piece_region(piece, self.dcp.shapes[key]), into=into)
-        return region.reshape(region.shape[len(piece.offsets) :])
-
-
-@dataclass
-class StateDictTensors:
-    """A Megatron global state dict in memory (checkpoint key -> whole tensor), e.g. gathered from ranks."""
-
-    state_dict: dict[str, torch.Tensor]
-    args: argparse.Namespace | None = None
-    location: str = "the Megatron state dict"
-
-    @property
-    def weights_dtype(self) -> torch.dtype | None:
-        embedding = self.state_dict.get("embedding.word_embeddings.weight")
-        return None if embedding is None else embedding.dtype
-
-    def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
-        return {k: tuple(v.shape) for k, v in self.state_dict.items() if k.startswith(megatron.MODEL_KEY_PREFIXES)}
-
-    def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
-        return self.state_dict[stored_key(piece, self.state_dict)][piece.offsets]
-
-
-def open_megatron_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None) -> MegatronTensors:
-    """The weights of a Megatron checkpoint directory, torch_dist or the legacy per-rank `torch` format, at
-    the iteration the tracker file names (or `iteration`)."""
-    from mconvert.converters import legacy_torch
-
-    load_dir = Path(load_dir)
-    directory = torch_dist.iteration_dir(load_dir, iteration)
-    if not directory.is_dir():
-        raise ConversionError(f"{load_dir}: the tracker file names {directory.name}, which does not exist")
-    if legacy_torch.is_legacy_checkpoint(directory):
-        return legacy_torch.LegacyCheckpoint(directory)
-    if not (directory / ".metadata").exists():
-        raise ConversionError(
-            f"{directory}: not a Megatron checkpoint (no .metadata of torch_dist, no mp_rank_* of the torch format)"
-        )
-    dcp = torch_dist.DCPCheckpoint(directory)
-    return TorchDistTensors(dcp, torch_dist.read_common_args(directory, dcp))
 
 
 # Fields of ModelSpec that say what the weights are; a reference config must agree with the args on them.
@@ -157,7 +68,7 @@ def resolve_model(
     if reference is not None:
         family, spec = get_mapping(reference, model_size, source="--hf-config config.json")
         if args is not None:
-            from_args = megatron.spec_from_args(args, family.name, vocab_size=spec.vocab_size)
+            from_args = spec_from_args(args, family.name, vocab_size=spec.vocab_size)
             for name in _WEIGHT_FIELDS + ("vocab_size",):
                 if getattr(from_args, name) != getattr(spec, name):
                     raise ConversionError(
@@ -169,7 +80,7 @@ def resolve_model(
         return family, spec
     if args is None:
         raise ConversionError(f"{location}: no Megatron args stored with the checkpoint: pass --hf-config")
-    spec = megatron.spec_from_args(args)
+    spec = spec_from_args(args)
     family = family_for_spec(spec)
     named = family_for_model_size(model_size) if model_size is not None else family
     if named is not family:
@@ -231,7 +142,7 @@ def plan_export(
     shapes before anything is read."""
     family, spec = resolve_model(source.args, reference, source.location, model_size)
     spec = dataclasses.replace(spec, dtype=dtype or source.weights_dtype or spec.dtype)
-    parallelism = megatron.parallelism_from_args(source.args) if source.args is not None else Parallelism()
+    parallelism = parallelism_from_args(source.args) if source.args is not None else Parallelism()
     plan = build_plan(family, spec, parallelism, spec.dtype)
     config = write_hf_config(family, spec)
     check_stored(plan, source.stored_shapes(plan), source.location)

@@ -20,9 +20,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from mconvert.converters.manifest import adopt_digests, hand_over_digests, write_manifest
 from mconvert.converters.parallel import Ranks
 from mconvert.errors import ConversionError
-from mconvert.manifest import adopt_digests, hand_over_digests, write_manifest
 
 # Write failures that mean the target's file system is full (or the process may write no more), not bad input.
 _OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)

@@ -14,12 +14,22 @@ from dataclasses import dataclass
 
 import torch
 
-from mconvert.converters import megatron
-from mconvert.converters.megatron import Parallelism, TensorLayout
 from mconvert.errors import ConversionError
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
 from mconvert.mappings.transforms import Entry
+from mconvert.mcore.layout import (
+    EXPERTS_PREFIX,
+    EXTRA_STATE_ONLY_MODULES,
+    TensorLayout,
+    checkpoint_names,
+    extra_state_key,
+    layer_axis,
+    layer_key,
+    mtp_key,
+    tensor_layout,
+)
+from mconvert.mcore.parallelism import Parallelism
 
 # HF names `name[index]` select one slice of a tensor's first axis: one expert of a fused expert tensor.
 _INDEXED = re.compile(r"^(?P<name>.+)\[(?P<index>\d+)\]$")
@@ -149,30 +159,30 @@ def build_plan(
         pieces.append(Piece(keys, offsets, layout, entry, tuple(HFRef.parse(s) for s in sources), copy))
 
     for entry in _active(table.model, spec):
-        add((entry.mcore,), (), (), megatron.tensor_layout(entry.mcore, spec, parallelism), entry, list(entry.hf_names))
+        add((entry.mcore,), (), (), tensor_layout(entry.mcore, spec, parallelism), entry, list(entry.hf_names))
 
     # Multi-token prediction layers follow the decoder's, in HF's numbering and here; each is built like the
     # decoder's last layer.
     for layer in range(spec.num_layers + spec.mtp_layers):
-        layers = megatron.layer_axis(spec) if layer < spec.num_layers else ()
+        layers = layer_axis(spec) if layer < spec.num_layers else ()
         prefix = table.layer_prefix.format(layer=layer)
         is_moe = spec.layer_is_moe(min(layer, spec.num_layers - 1))
         if layer >= spec.num_layers:
             for entry in _active(table.mtp, spec):
-                key = megatron.mtp_key(entry.mcore, layer - spec.num_layers)
-                add((key,), (), (), megatron.tensor_layout(entry.mcore, spec, parallelism), entry, [prefix + n for n in entry.hf_names])
+                key = mtp_key(entry.mcore, layer - spec.num_layers)
+                add((key,), (), (), tensor_layout(entry.mcore, spec, parallelism), entry, [prefix + n for n in entry.hf_names])
             for entry in _active(table.mtp_copies, spec):
-                layout = megatron.tensor_layout(entry.mcore, spec, parallelism)
+                layout = tensor_layout(entry.mcore, spec, parallelism)
                 add((entry.mcore,), (), (), layout, entry, [prefix + n for n in entry.hf_names], copy=True)
         fused = layer in fused_expert_layers
         moe_mlp = table.fused_moe_mlp if fused and table.fused_moe_mlp is not None else table.moe_mlp
         for entry in _active(table.attention + (moe_mlp if is_moe else table.dense_mlp), spec):
-            names = megatron.checkpoint_names(entry.mcore, spec, is_moe)
-            located = [megatron.layer_key(name, layer, spec) for name in names]
-            layout = megatron.tensor_layout(entry.mcore, spec, parallelism)
+            names = checkpoint_names(entry.mcore, spec, is_moe)
+            located = [layer_key(name, layer, spec) for name in names]
+            layout = tensor_layout(entry.mcore, spec, parallelism)
             add(tuple(k for k, _ in located), located[0][1], layers, layout, entry, [prefix + n for n in entry.hf_names])
-        for module in megatron.EXTRA_STATE_ONLY_MODULES:
-            key, offsets = megatron.layer_key(module, layer, spec)
+        for module in EXTRA_STATE_ONLY_MODULES:
+            key, offsets = layer_key(module, layer, spec)
             modules[key, offsets] = layers
         if not is_moe:
             continue
@@ -180,12 +190,12 @@ def build_plan(
         experts = table.fused_experts if fused else table.experts
         for expert in range(num_experts):
             for entry in _active(experts, spec):
-                key, offsets = megatron.layer_key(megatron.EXPERTS_PREFIX + entry.mcore, layer, spec)
-                layout = megatron.tensor_layout(entry.mcore, spec, parallelism, expert=True)
+                key, offsets = layer_key(EXPERTS_PREFIX + entry.mcore, layer, spec)
+                layout = tensor_layout(entry.mcore, spec, parallelism, expert=True)
                 sources = [prefix + n.format(expert=expert) for n in entry.hf_names]
                 add((key,), (*offsets, expert), (*layers, num_experts), layout, entry, sources)
 
-    extra_state_keys = tuple(megatron.extra_state_key(module, offsets, leading) for (module, offsets), leading in modules.items())
+    extra_state_keys = tuple(extra_state_key(module, offsets, leading) for (module, offsets), leading in modules.items())
     return Plan(family, spec, parallelism, dtype or spec.dtype, shapes, tuple(pieces), extra_state_keys)
 
 

@@ -19,13 +19,13 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from mconvert.converters import megatron
-from mconvert.converters.mcore_to_hf import piece_region, stored_key
+from mconvert.converters.mcore_sources import piece_region, stored_key
 from mconvert.converters.plan import build_plan
-from mconvert.converters.megatron import Parallelism
-from mconvert.converters.torch_dist import RegionIndex, region_overlap
 from mconvert.errors import ConversionError
+from mconvert.formats.dcp import RegionIndex, region_overlap
 from mconvert.mappings import get_mapping
+from mconvert.mcore.layout import EXPERTS_PREFIX, MODEL_KEY_PREFIXES
+from mconvert.mcore.parallelism import Parallelism
 
 Shape = tuple[int, ...]
 # Bytes of consecutive pieces gathered with one broadcast per member that holds parts of them.
@@ -62,7 +62,7 @@ def local_shards(model: torch.nn.Module) -> dict[tuple[str, Shape], tuple[ShardI
     apply_factories(sharded_state_dict)  # e.g. a swiglu fc1 becomes its gate and up fragments
     shards = {}
     for sharded in nested_values(sharded_state_dict):
-        if not isinstance(sharded, ShardedTensor) or not sharded.key.startswith(megatron.MODEL_KEY_PREFIXES):
+        if not isinstance(sharded, ShardedTensor) or not sharded.key.startswith(MODEL_KEY_PREFIXES):
             continue
         sizes = (1,) * sharded.prepend_axis_num + tuple(sharded.local_shape)
         info = ShardInfo(sharded.key, tuple(sharded.global_offset), sizes, sharded.data.dtype, tuple(sharded.global_shape))
@@ -117,7 +117,7 @@ def gather_hf_weights(
     batch: list[tuple[Any, str, Shape, Shape, list[tuple[ShardInfo, int]]]] = []
     batch_group, batch_bytes = None, 0
     for piece in plan.pieces:
-        pg = expert_group if megatron.EXPERTS_PREFIX in piece.key else group
+        pg = expert_group if EXPERTS_PREFIX in piece.key else group
         key = stored_key(piece, shapes)
         if key not in shapes:
             continue  # not on this pipeline stage

@@ -12,10 +12,11 @@ from typing import Any, Mapping
 import torch
 
 from mconvert.converters.hf_to_mcore import fused_expert_layers, mtp_layers_held, piece_tensor
-from mconvert.converters.megatron import Parallelism
-from mconvert.converters.mcore_to_hf import StateDictTensors, hf_tensors, plan_export
+from mconvert.converters.mcore_sources import StateDictTensors
+from mconvert.converters.mcore_to_hf import hf_tensors, plan_export
 from mconvert.converters.plan import build_plan, check_sources
 from mconvert.mappings import get_mapping
+from mconvert.mcore.parallelism import Parallelism
 
 
 class StateDictHF:

@@ -18,7 +18,7 @@ from mconvert.mappings.family import Family, Table
 from mconvert.mappings.spec import MLASpec, ModelSpec, MoESpec, read_dense_spec, require, write_dense_config
 from mconvert.mappings.transforms import Concat, Rename
 
-# The latent norms are fused into the up projections under the Transformer Engine spec; converters/megatron.py
+# The latent norms are fused into the up projections under the Transformer Engine spec; mcore/layout.py
 # writes them under the local spec's names (q_layernorm, kv_layernorm) too.
 MLA_ATTENTION = (
     Rename("input_layernorm.weight", "input_layernorm.weight"),

@@ -78,7 +78,7 @@ def build_model_as_pretrain_gpt(args: argparse.Namespace, pre_process: bool, pos
     TransformerConfig from Megatron-LM's own `core_transformer_config_from_args`, the layer spec it picks, and
     GPTModel's arguments as it passes them: not `--rope-scaling-factor` nor
     `--rotary-seq-len-interpolation-factor` (GPTModel's defaults, 8 and none, apply; see
-    mconvert.converters.megatron.pretrain_gpt_caveats)."""
+    mconvert.megatron_lm.flags.pretrain_gpt_caveats)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,

@@ -27,8 +27,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from packaging.version import Version
 
-from mconvert.converters.megatron import Parallelism, PipelineSplit, padded_vocab_size, stored_arg, unnormalized_mla_query
 from mconvert.errors import ConversionError
+from mconvert.mcore.parallelism import Parallelism, PipelineSplit, padded_vocab_size
+from mconvert.megatron_lm.args import stored_arg
+from mconvert.megatron_lm.flags import unnormalized_mla_query
 from mconvert.verify import cpu_shims
 
 try:
@@ -77,7 +79,7 @@ def require_unnormalized_mla_query() -> None:
     """With q/k layer norms (the latent kv norm), megatron-core 0.19 builds multi-latent attention without a
     query bottleneck (q_lora_rank null: DeepSeek-V2-Lite) with a layer norm fused into linear_q_proj (its
     mla_qk_norm_config), a norm the model does not have; 0.13 to 0.18 project the query straight from the
-    layer's input, as the model does (scripts/mcore_versions.sh loads it with each)."""
+    layer's input, as the model does (scripts/checks/mcore_versions.sh loads it with each)."""
     if importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config") is not None:
         raise ConversionError(
             f"megatron-core {MEGATRON_CORE_VERSION} cannot build this checkpoint's model: for multi-latent "

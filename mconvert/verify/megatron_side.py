@@ -19,8 +19,8 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.models.gpt import GPTModel
 
 from mconvert.converters.rank_export import model_sharded_state_dict
-from mconvert.converters.torch_dist import iteration_dir
 from mconvert.errors import ConversionError
+from mconvert.mcore.checkpoint import iteration_dir
 from mconvert.verify.megatron_model import MEGATRON_CORE_VERSION, TransformerImpl, build_gpt_model
 
 ModelChunks = list[GPTModel]

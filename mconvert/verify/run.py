@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from mconvert.converters import megatron
-from mconvert.converters.safetensors_io import read_hf_config
-from mconvert.converters.megatron import Parallelism
-from mconvert.converters.torch_dist import iteration_dir, read_args
 from mconvert.dependencies import VERIFY, VERIFY_INSTALL, require
 from mconvert.errors import ConversionError
+from mconvert.formats.hf_checkpoint import read_hf_config
 from mconvert.mappings import get_mapping
+from mconvert.mcore.checkpoint import iteration_dir, read_args
+from mconvert.mcore.parallelism import Parallelism
+from mconvert.megatron_lm.args import megatron_args
 from mconvert.verify.compare import (
     FP32,
     FP32_HIDDEN_REL,
@@ -81,7 +81,7 @@ def text_prompts(path: Path, hf_dir: Path) -> list[torch.Tensor]:
 
 def check_architecture(hf_dir: Path, stored: argparse.Namespace) -> None:
     _, spec = get_mapping(read_hf_config(hf_dir, "--hf"), source=str(hf_dir / "config.json"))
-    expected = vars(megatron.megatron_args(spec, Parallelism(), spec.dtype, "local"))
+    expected = vars(megatron_args(spec, Parallelism(), spec.dtype, "local"))
     differences = [
         f"{name}: checkpoint {getattr(stored, name, None)!r}, HF {expected.get(name)!r}"
         for name in ARCHITECTURE_ARGS

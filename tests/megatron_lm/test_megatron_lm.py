@@ -21,10 +21,12 @@ if os.environ.get("MCONVERT_REQUIRE_MEGATRON_LM") != "1":
 
 import transformers  # noqa: E402
 
-from mconvert.converters import dcp_writer, megatron  # noqa: E402
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
-from mconvert.converters.megatron import Parallelism, PipelineSplit  # noqa: E402
-from mconvert.converters.torch_dist import iteration_dir, read_args  # noqa: E402
+from mconvert.formats import dcp_writer  # noqa: E402
+from mconvert.mcore.checkpoint import iteration_dir, read_args  # noqa: E402
+from mconvert.mcore.parallelism import Parallelism, PipelineSplit  # noqa: E402
+from mconvert.megatron_lm.flags import pipeline_split_flags  # noqa: E402
+from mconvert.megatron_lm.args import FLAG_OF_ARG, MEGATRON_LM_DEFAULTS, RESTORED_BY_CHECKPOINT_ARGS  # noqa: E402
 from mconvert.synthetic import write_word_tokenizer  # noqa: E402
 from mconvert.verify.distributed import ParallelLayout, run_ranks  # noqa: E402
 from mconvert.verify.megatron_lm import (  # noqa: E402
@@ -93,7 +95,7 @@ def test_restored_args_are_megatron_lms():
 
     calls = [node for node in ast.walk(ast.parse(inspect.getsource(load_args_from_checkpoint))) if isinstance(node, ast.Call)]
     restored = {call.args[0].value for call in calls if getattr(call.func, "id", None) == "_set_arg"}
-    assert restored == megatron.RESTORED_BY_CHECKPOINT_ARGS
+    assert restored == RESTORED_BY_CHECKPOINT_ARGS
 
 
 def test_defaults_and_flags_are_megatron_lms():
@@ -104,9 +106,9 @@ def test_defaults_and_flags_are_megatron_lms():
 
     parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
     defaults = parser.parse_args([])
-    assert {name: getattr(defaults, name) for name in megatron.MEGATRON_LM_DEFAULTS} == megatron.MEGATRON_LM_DEFAULTS
-    for name in megatron.MEGATRON_LM_DEFAULTS:
-        flag = megatron.FLAG_OF_ARG.get(name, "--" + name.replace("_", "-"))
+    assert {name: getattr(defaults, name) for name in MEGATRON_LM_DEFAULTS} == MEGATRON_LM_DEFAULTS
+    for name in MEGATRON_LM_DEFAULTS:
+        flag = FLAG_OF_ARG.get(name, "--" + name.replace("_", "-"))
         assert parser._option_string_actions[flag].dest == name
 
 
@@ -115,13 +117,13 @@ def test_megatron_lm_parses_the_printed_flags_as_the_stored_model(name, converte
     hf, ckpt = converted(name)
     parsed = parse_megatron_lm_args(script_arrays(ckpt, "MODEL_ARGS", "LOAD_ARGS") + RUN_FLAGS, world_size(MODELS[name][3]))
     stored = read_args(iteration_dir(ckpt))
-    for arg in [*megatron.MEGATRON_LM_DEFAULTS, "tokenizer_type", "tokenizer_model", "bf16", "fp16",
+    for arg in [*MEGATRON_LM_DEFAULTS, "tokenizer_type", "tokenizer_model", "bf16", "fp16",
                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
                 "virtual_pipeline_model_parallel_size"]:
         if arg == "num_query_groups" and not stored.group_query_attention:
             continue  # multi-head attention: Megatron-LM ignores the number of groups
         # Dense models' args leave the MoE ones out: Megatron-LM's defaults.
-        assert getattr(parsed, arg) == getattr(stored, arg, megatron.MEGATRON_LM_DEFAULTS.get(arg)), arg
+        assert getattr(parsed, arg) == getattr(stored, arg, MEGATRON_LM_DEFAULTS.get(arg)), arg
     assert parsed.load == str(ckpt.absolute()) and parsed.finetune
     if PipelineSplit.from_args(stored) != PipelineSplit():
         # megatron-core's TransformerConfig checks the split against the model (a layout's layers, MTP included).
@@ -167,7 +169,7 @@ def test_the_pipeline_split_is_refused_exactly_where_megatron_lm_refuses_it(conv
                 except ConversionError:
                     ours = False
                 argv = model_args + ["--num-layers", str(num_layers), "--pipeline-model-parallel-size", str(pp)]
-                argv += [word for flag in split.flags() for word in flag.split(" ", 1)]
+                argv += [word for flag in pipeline_split_flags(split) for word in flag.split(" ", 1)]
                 argv = [word.strip("'") for word in argv]
                 try:
                     config = core_transformer_config_from_args(parse_megatron_lm_args(argv, pp))

@@ -1,8 +1,8 @@
-"""scripts/megatron_train.py on CPU, as far as Megatron-LM runs there (its `pretrain` asserts CUDA): Megatron-LM's
-own parser and config builders take the driver's command line (a converted checkpoint's MODEL_ARGS plus the load
-and data flags), and the driver's datasets provider and forward step, on a model Megatron-LM's own builder makes
-from those args and the converted weights, give transformers' loss on the same tokens. Needs megatron-core >= 0.19
-(`megatron.training`, Python 3.12); skipped elsewhere.
+"""scripts/training/megatron_train.py on CPU, as far as Megatron-LM runs there (its `pretrain` asserts CUDA):
+Megatron-LM's own parser and config builders take the driver's command line (a converted checkpoint's MODEL_ARGS
+plus the load and data flags), and the driver's datasets provider and forward step, on a model Megatron-LM's own
+builder makes from those args and the converted weights, give transformers' loss on the same tokens. Needs
+megatron-core >= 0.19 (`megatron.training`, Python 3.12); skipped elsewhere.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ import torch
 pytest.importorskip("megatron.training.argument_utils")
 
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
-from mconvert.converters.megatron import Parallelism  # noqa: E402
+from mconvert.mcore.parallelism import Parallelism  # noqa: E402
 from mconvert.verify.distributed import run_ranks  # noqa: E402
 from mconvert.verify.megatron_lm import script_arrays  # noqa: E402
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts" / "training"
 
 
 def _script(name: str):
@@ -56,7 +56,7 @@ def driver_loss_on_cpu(argv: list[str]) -> tuple[float, int]:
     from megatron.training.arguments import parse_and_validate_args
     from megatron.training.models.gpt import GPTModelBuilder
 
-    from mconvert.converters.torch_dist import iteration_dir
+    from mconvert.mcore.checkpoint import iteration_dir
 
     # Megatron-LM reads the GPU generation for its CUDA_DEVICE_MAX_CONNECTIONS rule; Hopper's (9) here.
     megatron.training.arguments.get_device_arch_version = lambda: 9

@@ -1,0 +1,120 @@
+"""The Megatron checkpoints the way back reads, behind one protocol: a torch_dist directory (through its DCP
+metadata), Megatron-LM's legacy per-rank `torch` files (mconvert.converters.legacy_source), or a global state
+dict in memory; and where a plan piece lies in a stored tensor."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from mconvert.converters.plan import Piece, Plan
+from mconvert.errors import ConversionError
+from mconvert.formats.dcp import DCPCheckpoint
+from mconvert.mcore.checkpoint import iteration_dir, read_common_args
+from mconvert.mcore.layout import MODEL_KEY_PREFIXES
+
+Shape = tuple[int, ...]
+
+
+class MegatronTensors(Protocol):
+    """A Megatron checkpoint's model weights, whatever the format: global shapes, and regions on demand."""
+
+    args: argparse.Namespace | None
+    location: str  # for messages
+
+    @property
+    def weights_dtype(self) -> torch.dtype | None:
+        """The dtype the weights are stored in (the word embedding's), None when there is no embedding."""
+        ...
+
+    def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
+        """Every stored model tensor's global shape (vocabulary padded as saved), by checkpoint key."""
+        ...
+
+    def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The piece's region (layout shape, but the vocabulary rows as stored), in `into` (a uint8 buffer
+        of at least its bytes) where the format reads into given memory. Safe to call from several threads."""
+        ...
+
+
+def stored_key(piece: Piece, shapes: dict[str, Shape]) -> str:
+    """The key a piece is stored under: the first of its names that the checkpoint has."""
+    return next((key for key in piece.keys if key in shapes), piece.key)
+
+
+def piece_region(piece: Piece, stored_shape: Shape) -> tuple[Shape, Shape]:
+    """(offsets, shape) of a piece's region in the global tensor, with all its vocabulary rows as stored."""
+    layout_shape = piece.layout.shape
+    if piece.layout.real_rows is not None:
+        layout_shape = (stored_shape[len(piece.offsets)], *layout_shape[1:])
+    leading = len(piece.offsets)
+    return (*piece.offsets, *(0,) * len(layout_shape)), (*(1,) * leading, *layout_shape)
+
+
+@dataclass
+class TorchDistTensors:
+    """The model weights of a torch_dist checkpoint, read chunk by chunk through its DCP metadata."""
+
+    dcp: DCPCheckpoint
+    args: argparse.Namespace | None
+
+    @property
+    def location(self) -> str:
+        return str(self.dcp.directory)
+
+    @property
+    def weights_dtype(self) -> torch.dtype | None:
+        return self.dcp.dtypes.get("embedding.word_embeddings.weight")
+
+    def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
+        return {k: v for k, v in self.dcp.shapes.items() if k.startswith(MODEL_KEY_PREFIXES)}
+
+    def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
+        key = stored_key(piece, self.dcp.shapes)
+        region = self.dcp.read_region(key, *piece_region(piece, self.dcp.shapes[key]), into=into)
+        return region.reshape(region.shape[len(piece.offsets) :])
+
+
+@dataclass
+class StateDictTensors:
+    """A Megatron global state dict in memory (checkpoint key -> whole tensor), e.g. gathered from ranks."""
+
+    state_dict: dict[str, torch.Tensor]
+    args: argparse.Namespace | None = None
+    location: str = "the Megatron state dict"
+
+    @property
+    def weights_dtype(self) -> torch.dtype | None:
+        embedding = self.state_dict.get("embedding.word_embeddings.weight")
+        return None if embedding is None else embedding.dtype
+
+    def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
+        return {k: tuple(v.shape) for k, v in self.state_dict.items() if k.startswith(MODEL_KEY_PREFIXES)}
+
+    def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
+        return self.state_dict[stored_key(piece, self.state_dict)][piece.offsets]
+
+
+def open_megatron_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None) -> MegatronTensors:
+    """The weights of a Megatron checkpoint directory, torch_dist or the legacy per-rank `torch` format, at
+    the iteration the tracker file names (or `iteration`)."""
+    from mconvert.converters.legacy_source import LegacyCheckpoint
+    from mconvert.formats.legacy_torch import is_legacy_checkpoint
+
+    load_dir = Path(load_dir)
+    directory = iteration_dir(load_dir, iteration)
+    if not directory.is_dir():
+        raise ConversionError(f"{load_dir}: the tracker file names {directory.name}, which does not exist")
+    if is_legacy_checkpoint(directory):
+        return LegacyCheckpoint(directory)
+    if not (directory / ".metadata").exists():
+        raise ConversionError(
+            f"{directory}: not a Megatron checkpoint (no .metadata of torch_dist, no mp_rank_* of the torch format)"
+        )
+    dcp = DCPCheckpoint(directory)
+    return TorchDistTensors(dcp, read_common_args(directory, dcp))

@@ -1,0 +1,181 @@
+"""An HF model directory's weights, read lazily: `model.safetensors`, or the shards its index lists, one tensor
+(or one slice of its first axis) at a time. Reading with plain file reads into a fresh buffer, rather than
+through a memory map, keeps the process's resident memory at the tensors in hand, whatever the checkpoint's
+size. FP8 block-quantized weights read dequantized (mconvert.formats.quantized); with `check_finite`, a
+floating-point tensor holding NaN or Inf is an error naming it."""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+from pathlib import Path
+
+import torch
+
+from mconvert.errors import ConversionError
+from mconvert.formats.quantized import FP8_DTYPES, SCALE_SUFFIX, dequantize_fp8_blocks
+from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, StoredTensor, read_header, read_weight_map
+
+# Floating-point dtypes whose values are checked to be finite as they are read (float8 has no min/max kernels).
+_CHECKED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    """Whether a tensor holds no NaN or Inf (of a dtype that can): in one pass with no temporary (isfinite's bool
+    tensor costs ten times more); NaN and Inf both show in the extremes."""
+    if tensor.dtype not in _CHECKED_DTYPES or not tensor.numel():
+        return True
+    low, high = torch.aminmax(tensor)
+    return math.isfinite(low) and math.isfinite(high)
+def read_hf_config(directory: Path, flag: str) -> dict:
+    """config.json of an HF model directory given by `flag`."""
+    path = Path(directory) / "config.json"
+    if not path.exists():
+        raise ConversionError(f"{flag} {directory}: no config.json (not an HF model directory)")
+    try:
+        config = json.loads(path.read_text())
+    except ValueError as e:
+        raise ConversionError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConversionError(f"{path}: holds a JSON {type(config).__name__}, not an object of settings")
+    return config
+
+
+class HFCheckpoint:
+    """The tensors of an HF checkpoint directory: `model.safetensors`, or shards listed by the index.
+    With `check_finite`, reading a floating-point tensor that holds NaN or Inf is an error naming it."""
+
+    def __init__(self, directory: str | os.PathLike, fp8_block: tuple[int, int] | None = None, check_finite: bool = True):
+        """`fp8_block`: the block size of FP8 weights' scales (config.json's quantization_config, see
+        fp8_block_size); FP8 weights are read dequantized. `check_finite`: a weight holding NaN or Inf is an
+        error."""
+        self.directory = Path(directory)
+        self.check_finite = check_finite
+        index = self.directory / INDEX_FILE
+        if index.exists():
+            weight_map = read_weight_map(index)
+            files = sorted(set(weight_map.values()))
+        elif (self.directory / SINGLE_FILE).exists():
+            weight_map, files = {}, [SINGLE_FILE]
+        else:
+            files, weight_map = sorted(p.name for p in self.directory.glob("*.safetensors")), {}
+            if not files:
+                pickled = sorted(p.name for p in self.directory.glob("*.bin"))
+                hint = f" ({pickled[0]} is pickled torch weights: save the model as safetensors first)" if pickled else ""
+                raise ConversionError(f"{self.directory}: no {INDEX_FILE}, {SINGLE_FILE} or *.safetensors files{hint}")
+        self.tensors: dict[str, StoredTensor] = {}
+        for file in files:
+            path = self.directory / file
+            if not path.exists():
+                raise ConversionError(f"{path}: shard named in {INDEX_FILE} is missing")
+            for name, stored in read_header(path).items():
+                if name in self.tensors:
+                    raise ConversionError(f"{path}: tensor '{name}' is also in {self.tensors[name].file.name}")
+                self.tensors[name] = stored
+        for name, file in weight_map.items():
+            if name not in self.tensors or self.tensors[name].file.name != file:
+                raise ConversionError(f"{self.directory / file}: tensor '{name}' listed in {INDEX_FILE} is not there")
+        self.scales = self._take_block_scales(fp8_block)
+
+    def _take_block_scales(self, block: tuple[int, int] | None) -> dict[str, tuple[StoredTensor, tuple[int, int]]]:
+        """FP8 weights' block scales, by weight name, with the block size, taken out of `tensors`: FP8 weights
+        read as their dequantized values, so the checkpoint's tensors are what an unquantized one holds."""
+        scales = {}
+        for name in [n for n, stored in self.tensors.items() if stored.dtype in FP8_DTYPES]:
+            stored, scale = self.tensors[name], self.tensors.get(name + SCALE_SUFFIX)
+            if scale is None or len(stored.shape) < 2 or len(scale.shape) != len(stored.shape):
+                raise ConversionError(
+                    f"{self.where(name)} is FP8 without a {name + SCALE_SUFFIX} of one scale per 2-D block "
+                    f"(block-quantized FP8, as DeepSeek-V3's, is supported)"
+                )
+            if block is None:
+                raise ConversionError(f"{self.where(name)} is FP8 but config.json's quantization_config names no weight_block_size")
+            grid = tuple(-(-size // step) for size, step in zip(stored.shape[-2:], block))
+            if stored.shape[:-2] != scale.shape[:-2] or grid != scale.shape[-2:]:
+                raise ConversionError(
+                    f"{self.where(name + SCALE_SUFFIX)} has shape {list(scale.shape)}, not the grid of "
+                    f"{list(block)} blocks of {list(stored.shape)}"
+                )
+            scales[name] = (scale, block)
+            del self.tensors[name + SCALE_SUFFIX]
+        return scales
+
+    def where(self, name: str) -> str:
+        return f"tensor '{name}' in {self.tensors[name].file}"
+
+    def _region(self, name: str, index: int | None) -> tuple[StoredTensor, int, tuple[int, ...], int]:
+        """Where the tensor `name` (or its slice `index`) is: its file's entry, first byte, shape and length."""
+        stored = self.tensors[name]
+        begin, shape = stored.begin, stored.shape
+        if index is not None:
+            row_bytes = math.prod(shape[1:]) * stored.dtype.itemsize
+            begin, shape = begin + index * row_bytes, shape[1:]
+        return stored, begin, shape, math.prod(shape) * stored.dtype.itemsize
+
+    def nbytes(self, name: str, index: int | None = None) -> int:
+        return self._region(name, index)[3]
+
+    def place(self, name: str, index: int | None = None) -> tuple[Path, int, tuple[int, ...], torch.dtype]:
+        """Where the tensor `name` (or its slice `index`) is stored: file, first byte, shape and dtype."""
+        stored, begin, shape, _ = self._region(name, index)
+        return stored.file, begin, tuple(shape), stored.dtype
+
+    def read(self, name: str, index: int | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor `name`, or its slice `index` along the first axis (one expert of a fused expert tensor),
+        read into the start of `into` (a uint8 tensor of at least its bytes, to reuse memory) or fresh memory."""
+        stored, begin, shape, length = self._region(name, index)
+        # torch.empty, unlike bytearray, does not spend a pass zero-filling what the read overwrites.
+        buffer = (torch.empty(length, dtype=torch.uint8) if into is None else into)[:length]
+        view = memoryview(buffer.numpy())
+        with open(stored.file, "rb", buffering=0) as f:
+            f.seek(begin)
+            done = 0
+            while done < length:  # one read() returns at most 2 GiB
+                count = f.readinto(view[done:])
+                if not count:
+                    raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
+                done += count
+        tensor = buffer.view(stored.dtype).reshape(shape)
+        if name in self.scales:
+            tensor = self._dequantize(name, index, tensor)
+        if self.check_finite and not _finite(tensor):
+            raise self._nonfinite(name, index)
+        return tensor
+
+    def check(self, name: str, index: int | None = None) -> None:
+        """What `read` checks of the tensor `name` (or its slice `index`), unless the checkpoint is not checked,
+        without reading it into memory: through a map of the page cache, for a tensor copied file to file. Read
+        into memory, each byte cost one more copy, which with the copy itself made about as much work as the
+        copy (hf-to-mcore at one worker on a 16-core host). Not for FP8 weights, checked once dequantized."""
+        stored, begin, _, length = self._region(name, index)
+        if not self.check_finite or name in self.scales or stored.dtype not in _CHECKED_DTYPES or not length:
+            return
+        base = begin - begin % mmap.ALLOCATIONGRANULARITY
+        with open(stored.file, "rb", buffering=0) as f:
+            if os.fstat(f.fileno()).st_size < begin + length:
+                raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
+            # Private and writable, as torch's tensors over a buffer are, but never written: nothing is copied.
+            # A file cut short by another process while mapped ends this one (SIGBUS) instead of this error.
+            with mmap.mmap(f.fileno(), begin + length - base, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base) as window:
+                finite = _finite(torch.frombuffer(window, dtype=stored.dtype, count=length // stored.dtype.itemsize, offset=begin - base))
+        if not finite:
+            raise self._nonfinite(name, index)
+
+    def _nonfinite(self, name: str, index: int | None) -> ConversionError:
+        which = name if index is None else f"{name}[{index}]"
+        return ConversionError(
+            f"{self.tensors[name].file}: tensor '{which}' holds NaN or Inf values (pass --allow-nonfinite to convert it as is)"
+        )
+
+    def _dequantize(self, name: str, index: int | None, tensor: torch.Tensor) -> torch.Tensor:
+        """An FP8 weight (or its slice `index`) times its blocks' scales, in fp32: a tensor at a time, so that
+        memory stays at the tensors in hand."""
+        scale, block = self.scales[name]
+        with open(scale.file, "rb") as f:
+            f.seek(scale.begin)
+            scales = torch.frombuffer(bytearray(f.read(scale.end - scale.begin)), dtype=scale.dtype).reshape(scale.shape)
+        if index is not None:
+            scales = scales[index]
+        return dequantize_fp8_blocks(tensor, scales, block)

@@ -1,0 +1,224 @@
+"""Megatron-LM's args for a model: the Namespace written into common.pt (what `--use-checkpoint-args` reads),
+made from a ModelSpec; how stored args are read across Megatron-LM versions; which args its
+`--use-checkpoint-args` restores and what its parser defaults the others to."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mconvert.errors import ConversionError
+from mconvert.mappings.spec import ModelSpec, MoESpec, RopeScaling
+from mconvert.mcore.parallelism import Parallelism, PipelineSplit, padded_vocab_size
+
+# Args that Megatron-LM's `--use-checkpoint-args` copies from a checkpoint's stored args
+# (megatron.training.checkpointing.load_args_from_checkpoint, Megatron-LM 0.19.2; tests/megatron_lm reads
+# the installed function to keep this in step). Everything else that shapes the model must be passed.
+RESTORED_BY_CHECKPOINT_ARGS = frozenset({
+    "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads", "num_query_groups",
+    "group_query_attention", "kv_channels", "max_position_embeddings", "position_embedding_type",
+    "add_position_embedding", "use_rotary_position_embeddings", "rotary_base", "rotary_percent",
+    "rotary_interleaved", "add_bias_linear", "add_qkv_bias", "squared_relu", "swiglu",
+    "untie_embeddings_and_output_weights", "apply_layernorm_1p", "normalization", "apply_query_key_layer_scaling",
+    "attention_dropout", "hidden_dropout", "mtp_hybrid_override_pattern", "mtp_num_layers", "mtp_use_repeated_layer",
+    "spec", "num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk", "moe_token_dispatcher_type",
+    "moe_router_pre_softmax", "moe_grouped_gemm", "moe_single_grouped_weight", "moe_single_grouped_bias",
+    "moe_shared_expert_intermediate_size", "moe_router_score_function", "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor", "mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads",
+    "hybrid_layer_pattern", "heterogeneous_layers_config_path", "heterogeneous_layers_config_encoded_json",
+    "moe_latent_size", "tokenizer_model", "tokenizer_type", "tiktoken_pattern", "padded_vocab_size", "ckpt_format",
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage", "expert_model_parallel_size",
+})
+# Megatron-LM's defaults (its argument parser, 0.19.2; tests/megatron_lm checks them) of the args that shape
+# the model or how it trains: the model a run builds from a flag left out.
+MEGATRON_LM_DEFAULTS: dict[str, Any] = {
+    "num_layers": None, "hidden_size": None, "ffn_hidden_size": None, "num_attention_heads": None,
+    "kv_channels": None, "group_query_attention": False, "num_query_groups": 1, "max_position_embeddings": None,
+    "position_embedding_type": "learned_absolute", "rotary_base": 10000, "rotary_percent": 1.0,
+    "rotary_interleaved": False, "use_rope_scaling": False, "rope_scaling_factor": 8.0,
+    "rotary_seq_len_interpolation_factor": None, "normalization": "LayerNorm", "layernorm_epsilon": 1e-5,
+    "swiglu": False, "add_bias_linear": True, "add_qkv_bias": False, "qk_layernorm": False,
+    "untie_embeddings_and_output_weights": False, "attention_dropout": 0.1, "hidden_dropout": 0.1,
+    "window_size": None, "num_experts": None, "moe_router_topk": 2, "moe_ffn_hidden_size": None,
+    "moe_router_pre_softmax": False, "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None,
+    "moe_shared_expert_gate": False, "moe_aux_loss_coeff": 0.0, "moe_router_dtype": None,
+    "decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
+    "account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False,
+    "pipeline_model_parallel_layout": None,
+}
+# Args whose name in Megatron-LM 0.19 (its parser's dest, after TransformerConfig's field) differs from the
+# flag's, and from the name earlier Megatron-LM versions store: both names are written, either is read.
+RENAMED_ARGS = {"layernorm_epsilon": "norm_epsilon", "layernorm_zero_centered_gamma": "apply_layernorm_1p"}
+FLAG_OF_ARG = {
+    "layernorm_epsilon": "--norm-epsilon", "layernorm_zero_centered_gamma": "--apply-layernorm-1p", "add_bias_linear": "--disable-bias-linear",
+}
+# Files that make an HF directory usable as Megatron-LM's `--tokenizer-model` for HuggingFaceTokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def stored_arg(args: argparse.Namespace, name: str, default: Any = None) -> Any:
+    """An arg as stored by any Megatron-LM version (by its 0.19 name, or the earlier one), else `default`."""
+    value = getattr(args, name, None)
+    if value is None and name in RENAMED_ARGS:
+        value = getattr(args, RENAMED_ARGS[name], None)
+    return default if value is None else value
+
+
+def _integral(value: float, flag: str, field: str) -> int:
+    """`value` as the int Megatron-LM's parser declares `flag` to be; a fraction would be rounded there, so it
+    is an error here."""
+    if value != int(value):
+        raise ConversionError(f"{field} {value:g}: Megatron-LM's {flag} takes only integers, so this model cannot be described")
+    return int(value)
+
+
+def megatron_args(
+    spec: ModelSpec, par: Parallelism, dtype: torch.dtype, transformer_impl: str, tokenizer_dir: Path | None = None
+) -> argparse.Namespace:
+    """The Megatron-LM arguments that describe the model, as `--use-checkpoint-args` reads them from common.pt.
+    `tokenizer_dir`: the HF directory, recorded as the tokenizer when it has tokenizer files."""
+    rope: RopeScaling | None = spec.rope_scaling
+    linear_factor = None
+    if rope is not None and rope.kind == "linear":
+        linear_factor = _integral(rope.factor, "--rotary-seq-len-interpolation-factor", "rope_scaling factor")
+    has_tokenizer = tokenizer_dir is not None and any((tokenizer_dir / name).exists() for name in TOKENIZER_FILES)
+    args: dict[str, Any] = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        group_query_attention=spec.num_query_groups != spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        seq_length=min(spec.max_position_embeddings, 4096),
+        position_embedding_type="rope",
+        add_position_embedding=False,
+        use_rotary_position_embeddings=True,
+        rotary_base=_integral(spec.rope_theta, "--rotary-base", "rope_theta"),
+        rotary_percent=spec.rotary_percent,
+        rotary_interleaved=False,
+        use_rope_scaling=rope is not None and rope.kind == "llama3",
+        rope_scaling_factor=rope.factor if rope is not None and rope.kind == "llama3" else 8.0,
+        rotary_seq_len_interpolation_factor=linear_factor,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        norm_epsilon=spec.norm_eps,
+        layernorm_zero_centered_gamma=False,
+        apply_layernorm_1p=False,
+        swiglu=True,
+        add_bias_linear=spec.linear_bias,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
+        untie_embeddings_and_output_weights=spec.untie_embeddings,
+        # Megatron-LM's (left, right) window excludes the position itself; HF's `sliding_window` counts it.
+        window_size=(spec.sliding_window - 1, 0) if spec.sliding_window is not None else None,
+        vocab_size=spec.vocab_size,
+        padded_vocab_size=padded_vocab_size(spec.vocab_size, par),
+        make_vocab_size_divisible_by=par.make_vocab_size_divisible_by,
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        **par.pipeline.args(par.pp),
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.expert_tp,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        # HF models train with the config's attention dropout and no hidden dropout; Megatron-LM's default is 0.1.
+        attention_dropout=spec.attention_dropout,
+        hidden_dropout=0.0,
+        transformer_impl=transformer_impl,
+        tokenizer_type="HuggingFaceTokenizer" if has_tokenizer else None,
+        tokenizer_model=str(tokenizer_dir.absolute()) if has_tokenizer else None,
+        num_experts=None,
+        mtp_num_layers=spec.mtp_layers or None,
+    )
+    if spec.moe is not None:
+        moe = spec.moe
+        args.update(
+            num_experts=moe.num_experts,
+            moe_router_topk=moe.top_k,
+            moe_ffn_hidden_size=moe.ffn_hidden_size,
+            moe_router_pre_softmax=moe.router_pre_softmax,
+            moe_layer_freq=1 if all(moe.moe_layers) else [int(is_moe) for is_moe in moe.moe_layers],
+            moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
+            moe_shared_expert_gate=moe.shared_expert_gate,
+            # Grouped GEMM experts are TEGroupedMLP under Transformer Engine; the local spec's would be the
+            # legacy GroupedMLP (CUDA-only grouped_gemm package), so it gets SequentialMLP. Same checkpoint keys.
+            moe_grouped_gemm=transformer_impl == "transformer_engine",
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=moe.aux_loss_coeff,
+            moe_token_dispatcher_type="alltoall",
+        )
+        args.update(_router_args(moe))
+    if rope is not None and rope.kind == "yarn" and spec.mla is None:
+        raise ConversionError("yarn rope scaling is supported with multi-latent attention only")
+    if spec.mla is not None:
+        args.update(_mla_args(spec))
+    return argparse.Namespace(**args)
+
+
+def _router_args(moe: MoESpec) -> dict[str, Any]:
+    """DeepSeek-V3 and GLM-4.5 routing: sigmoid scores, an expert bias that only chooses experts, scaled
+    weights, group-limited choice, fp32 routing."""
+    return dict(
+        moe_router_dtype="fp32" if moe.router_fp32 else None,
+        moe_router_score_function=moe.score_function,
+        moe_router_enable_expert_bias=moe.expert_bias,
+        moe_router_topk_scaling_factor=moe.topk_scaling_factor,
+        moe_router_num_groups=moe.num_groups,
+        moe_router_group_topk=moe.group_topk,
+    )
+
+
+# Megatron-LM has no flags for these YaRN settings under multi-latent attention: MLATransformerConfig's
+# defaults, which megatron-core 0.16.1 and Megatron-LM 0.19.2 share, are the only values it can take.
+MLA_YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
+
+
+def _mla_args(spec: ModelSpec) -> dict[str, Any]:
+    """Multi-latent attention. Its latent norms exist only with qk_layernorm; rope is MLA's own (YaRN when the
+    model scales it, plain otherwise: an unscaled YaRN needs rotary_scaling_factor 1, not MLA's default 40)."""
+    mla, rope = spec.mla, spec.rope_scaling
+    if rope is not None and rope.kind != "yarn":
+        raise ConversionError(f"rope scaling '{rope.kind}' cannot be expressed with multi-latent attention (yarn can)")
+    if rope is not None:
+        for field, fixed in MLA_YARN_FIXED.items():
+            if getattr(rope, field) != fixed:
+                raise ConversionError(
+                    f"yarn {field} {getattr(rope, field):g}: Megatron-LM's multi-latent attention fixes it at {fixed:g}"
+                )
+    return dict(
+        multi_latent_attention=True,
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_head_dim=mla.qk_head_dim,
+        qk_pos_emb_head_dim=mla.qk_pos_emb_head_dim,
+        v_head_dim=mla.v_head_dim,
+        qk_layernorm=True,
+        rope_type="yarn" if rope is not None else "rope",
+        rotary_scaling_factor=rope.factor if rope is not None else 1.0,
+        mscale=rope.mscale if rope is not None else 1.0,
+        mscale_all_dim=rope.mscale_all_dim if rope is not None else 0.0,
+        **MLA_YARN_FIXED,
+    )
+
+
+def parallelism_from_args(args: argparse.Namespace) -> Parallelism:
+    """The layout a checkpoint was saved with, as its args record it."""
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    return Parallelism(
+        tp=tp,
+        pp=getattr(args, "pipeline_model_parallel_size", 1) or 1,
+        ep=getattr(args, "expert_model_parallel_size", 1) or 1,
+        etp=None if etp in (None, tp) else etp,
+        make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128) or 128,
+        pipeline=PipelineSplit.from_args(args),
+    )
+
+

@@ -1,0 +1,196 @@
+"""Megatron-LM's command line for a converted model: the MODEL_ARGS and LOAD_ARGS of `megatron_args.sh`, what
+`--use-checkpoint-args` would not restore, and where pretrain_gpt.py builds another model than its flags say."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+from mconvert.mcore.parallelism import PipelineSplit
+from mconvert.megatron_lm.args import FLAG_OF_ARG, MEGATRON_LM_DEFAULTS, RESTORED_BY_CHECKPOINT_ARGS
+
+
+def pipeline_split_flags(split: PipelineSplit) -> list[str]:
+    """The split as Megatron-LM's flags (none for the even split)."""
+    flags = []
+    for field, arg in PipelineSplit.ARGS.items():
+        value, flag = getattr(split, field), "--" + arg.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is not None and value is not False:
+            flags.append(f"{flag} {shlex.quote(str(value))}")
+    return flags
+
+
+def megatron_flags(args: argparse.Namespace) -> list[str]:
+    """Megatron-LM command-line flags for the model that `args` describe (a MODEL_ARGS block), each value in
+    the form Megatron-LM's parser takes."""
+    a = args
+    flags = [
+        f"--num-layers {a.num_layers}",
+        f"--hidden-size {a.hidden_size}",
+        f"--ffn-hidden-size {a.ffn_hidden_size}",
+        f"--num-attention-heads {a.num_attention_heads}",
+        f"--kv-channels {a.kv_channels}",
+        f"--max-position-embeddings {a.max_position_embeddings}",
+        f"--seq-length {a.seq_length}",
+        "--position-embedding-type rope",
+        f"--rotary-base {a.rotary_base}",
+        "--normalization RMSNorm",
+        f"--norm-epsilon {a.layernorm_epsilon:g}",
+        "--swiglu",
+        f"--attention-dropout {a.attention_dropout:g}",
+        f"--hidden-dropout {a.hidden_dropout:g}",
+        f"--vocab-size {a.vocab_size}",
+        f"--make-vocab-size-divisible-by {a.make_vocab_size_divisible_by}",
+        f"--tensor-model-parallel-size {a.tensor_model_parallel_size}",
+        f"--pipeline-model-parallel-size {a.pipeline_model_parallel_size}",
+        *pipeline_split_flags(PipelineSplit.from_args(a)),
+        f"--transformer-impl {a.transformer_impl}",
+    ]
+    if a.rotary_percent != 1.0:
+        flags.append(f"--rotary-percent {a.rotary_percent:g}")
+    if a.group_query_attention:
+        flags += ["--group-query-attention", f"--num-query-groups {a.num_query_groups}"]
+    if a.use_rope_scaling:
+        flags += ["--use-rope-scaling", f"--rope-scaling-factor {a.rope_scaling_factor:g}"]
+    if a.rotary_seq_len_interpolation_factor is not None:
+        flags.append(f"--rotary-seq-len-interpolation-factor {a.rotary_seq_len_interpolation_factor}")
+    if a.window_size is not None:
+        flags.append(f"--window-size {a.window_size[0]},{a.window_size[1]}")
+    flags.append("--add-bias-linear" if a.add_bias_linear else "--disable-bias-linear")
+    if a.add_qkv_bias and not a.add_bias_linear:
+        flags.append("--add-qkv-bias")
+    if a.qk_layernorm:
+        flags.append("--qk-layernorm")
+    if a.untie_embeddings_and_output_weights:
+        flags.append("--untie-embeddings-and-output-weights")
+    if a.bf16:
+        flags.append("--bf16")
+    elif a.fp16:
+        flags.append("--fp16")
+    if a.tokenizer_type is not None:
+        flags += [f"--tokenizer-type {a.tokenizer_type}", f"--tokenizer-model {shlex.quote(a.tokenizer_model)}"]
+    if a.num_experts:
+        flags += [
+            f"--num-experts {a.num_experts}",
+            f"--moe-router-topk {a.moe_router_topk}",
+            f"--moe-ffn-hidden-size {a.moe_ffn_hidden_size}",
+            f"--expert-model-parallel-size {a.expert_model_parallel_size}",
+            f"--expert-tensor-parallel-size {a.expert_tensor_parallel_size}",
+            f"--moe-router-load-balancing-type {a.moe_router_load_balancing_type}",
+            f"--moe-aux-loss-coeff {a.moe_aux_loss_coeff:g}",
+            f"--moe-token-dispatcher-type {a.moe_token_dispatcher_type}",
+        ]
+        if a.moe_grouped_gemm:
+            flags.append("--moe-grouped-gemm")
+        if a.moe_router_pre_softmax:
+            flags.append("--moe-router-pre-softmax")
+        if a.moe_layer_freq != 1:
+            flags.append("--moe-layer-freq '" + str(a.moe_layer_freq).replace(" ", "") + "'")
+        if a.moe_shared_expert_intermediate_size:
+            flags.append(f"--moe-shared-expert-intermediate-size {a.moe_shared_expert_intermediate_size}")
+        if a.moe_shared_expert_gate:
+            flags.append("--moe-shared-expert-gate")
+        flags += _router_flags(a)
+    if getattr(a, "multi_latent_attention", False):
+        flags += _mla_flags(a)
+    if getattr(a, "mtp_num_layers", None):
+        flags.append(f"--mtp-num-layers {a.mtp_num_layers}")
+    return flags
+
+
+def _router_flags(a: argparse.Namespace) -> list[str]:
+    flags = []
+    if getattr(a, "moe_router_dtype", None) is not None:
+        flags.append(f"--moe-router-dtype {a.moe_router_dtype}")
+    if a.moe_router_score_function != "softmax":
+        flags.append(f"--moe-router-score-function {a.moe_router_score_function}")
+    if a.moe_router_enable_expert_bias:
+        flags.append("--moe-router-enable-expert-bias")
+    if a.moe_router_topk_scaling_factor is not None:
+        flags.append(f"--moe-router-topk-scaling-factor {a.moe_router_topk_scaling_factor:g}")
+    if a.moe_router_num_groups is not None:
+        flags += [f"--moe-router-num-groups {a.moe_router_num_groups}", f"--moe-router-group-topk {a.moe_router_group_topk}"]
+    return flags
+
+
+def _mla_flags(a: argparse.Namespace) -> list[str]:
+    flags = ["--multi-latent-attention"]
+    if a.q_lora_rank is not None:
+        flags.append(f"--q-lora-rank {a.q_lora_rank}")
+    flags += [
+        f"--kv-lora-rank {a.kv_lora_rank}",
+        f"--qk-head-dim {a.qk_head_dim}",
+        f"--qk-pos-emb-head-dim {a.qk_pos_emb_head_dim}",
+        f"--v-head-dim {a.v_head_dim}",
+        f"--rope-type {a.rope_type}",
+        f"--rotary-scaling-factor {a.rotary_scaling_factor:g}",
+        f"--mscale {a.mscale:g}",
+        f"--mscale-all-dim {a.mscale_all_dim:g}",
+    ]
+    return flags
+
+
+def load_flags(checkpoint_dir: Path) -> list[str]:
+    """The flags that start training from a converted checkpoint: its weights only, no optimizer or RNG state."""
+    return [f"--load {shlex.quote(str(checkpoint_dir.absolute()))}", "--ckpt-format torch_dist", "--finetune", "--no-load-optim", "--no-load-rng"]
+
+
+def not_restored_by_checkpoint_args(args: argparse.Namespace) -> list[str]:
+    """The flags of this model whose args Megatron-LM's `--use-checkpoint-args` would leave at defaults other
+    than the model's values: what a run relying on it alone would silently get wrong."""
+    return [
+        FLAG_OF_ARG.get(name, "--" + name.replace("_", "-"))
+        for name, default in MEGATRON_LM_DEFAULTS.items()
+        if name not in RESTORED_BY_CHECKPOINT_ARGS and getattr(args, name, default) != default
+    ]
+
+
+def unnormalized_mla_query(args: argparse.Namespace) -> bool:
+    """Multi-latent attention without a query bottleneck (q_lora_rank null: DeepSeek-V2-Lite) but with q/k layer
+    norms (MLA's latent kv norm): the query is projected straight from the layer's input, which megatron-core 0.19
+    cannot build (mconvert.verify.megatron_model.require_unnormalized_mla_query)."""
+    return bool(getattr(args, "multi_latent_attention", False) and args.q_lora_rank is None and getattr(args, "qk_layernorm", False))
+
+
+def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
+    """What Megatron-LM's pretrain_gpt.py would build differently from these args: its model builder
+    (gpt_builders.gpt_builder) passes GPTModel neither --rope-scaling-factor nor
+    --rotary-seq-len-interpolation-factor, so GPTModel's defaults (8, none) apply; and what recent
+    megatron-core builds differently (mconvert.verify.megatron_model.require_unnormalized_mla_query)."""
+    caveats = []
+    if args.use_rope_scaling and args.rope_scaling_factor != 8.0:
+        caveats.append(
+            f"pretrain_gpt.py builds GPTModel without --rope-scaling-factor, so with factor 8, not "
+            f"{args.rope_scaling_factor:g}: pass rope_scaling_factor=args.rope_scaling_factor in its gpt_builder"
+        )
+    if args.rotary_seq_len_interpolation_factor is not None:
+        caveats.append(
+            "pretrain_gpt.py builds GPTModel without --rotary-seq-len-interpolation-factor, so without position "
+            "interpolation: pass seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor in its gpt_builder"
+        )
+    if unnormalized_mla_query(args):
+        caveats.append(
+            "megatron-core 0.19 and later add a layer norm before linear_q_proj in multi-latent attention without "
+            "--q-lora-rank, which this model does not have: train it with megatron-core 0.13 to 0.18"
+        )
+    return caveats
+
+
+def args_script(args: argparse.Namespace, checkpoint_dir: Path) -> str:
+    """megatron_args.sh: MODEL_ARGS (the model) and LOAD_ARGS (start from this checkpoint), for bash."""
+    missed = not_restored_by_checkpoint_args(args)
+    lines = ["# Megatron-LM flags for the converted model: pass \"${MODEL_ARGS[@]}\" \"${LOAD_ARGS[@]}\" to pretrain_gpt.py."]
+    lines += [f"# Caveat: {caveat}." for caveat in pretrain_gpt_caveats(args)]
+    if missed:
+        lines.append(
+            "# Pass MODEL_ARGS even with --use-checkpoint-args: Megatron-LM does not restore "
+            + ", ".join(missed) + " from a checkpoint."
+        )
+    lines += ["MODEL_ARGS=("] + [f"    {flag}" for flag in megatron_flags(args)] + [")"]
+    lines += ["LOAD_ARGS=("] + [f"    {flag}" for flag in load_flags(checkpoint_dir)] + [")"]
+    return "\n".join(lines) + "\n"
+
+

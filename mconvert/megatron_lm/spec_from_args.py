@@ -1,0 +1,133 @@
+"""The model that stored Megatron-LM args describe: a ModelSpec read back from a checkpoint's args (the inverse
+of mconvert.megatron_lm.args.megatron_args), as Megatron-LM reads them, defaults included."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+
+from mconvert.errors import ConversionError
+from mconvert.mappings.spec import MLASpec, ModelSpec, MoESpec, RopeScaling
+from mconvert.megatron_lm.args import MLA_YARN_FIXED, stored_arg
+
+
+def _moe_layers(freq: int | list[int], num_layers: int) -> tuple[bool, ...]:
+    """Megatron's --moe-layer-freq: every k-th layer from layer 0 for an int k, else one 0/1 per layer.
+    Megatron-LM parses the flag's string form ("([0]*1+[1]*3)") when it reads its command line (argparse
+    `type=moe_freq_type`), so stored args hold the int or the list."""
+    if isinstance(freq, str):
+        raise ConversionError(f"args: moe_layer_freq is the string {freq!r}; Megatron-LM stores it parsed, as an int or a list")
+    if isinstance(freq, int):
+        return tuple(layer % freq == 0 for layer in range(num_layers))
+    if len(freq) != num_layers:
+        raise ConversionError(f"args: moe_layer_freq has {len(freq)} entries for {num_layers} layers")
+    return tuple(bool(x) for x in freq)
+
+
+def spec_from_args(
+    args: argparse.Namespace, family: str = "", vocab_size: int | None = None, hf_config: dict[str, Any] | None = None
+) -> ModelSpec:
+    """The model that Megatron-LM `args` describe (the inverse of `megatron_args`), read as Megatron-LM reads
+    them, defaults included. Args name no family: `family` is the caller's (see
+    mconvert.mappings.family_for_spec). `vocab_size` is the real vocabulary when args lack it (Megatron-LM
+    takes it from the tokenizer and may store only the padded size). Features no family has are errors."""
+
+    def arg(name: str, default: Any = None) -> Any:
+        return stored_arg(args, name, default)
+
+    unsupported = [
+        (arg("normalization", "LayerNorm") != "RMSNorm", f"normalization {arg('normalization', 'LayerNorm')} (RMSNorm is supported)"),
+        (not arg("swiglu", False), "an MLP without SwiGLU"),
+        (arg("position_embedding_type", "learned_absolute") != "rope", f"position embeddings '{arg('position_embedding_type', 'learned_absolute')}' (rope is supported)"),
+        (arg("layernorm_zero_centered_gamma", False), "layernorm_1p"),
+        (arg("rotary_interleaved", False), "interleaved rotary embeddings"),
+        (arg("moe_router_score_function", "softmax") not in ("softmax", "sigmoid"), f"router score function '{arg('moe_router_score_function')}' (softmax and sigmoid are supported)"),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            raise ConversionError(f"args describe a model with {what}, which no supported family has")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings"):
+        if arg(name) is None:
+            raise ConversionError(f"args: required argument '{name}' is missing")
+    vocab = arg("vocab_size", vocab_size)
+    if vocab is None:
+        raise ConversionError("args record no vocab_size (only the padded size): pass --hf-config with the real vocabulary")
+    heads = args.num_attention_heads
+    params_dtype = arg("params_dtype")
+    if not isinstance(params_dtype, torch.dtype):
+        params_dtype = torch.bfloat16 if arg("bf16", False) else torch.float16 if arg("fp16", False) else torch.float32
+    moe: MoESpec | None = None
+    if arg("num_experts"):
+        moe = MoESpec(
+            num_experts=args.num_experts,
+            top_k=arg("moe_router_topk", 2),
+            ffn_hidden_size=arg("moe_ffn_hidden_size", args.ffn_hidden_size),
+            moe_layers=_moe_layers(arg("moe_layer_freq", 1), args.num_layers),
+            router_pre_softmax=arg("moe_router_pre_softmax", False),
+            shared_expert_ffn_hidden_size=arg("moe_shared_expert_intermediate_size"),
+            shared_expert_gate=arg("moe_shared_expert_gate", False),
+            score_function=arg("moe_router_score_function", "softmax"),
+            expert_bias=arg("moe_router_enable_expert_bias", False),
+            topk_scaling_factor=arg("moe_router_topk_scaling_factor"),
+            num_groups=arg("moe_router_num_groups"),
+            group_topk=arg("moe_router_group_topk"),
+            aux_loss_coeff=float(arg("moe_aux_loss_coeff", 0.0)),
+            router_fp32=arg("moe_router_dtype") == "fp32",
+        )
+    mla: MLASpec | None = None
+    if arg("multi_latent_attention", False):
+        mla = MLASpec(
+            q_lora_rank=arg("q_lora_rank"),
+            kv_lora_rank=arg("kv_lora_rank", 32),
+            qk_head_dim=arg("qk_head_dim", 128),
+            qk_pos_emb_head_dim=arg("qk_pos_emb_head_dim", 64),
+            v_head_dim=arg("v_head_dim", 128),
+        )
+    if mla is not None and arg("rope_type", "yarn") == "yarn" and float(arg("rotary_scaling_factor", 1.0)) != 1.0:
+        rope: RopeScaling | None = RopeScaling(
+            kind="yarn",
+            factor=float(args.rotary_scaling_factor),
+            mscale=float(arg("mscale", 1.0)),
+            mscale_all_dim=float(arg("mscale_all_dim", 0.0)),
+            **{field: type(fixed)(arg(field, fixed)) for field, fixed in MLA_YARN_FIXED.items()},
+        )
+    elif arg("use_rope_scaling", False):
+        rope = RopeScaling(kind="llama3", factor=float(arg("rope_scaling_factor", 8.0)))
+    elif arg("rotary_seq_len_interpolation_factor") is not None:
+        rope = RopeScaling(kind="linear", factor=float(args.rotary_seq_len_interpolation_factor))
+    else:
+        rope = None
+    linear_bias = bool(arg("add_bias_linear", True))
+    window = arg("window_size")
+    if window is not None and (window[1] != 0 or arg("window_attn_skip_freq") is not None):
+        raise ConversionError(f"args: window_size {window} with window_attn_skip_freq {arg('window_attn_skip_freq')}: only a causal window on every layer is supported")
+    return ModelSpec(
+        family=family,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=heads,
+        # Megatron-LM ignores --num-query-groups unless --group-query-attention is given.
+        num_query_groups=arg("num_query_groups", heads) if arg("group_query_attention", False) else heads,
+        head_dim=mla.qk_head_dim + mla.qk_pos_emb_head_dim if mla else arg("kv_channels", args.hidden_size // heads),
+        vocab_size=vocab,
+        max_position_embeddings=args.max_position_embeddings,
+        norm_eps=float(arg("layernorm_epsilon", 1e-5)),
+        rope_theta=float(arg("rotary_base", 10000)),
+        rope_scaling=rope,
+        untie_embeddings=bool(arg("untie_embeddings_and_output_weights", False)),
+        qkv_bias=linear_bias or bool(arg("add_qkv_bias", False)),
+        linear_bias=linear_bias,
+        # MLA's qk_layernorm is its latent norms, not q/k norms.
+        qk_norm=bool(arg("qk_layernorm", False)) and mla is None,
+        dtype=params_dtype,
+        moe=moe,
+        mla=mla,
+        rotary_percent=float(arg("rotary_percent", 1.0)),
+        mtp_layers=arg("mtp_num_layers", 0),
+        sliding_window=window[0] + 1 if window is not None else None,
+        attention_dropout=float(arg("attention_dropout", 0.1)),
+        hf_config=dict(hf_config or {}),
+    )

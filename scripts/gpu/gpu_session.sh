@@ -1,0 +1,317 @@
+#!/usr/bin/env bash
+# One GPU session for the Transformer Engine and Megatron-LM training evidence (docs/verification.md), on the
+# 2-GPU machine (Python 3.12, torch 2.11 with CUDA 13, no network). Files in /tmp there survive only while the
+# machine is kept (about 30 s after a call), so the calls after `prepare` go back to back:
+#
+#   here:   bash scripts/gpu/gpu_session.sh prepare                  # wheels and the five TE parts (git-ignored)
+#   there:  bash scripts/gpu/gpu_session.sh part N                   # N = 1..4, one call each, carrying .tepN
+#   there:  bash scripts/gpu/gpu_session.sh run 540 install train    # carrying .tep5, .tebuild and .whl
+#   there:  bash scripts/gpu/gpu_session.sh run 540 install verify   # carrying .tebuild and .whl (install: done)
+#   there:  bash scripts/gpu/gpu_session.sh run 540 install train te-export launch verify-mla   # what is left
+#
+# $MODEL replaces the MoE shape of profile and one-worker (a small one, e.g. qwen3-30b-a3b@1, to try them on
+# the CPU box first).
+#
+# `run SECONDS STAGE...` runs the stages in order and stops starting work at SECONDS after its start, so that the
+# call returns its results within the machine's 10 minutes a command. Each stage writes its results to $OUT as
+# they come (train.jsonl, verify/results.jsonl, te_export.jsonl, a log per stage, the versions in
+# session.log: at most 8 files come back from a call); a stage done in an earlier call of the same session is
+# skipped (marker in /tmp/mconvert-session).
+#   install     megatron-core 0.19.2 and Transformer Engine 2.20.2 into /tmp/site (scripts/gpu/gpu_te_setup.sh)
+#   mcore       megatron-core 0.19.2 alone into /tmp/site (carry .whl): enough for bench
+#   train       Megatron-LM training steps from converted checkpoints (scripts/gpu/gpu_train.py)
+#   launch      the same through the train.sh a conversion writes (scripts/gpu/gpu_train.py --launcher train.sh)
+#   verify      mconvert verify --spec te on real shapes (scripts/gpu/gpu_verify.py)
+#   verify-mla  the same for GLM-4.5-Air and DeepSeek-V3, cut to their first dense and first MoE layer
+#   train-mla   on one GPU: Megatron-LM training steps from DeepSeek-V3 and GLM-4.5-Air cuts (hidden 2048, 32 experts;
+#               MTP=1: with their multi-token prediction layers)
+#   verify-mla-bf16  the same cuts verified under TE in bf16
+#   train-distopt  on one GPU: Megatron-LM training steps with --use-distributed-optimizer (Qwen2.5-0.5B's shape and
+#               Qwen3-30B-A3B's first 2 layers), whose saves hold that optimizer's state beside the weights
+#   verify-v2lite  DeepSeek-V2-Lite whole, with megatron-core 0.18.0 (carry .whl018: 0.19 cannot build it)
+#   te-export   megatron-core's own TE-spec grouped-GEMM saves exported bit-exactly (scripts/gpu/gpu_te_export.py)
+#   bench       weight sync (gather_hf_weights) at TP=2 and EP=2, and loading, on the GPUs
+#   scaling     both directions (or those in $DIRECTIONS) over 1 to 8 workers and ranks (or $COUNTS; $MODES:
+#               workers or ranks alone) against cp -r, on the models in $MODELS (default the MoE and 7B cuts;
+#               sources removed unless KEEP_SOURCES=true), and the peers' approach on the models in $PEERS
+#               (default qwen2.5-0.5b; empty: none), on the host's cores and disk; $SHARD: mcore-to-hf's
+#               --max-shard-size; then the per-byte costs between two sizes of one model (slopes.md,
+#               scripts/bench/cut_slopes.py)
+#   scaling-large  mcore-to-hf alone on the MoE shape cut to as many layers (3 or 4) as two copies of it leave
+#               the disk a tenth free (bench_scaling.py --disk-for-two), over the counts in $COUNTS (default 1 4 8)
+#   profile     what bounds a conversion on this host: py-spy (carry .pyspy) of the MoE shape, both directions
+#               (or those in $DIRECTIONS) at the worker counts in $PROFILE_WORKERS (default 1)
+#   one-worker  one worker both ways (or $DIRECTIONS), MoE shape (or $MODEL), for each source tree in $TREES
+#               (default: this one; e.g. an earlier commit's `git archive` unpacked into old/, carried as an
+#               untracked folder), $ROUNDS rounds (default 2) alternating the trees: the import of each
+#               direction's modules, seconds, CPU seconds, peak memory split anonymous / file-backed
+#               (scripts/bench/memory_split.py), and the bytes mcore-to-hf copies file to file against those it
+#               reads into memory
+#   trees       the same at $WORKERS workers (default 8), without the bytes
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+
+# The machine's rule: no NVLink multicast (also in programs that set their own environment).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# Megatron-LM's rule for TP > 1 before Blackwell; fp32 comparisons under TE need TF32 off.
+export CUDA_DEVICE_MAX_CONNECTIONS=1 NVIDIA_TF32_OVERRIDE=0
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONWARNINGS=ignore
+STATE=/tmp/mconvert-session
+WORK=/tmp/mconvert-work
+
+case "${1:-}" in
+prepare)
+  exec bash scripts/gpu/gpu_te_setup.sh prepare
+  ;;
+part)
+  n=${2:?part number 1..5}
+  mkdir -p /tmp/teparts && cp .tep"$n"/* /tmp/teparts/ && ls -l /tmp/teparts
+  exit
+  ;;
+run)
+  budget=${2:?seconds}
+  shift 2
+  ;;
+*)
+  echo "usage: $0 prepare | part N | run SECONDS STAGE..." >&2
+  exit 2
+  ;;
+esac
+
+: "${OUT:?OUT must name the folder for the results}"
+mkdir -p "$OUT" "$STATE" "$WORK"
+start=$(date +%s)
+left() { echo $((budget - ($(date +%s) - start))); }
+stage_done() { [ -e "$STATE/$1" ]; }
+mark() { touch "$STATE/$1"; }
+note() { echo "[$(date -u +%H:%M:%S) +$(($(date +%s) - start))s] $*" | tee -a "$OUT/session.log"; }
+
+{
+  nvidia-smi -L
+  python3 -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+} >> "$OUT/session.log" 2>&1
+
+for stage in "$@"; do
+  if stage_done "$stage"; then note "$stage: done in an earlier call"; continue; fi
+  if [ "$(left)" -lt 45 ]; then note "$stage: skipped, deadline"; continue; fi
+  note "$stage: start ($(left) s left)"
+  case "$stage" in
+  install)
+    # A TE part carried with this call (the last one fits beside .tebuild and .whl) joins the others.
+    for part in .tep?; do [ -d "$part" ] && mkdir -p /tmp/teparts && cp "$part"/* /tmp/teparts/; done
+    if python3 -c "import megatron.training, transformer_engine.pytorch" 2>/dev/null; then
+      mark install
+    else
+      t0=$(date +%s)
+      MAX_JOBS=$(nproc) timeout "$(left)" bash scripts/gpu/gpu_te_setup.sh install > "$OUT/install.log" 2>&1
+      code=$?
+      note "install: exit $code in $(($(date +%s) - t0)) s"
+      python3 -c "import megatron.training" 2>/dev/null && mark install
+    fi
+    python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" >> "$OUT/session.log" 2>&1
+    python3 -c "import transformer_engine as te; print('transformer_engine', te.__version__)" >> "$OUT/session.log" 2>&1 \
+      || echo "transformer_engine: not importable (local spec only)" >> "$OUT/session.log"
+    ;;
+  mcore)
+    # megatron-core alone (carry .whl), for the stages that build its models with the local spec (bench).
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/megatron_core-*.whl
+    python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" >> "$OUT/session.log" 2>&1 && mark mcore
+    ;;
+  train)
+    # Dense TP=2 and PP=2 on Qwen2.5-0.5B's shape (all 24 layers, tied embeddings), MoE EP=2 on Qwen3-30B-A3B's
+    # (first 2 layers: 128 experts of full width).
+    python3 scripts/gpu/gpu_train.py --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" \
+      qwen2.5-0.5b:tp2 qwen3-30b-a3b@2:ep2 qwen2.5-0.5b:pp2 > "$OUT/train.log" 2>&1
+    code=$?
+    note "train: exit $code"
+    [ "$code" = 3 ] || mark train  # 3: jobs left for a later call
+    ;;
+  verify)
+    # Real widths, first 8 layers (device time: the whole 32- and 36-layer models took 60 to 80 s each to
+    # verify, with the local spec).
+    python3 scripts/gpu/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) - 60))" \
+      llama-3.1-8b@8:tp2 llama-3.1-8b@8:pp2 qwen3-8b@8:tp2 qwen3-8b@8:pp2 \
+      qwen3-30b-a3b@8:ep2 qwen3-30b-a3b@8:tp2ep2etp1 qwen1.5-moe-a2.7b@8:ep2 > "$OUT/verify.log" 2>&1
+    note "verify: exit $?"
+    mark verify
+    ;;
+  launch)
+    python3 scripts/gpu/gpu_train.py --launcher train.sh --work "$WORK/launch" --out "$OUT" --deadline-s "$(left)" \
+      --done-dir "$STATE" qwen2.5-0.5b:tp2 > "$OUT/launch.log" 2>&1
+    code=$?
+    note "launch: exit $code"
+    [ "$code" = 3 ] || mark launch
+    ;;
+  verify-mla)
+    # Sigmoid-routed MoE at real widths under TE: GLM-4.5-Air's first dense and first MoE layer (partial rope,
+    # q/k/v biases) at TP2xEP2xETP1 and with the two layers on two stages; DeepSeek-V3's (multi-latent
+    # attention; its first three layers are dense, hence the field). DeepSeek-V2-Lite: verify-v2lite.
+    python3 scripts/gpu/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) - 60))" \
+      glm-4.5-air@2:tp2ep2etp1 glm-4.5-air@2:pp2 'deepseek-v3@2+first_k_dense_replace=1:ep2' > "$OUT/verify-mla.log" 2>&1
+    note "verify-mla: exit $?"
+    mark verify-mla
+    ;;
+  train-mla | verify-mla-bf16)
+    # One GPU: DeepSeek-V3's and GLM-4.5-Air's first dense and first MoE layer, hidden 2048 and 32 experts (all
+    # else as published: MLA ranks, heads, group-limited sigmoid routing with the expert bias, partial rope), small
+    # enough for fp32 training with its optimizer save on one GPU and its disk. train-mla: Megatron-LM training
+    # steps (scripts/gpu/gpu_train.py); verify-mla-bf16: mconvert verify --spec te in bf16, where the routers' dtype
+    # (--moe-router-dtype fp32) shows.
+    models=("deepseek-v3@2+first_k_dense_replace=1+hidden_size=2048+n_routed_experts=32" "glm-4.5-air@2+hidden_size=2048+n_routed_experts=32")
+    if [ "$stage" = train-mla ]; then
+      # ${MTP:+--mtp}: with the multi-token prediction layer each config names, as the hub's checkpoints hold it.
+      python3 scripts/gpu/gpu_train.py --nproc 1 ${MTP:+--mtp} --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" \
+        --done-dir "$STATE" "${models[0]}:tp1" "${models[1]}:tp1" > "$OUT/train-mla.log" 2>&1
+    else
+      python3 scripts/gpu/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) - 60))" \
+        "${models[0]}:tp1:bf16" "${models[1]}:tp1:bf16" > "$OUT/verify-mla-bf16.log" 2>&1
+    fi
+    code=$?
+    note "$stage: exit $code"
+    [ "$code" = 3 ] || mark "$stage"
+    ;;
+  train-distopt)
+    python3 scripts/gpu/gpu_train.py --nproc 1 --distributed-optimizer --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" \
+      --done-dir "$STATE" qwen2.5-0.5b:tp1 qwen3-30b-a3b@2:tp1 > "$OUT/train-distopt.log" 2>&1
+    code=$?
+    note "train-distopt: exit $code"
+    [ "$code" = 3 ] || mark train-distopt
+    ;;
+  verify-v2lite)
+    # Megatron-core 0.19 builds a query norm that V2-Lite does not have (docs/verification.md); 0.18 is the
+    # newest that loads it. Its own folder, without Transformer Engine (local spec).
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site018 .whl018/*.whl
+    PYTHONPATH=/tmp/site018 python3 -c "import megatron.core as m; print('verify-v2lite: megatron-core', m.__version__)" >> "$OUT/session.log" 2>&1
+    PYTHONPATH=/tmp/site018:$PWD python3 scripts/gpu/gpu_verify.py --spec local --work "$WORK/verify" --out "$OUT/verify" \
+      --deadline-s "$(($(left) - 60))" deepseek-v2-lite:ep2 > "$OUT/verify-v2lite.log" 2>&1
+    note "verify-v2lite: exit $?"
+    mark verify-v2lite
+    ;;
+  scaling)
+    # Each model of $MODELS (default: the MoE shape, then the 7B shape) both directions over workers and torchrun
+    # ranks (the MoE shape's source shared with one-worker and profile); the peers' row with the last model.
+    set -- ${MODELS:-qwen3-235b-a22b@2 qwen2.5-7b-instruct@14}
+    while [ $# -gt 0 ]; do
+      model=$1; shift
+      if [ $# -gt 0 ]; then peers="" deadline=$(($(left) * 2 / 3)); else peers=${PEERS-qwen2.5-0.5b} deadline=$(($(left) - 30)); fi
+      timeout "$(left)" python3 scripts/bench/bench_scaling.py --work-dir "$WORK/scaling" --out "$OUT/scaling" --models "$model" \
+        --directions ${DIRECTIONS:-hf-to-mcore mcore-to-hf} ${SHARD:+--max-shard-size $SHARD} ${COUNTS:+--counts $COUNTS} \
+        ${MODES:+--modes $MODES} --peers $peers --keep-sources ${KEEP_SOURCES:-false} --deadline-s "$deadline" >> "$OUT/scaling.log" 2>&1
+      note "scaling $model: exit $?"
+    done
+    python3 scripts/bench/cut_slopes.py "$OUT/scaling/results.jsonl" > "$OUT/slopes.md" 2>&1
+    mark scaling
+    ;;
+  scaling-large)
+    # Qwen3-235B-A22B's embedding and output layer take 2.49 GB, each of its layers 4.97 GB (bf16).
+    mkdir -p "$WORK/large"
+    free=$(df --output=avail -B1 "$WORK/large" | tail -1)
+    layers=$(( (free * 9 / 20 - 2490000000) / 4970000000 ))
+    layers=$(( layers > 4 ? 4 : layers ))
+    note "scaling-large: $((free / 1000000000)) GB free: qwen3-235b-a22b@$layers"
+    if [ "$layers" -ge 3 ]; then
+      timeout "$(left)" python3 scripts/bench/bench_scaling.py --work-dir "$WORK/large" --out "$OUT/scaling" --models "qwen3-235b-a22b@$layers" \
+        --directions mcore-to-hf --disk-for-two ${SHARD:+--max-shard-size $SHARD} --counts ${COUNTS:-1 4 8} --peers --keep-sources false \
+        --deadline-s "$(($(left) - 60))" >> "$OUT/scaling.log" 2>&1
+      note "scaling-large: exit $?"
+    fi
+    rm -rf "$WORK/large"
+    mark scaling-large
+    ;;
+  profile)
+    # The source where the scaling stage finds it; mcore-to-hf's input made by one plain hf-to-mcore when
+    # only that direction is profiled.
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pyspy .pyspy/*.whl
+    model=${MODEL:-qwen3-235b-a22b@2} sources="$WORK/scaling" dir="$WORK/profile"
+    (cd scripts/bench && python3 -c "from pathlib import Path; from bench_convert import make_source; make_source('$model', Path('$sources'))") > "$OUT/profile.log" 2>&1
+    for direction in ${DIRECTIONS:-hf-to-mcore mcore-to-hf}; do
+      if [ $direction = hf-to-mcore ]; then
+        from="$sources/$model" to="$dir/mc"
+      else
+        from="$dir/mc" to="$dir/back"
+        [ -e "$dir/mc" ] || python3 -m mconvert hf-to-mcore --load-dir "$sources/$model" --save-dir "$dir/mc" > /dev/null 2>&1
+      fi
+      for workers in ${PROFILE_WORKERS:-1}; do
+        # The output of the run before removed first, not replaced by --overwrite (whose removal of it,
+        # 1 s per 2.5 GB on the CPU box, is not the conversion's).
+        rm -rf "$to"; sync; find "$from" -type f -exec cat {} + > /dev/null
+        timeout "$(left)" /tmp/pyspy/bin/py-spy record --threads --idle --nonblocking -r 100 -f raw -o "$dir/$direction-$workers.raw" -- \
+          python3 -m mconvert $direction --load-dir "$from" --save-dir "$to" --workers $workers --overwrite >> "$OUT/profile.log" 2>&1
+        # The same without the profiler: seconds, CPU seconds, peak memory.
+        rm -rf "$to"; sync; find "$from" -type f -exec cat {} + > /dev/null
+        echo -n "$direction, workers $workers: " >> "$OUT/profile.log"
+        timeout "$(left)" python3 scripts/bench/memory_split.py -- \
+          python3 -m mconvert $direction --load-dir "$from" --save-dir "$to" --workers $workers --overwrite >> "$OUT/profile.log" 2>&1
+      done
+    done
+    python3 scripts/bench/profile_summary.py --rate 100 "$dir"/*.raw > "$OUT/profile.txt" 2>&1
+    note "profile: exit $?"
+    rm -rf "$dir"
+    mark profile
+    ;;
+  one-worker|trees)
+    # The source where the scaling stage finds it (made once a session). `python3 -P`: the tree's mconvert, not
+    # the working directory's (which `-m` would put first on the path).
+    model=${MODEL:-qwen3-235b-a22b@2} sources="$WORK/scaling" dir="$WORK/$stage" log="$OUT/$stage.log"
+    workers=1 && [ $stage = trees ] && workers=${WORKERS:-8}
+    (cd scripts/bench && python3 -c "from pathlib import Path; from bench_convert import make_source; make_source('$model', Path('$sources'))") > "$log" 2>&1
+    for tree in ${TREES:-.}; do
+      for round in 1 2 3; do
+        for modules in mcore_to_hf hf_to_mcore; do
+          echo -n "tree $tree, import of $modules's modules: " >> "$log"
+          PYTHONPATH=/tmp/site:$tree python3 -P -c "import time; t = time.time(); import mconvert.cli, mconvert.converters.$modules; print(round(time.time() - t, 2), 's')" >> "$log" 2>&1
+        done
+      done
+    done
+    for round in $(seq ${ROUNDS:-2}); do
+      for tree in ${TREES:-.}; do
+        for direction in ${DIRECTIONS:-hf-to-mcore mcore-to-hf}; do
+          if [ $direction = hf-to-mcore ]; then from="$sources/$model" to="$dir/mc"; else from="$dir/mc" to="$dir/back"; fi
+          [ -e "$from" ] || python3 -P -m mconvert hf-to-mcore --load-dir "$sources/$model" --save-dir "$from" --workers 8 > /dev/null 2>&1
+          rm -rf "$to"; sync; find "$from" -type f -exec cat {} + > /dev/null
+          echo -n "round $round, tree $tree, $direction, workers $workers: " >> "$log"
+          PYTHONPATH=/tmp/site:$tree timeout "$(left)" python3 scripts/bench/memory_split.py -- \
+            python3 -P -m mconvert $direction --load-dir "$from" --save-dir "$to" --workers $workers --overwrite >> "$log" 2>&1
+        done
+      done
+    done
+    [ $stage = trees ] && { rm -rf "$dir"; mark trees; note "trees: done"; continue; }
+    python3 - "$dir/mc" >> "$log" 2>&1 <<'PY'
+import collections, math, sys
+from mconvert.converters.mcore_sources import open_megatron_checkpoint, piece_region, stored_key
+from mconvert.converters.mcore_to_hf import file_copies, plan_export
+source = open_megatron_checkpoint(sys.argv[1])
+plan, _ = plan_export(source)
+shapes = source.stored_shapes(plan)
+counted = collections.Counter()
+for piece in plan.pieces:
+    key = stored_key(piece, shapes)
+    way = "copied file to file" if file_copies(plan, piece, source, shapes) is not None else "through memory"
+    counted[way] += math.prod(piece_region(piece, shapes[key])[1]) * source.dcp.dtypes[key].itemsize
+print("mcore-to-hf bytes:", dict(counted))
+PY
+    note "one-worker: exit $?"
+    rm -rf "$dir"
+    mark one-worker
+    ;;
+  bench)
+    {
+      timeout "$(left)" python3 scripts/bench/bench_weight_sync.py --model qwen2.5-7b-instruct@8 --tp 2 --device cuda
+      timeout "$(left)" python3 scripts/bench/bench_weight_sync.py --model qwen3-30b-a3b@4 --ep 2 --device cuda
+      timeout "$(left)" python3 scripts/bench/bench_load.py --model qwen2.5-7b-instruct@8 --work-dir "$WORK/load" --tp 2 --device cuda
+    } > "$OUT/bench.log" 2>&1
+    note "bench: exit $?"
+    mark bench
+    ;;
+  te-export)
+    timeout "$(left)" python3 scripts/gpu/gpu_te_export.py --work "$WORK/te-export" --out "$OUT" > "$OUT/te_export.log" 2>&1
+    note "te-export: exit $?"
+    mark te-export
+    ;;
+  *)
+    note "unknown stage $stage"
+    ;;
+  esac
+done
+note "end"

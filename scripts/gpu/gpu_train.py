@@ -1,0 +1,218 @@
+"""Megatron-LM training steps from converted checkpoints, on GPUs, judged against transformers.
+
+    python scripts/gpu/gpu_train.py --work /tmp/gt --out results/ qwen2.5-0.5b:tp2 qwen2.5-0.5b:pp2 qwen3-30b-a3b@2:ep2
+
+A job is MODEL:LAYOUT as in scripts/gpu/gpu_verify.py. For each: a random-init HF model of that shape (bf16; with
+--mtp also the multi-token prediction layers its config names, which transformers does not build),
+`mconvert hf-to-mcore --dtype fp32` at the layout, a token file of --rows rows (one global batch), then two
+runs of `torchrun scripts/training/megatron_train.py` with exactly the checkpoint's MODEL_ARGS (from megatron_args.sh)
+plus the load, data and optimizer flags (with `--launcher train.sh`: two runs of the train.sh the conversion
+wrote, MEGATRON_LM naming a folder whose pretrain_gpt.py is that driver, the schedule in its environment):
+- --lr 0 for 2 steps with --save (and the expert bias's update off, where the model has one): its loss must
+  equal transformers' and its training save must export to the HF input bit for bit;
+- --lr LR for --steps steps: its loss must fall at every step
+(with --distributed-optimizer, both add --use-distributed-optimizer: the save holds that optimizer's state);
+then scripts/training/megatron_train_check.py judges. Without Transformer Engine (it does not import) MODEL_ARGS'
+`--transformer-impl transformer_engine` cannot run; the local spec is added then, with what Megatron-LM's
+defaults take from TE turned off, and the result says so. Dropout is off (--hidden-dropout 0
+--attention-dropout 0; Megatron-LM defaults both to 0.1, the HF models to 0) so that the training forward is
+the model's function. Each result is appended to OUT/train.jsonl as it comes; jobs not started before
+--deadline-s are skipped (exit 3; with --done-dir a later run does only those), runs are stopped at it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts" / "gpu"))
+sys.path.insert(0, str(REPO / "scripts" / "training"))
+
+import torch  # noqa: E402
+from gpu_verify import parse_job, write_hf_model  # noqa: E402
+from megatron_train_check import write_tokens  # noqa: E402
+
+from mconvert.synthetic import add_mtp_layers  # noqa: E402
+from mconvert.verify.megatron_lm import script_arrays  # noqa: E402
+
+# What Megatron-LM's defaults take from Transformer Engine, off for the local spec.
+WITHOUT_TE = ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion"]
+
+
+def torchrun(options, ckpt: Path, have_te: bool, data: list[str], lr: float, iters: int, save: Path | None,
+             loss_log: Path) -> tuple[list[str], dict[str, str]]:
+    """The driver under torchrun with MODEL_ARGS and the load flags, as the README's commands run it."""
+    flags = script_arrays(ckpt, "MODEL_ARGS")
+    if not have_te:
+        flags = [flag for flag in flags if flag != "--moe-grouped-gemm"] + WITHOUT_TE
+    elif importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        # Megatron-LM's default gradient accumulation fusion is APEX's CUDA extension (seen missing on the GPU
+        # machine: its first training forward stopped there).
+        flags = [*flags, "--no-gradient-accumulation-fusion"]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(options.nproc),
+        "scripts/training/megatron_train.py", *flags,
+        "--load", str(ckpt), "--finetune", "--no-load-optim", "--no-load-rng", "--ckpt-format", "torch_dist",
+        "--micro-batch-size", str(options.micro_batch_size), "--global-batch-size", str(options.rows),
+        "--lr", str(lr), "--train-iters", str(iters), "--loss-log", str(loss_log), *data,
+    ]
+    if save:
+        command += ["--save", str(save), "--save-interval", "1000"]
+    return command, {}
+
+
+def train_sh(options, ckpt: Path, have_te: bool, data: list[str], lr: float, iters: int, save: Path | None,
+             loss_log: Path) -> tuple[list[str], dict[str, str]]:
+    """The checkpoint's own train.sh, as a user runs it: MEGATRON_LM names a folder whose pretrain_gpt.py is
+    the driver, the schedule comes from its environment variables, the data flags last."""
+    megatron_lm = options.work / "megatron-lm"
+    megatron_lm.mkdir(exist_ok=True)
+    if not (megatron_lm / "pretrain_gpt.py").exists():
+        (megatron_lm / "pretrain_gpt.py").symlink_to(REPO / "scripts" / "training" / "megatron_train.py")
+    env = {
+        "MEGATRON_LM": str(megatron_lm), "GPUS_PER_NODE": str(options.nproc), "TRAIN_ITERS": str(iters),
+        "MICRO_BATCH_SIZE": str(options.micro_batch_size), "GLOBAL_BATCH_SIZE": str(options.rows),
+        "LR": str(lr), "MIN_LR": str(lr), "SAVE_DIR": str(save or loss_log.with_name(loss_log.name + "-save")),
+        "MASTER_PORT": "29511",
+    }
+    # Without TE, what Megatron-LM's defaults take from it goes last (a MoE model's --moe-grouped-gemm stays).
+    return ["bash", str(ckpt / "train.sh"), "--loss-log", str(loss_log), *data, *([] if have_te else WITHOUT_TE)], env
+
+
+def run(command: list[str], timeout_s: float, log: Path, env: dict[str, str] | None = None) -> tuple[int, float]:
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        try:
+            code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, timeout=max(timeout_s, 1), cwd=REPO,
+                                  env={**os.environ, **(env or {})}).returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+    return code, round(time.perf_counter() - started, 1)
+
+
+def tail(log: Path, chars: int = 4000) -> str:
+    return log.read_text(errors="replace")[-chars:] if log.exists() else ""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("jobs", nargs="+")
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--deadline-s", type=float, default=540)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=8, help="rows of the token file = --global-batch-size")
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--done-dir", type=Path, help="a marker per finished job here; jobs marked are skipped")
+    parser.add_argument("--mtp", action="store_true",
+                        help="give each HF model the multi-token prediction layers its config names, as the hub's hold them")
+    parser.add_argument("--distributed-optimizer", action="store_true",
+                        help="train with --use-distributed-optimizer, as most Megatron-LM runs do: its saves hold the "
+                             "optimizer state in that optimizer's sharded form")
+    parser.add_argument("--launcher", choices=("torchrun", "train.sh"), default="torchrun",
+                        help="the driver under torchrun with MODEL_ARGS, or the train.sh the conversion wrote")
+    options = parser.parse_args()
+    options.out.mkdir(parents=True, exist_ok=True)
+    have_te = importlib.util.find_spec("transformer_engine") is not None
+    started = time.perf_counter()
+
+    def left() -> float:
+        return options.deadline_s - (time.perf_counter() - started)
+
+    skipped = 0
+    for job in options.jobs:
+        variant = ("-mtp" if options.mtp else "") + ("-distopt" if options.distributed_optimizer else "")
+        name = f"{options.launcher}{variant}-{job.replace(':', '-')}"
+        marker = options.done_dir / f"train-{name}" if options.done_dir else None
+        if marker and marker.exists():
+            print(f"skipped {job}: done in an earlier run", flush=True)
+            continue
+        if left() < 60:
+            print(f"skipped {job}: deadline", flush=True)
+            skipped += 1
+            continue
+        model, sizes, _ = parse_job(job)
+        tag = f"{model}{variant}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}"
+        work = options.work / tag
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True)
+        hf = options.work / (model + "+mtp" if options.mtp else model)
+        result: dict = {"job": job, "launcher": options.launcher, "transformer_engine": have_te, "mtp": options.mtp,
+                        "distributed_optimizer": options.distributed_optimizer}
+        result["make_hf_s"] = write_hf_model(model, hf, "cuda" if torch.cuda.is_available() else "cpu")
+        if options.mtp and not (hf / "mtp.safetensors").exists():
+            add_mtp_layers(hf)
+        ckpt = work / "mcore"
+        code, result["convert_s"] = run(
+            [sys.executable, "-m", "mconvert.cli", "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(ckpt),
+             "--dtype", "fp32", *(f"--{k}={v}" for k, v in sizes.items())],
+            left(), work / "convert.log",
+        )
+        if code:
+            result.update(passed=False, convert_output=tail(work / "convert.log"))
+        else:
+            result["model_args"] = script_arrays(ckpt, "MODEL_ARGS")
+            write_tokens(hf, options.rows, options.seq_length, work / "tokens.npy")
+            # Data, schedule and a training forward that is the model's function (no dropout), for both launchers.
+            data = [
+                "--tokenizer-type", "NullTokenizer", "--token-file", str(work / "tokens.npy"),
+                "--seq-length", str(options.seq_length), "--hidden-dropout", "0", "--attention-dropout", "0",
+                "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1", "--lr-decay-style", "constant",
+                "--dist-ckpt-strictness", "raise_unexpected",
+                *(["--use-distributed-optimizer"] if options.distributed_optimizer else []),
+            ]
+            launch = train_sh if options.launcher == "train.sh" else torchrun
+            # Megatron moves DeepSeek-V3's and GLM-4.5's expert bias by the token counts after every step
+            # (aux-loss-free balancing, --moe-router-bias-update-rate 1e-3), whatever the learning rate: at lr 0
+            # it is frozen too, so that the weights stay those converted (measured: step 2's loss moved by 3e-4 to
+            # 9e-4 and the save's bias differed, with the update on).
+            frozen = ["--moe-router-bias-update-rate", "0"] if "--moe-router-enable-expert-bias" in result["model_args"] else []
+            lr0 = launch(options, ckpt, have_te, data + frozen, lr=0.0, iters=2, save=work / "save0", loss_log=work / "log0")
+            trained = launch(options, ckpt, have_te, data, lr=options.lr, iters=options.steps, save=None, loss_log=work / "log1")
+            result["command_lr0"] = " ".join(f"{k}={shlex.quote(v)}" for k, v in lr0[1].items()) + " " + shlex.join(lr0[0])
+            code0, result["lr0_s"] = run(lr0[0], min(left(), 300), work / "lr0.log", lr0[1])
+            code1, result["trained_s"] = (None, 0.0)
+            if left() > 45:
+                code1, result["trained_s"] = run(trained[0], min(left(), 300), work / "trained.log", trained[1])
+            result.update(lr0_exit=code0, trained_exit=code1)
+            judge = [sys.executable, "scripts/training/megatron_train_check.py", "judge", "--hf", str(hf), "--tokens",
+                     str(work / "tokens.npy"), "--out", str(work / "judge.json")]
+            if (work / "log0").exists():
+                judge += ["--lr0-log", str(work / "log0")]
+            if code0 == 0:
+                judge += ["--lr0-save", str(work / "save0")]
+            if (work / "log1").exists():
+                judge += ["--trained-log", str(work / "log1")]
+            code, result["judge_s"] = run(judge, max(left(), 60), work / "judge.log")
+            if (work / "judge.json").exists():
+                result["judge"] = json.loads((work / "judge.json").read_text())
+            result["passed"] = code == 0 and code0 == 0 and code1 == 0
+            if not result["passed"]:
+                result.update(lr0_log=tail(work / "lr0.log"), trained_log=tail(work / "trained.log"),
+                              judge_log=tail(work / "judge.log"))
+        print(json.dumps({k: v for k, v in result.items() if not k.endswith("_log")}, indent=1), flush=True)
+        with open(options.out / "train.jsonl", "a") as f:
+            f.write(json.dumps(result) + "\n")
+        shutil.rmtree(work / "mcore", ignore_errors=True)
+        shutil.rmtree(work / "save0", ignore_errors=True)
+        shutil.rmtree(work / "log1-save", ignore_errors=True)
+        if marker:
+            marker.touch()
+    return 3 if skipped else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
