@@ -11,7 +11,7 @@ from mconvert.errors import ConversionError
 from mconvert.mappings import get_mapping
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.megatron_lm.args import megatron_args
-from mconvert.megatron_lm.flags import megatron_flags
+from mconvert.megatron_lm.flags import megatron_flags, settings_without_flags
 from mconvert.synthetic import real_config
 
 
@@ -50,6 +50,18 @@ def test_unscaled_mla_rope_is_plain_rope():
     assert "--rope-type rope" in flags and "--rotary-scaling-factor 1" in flags
 
 
+def test_mla_yarn_settings_without_flags_are_kept_and_named():
+    """YaRN's betas and original length under multi-latent attention are MLATransformerConfig fields that
+    Megatron-LM's command line cannot set: the model converts, its args hold them, and what to set is said."""
+    rope = {"type": "yarn", "factor": 40, "beta_fast": 16, "beta_slow": 2, "mscale": 1, "mscale_all_dim": 1, "original_max_position_embeddings": 4096}
+    _, spec = get_mapping({**real_config("deepseek-v3"), "rope_scaling": rope})
+    args = megatron_args(spec, Parallelism(), torch.bfloat16, "transformer_engine")
+    assert (args.beta_fast, args.beta_slow, args.original_max_position_embeddings) == (16.0, 2.0, 4096)
+    (setting,) = settings_without_flags(args)
+    assert setting.startswith("YaRN's beta_fast=16, beta_slow=2: ") and "MLATransformerConfig(beta_fast=16, beta_slow=2)" in setting
+    assert not settings_without_flags(megatron_args(get_mapping(real_config("deepseek-v3"))[1], Parallelism(), torch.bfloat16, "local"))
+
+
 @pytest.mark.parametrize(
     "model, changes, message",
     [
@@ -60,11 +72,10 @@ def test_unscaled_mla_rope_is_plain_rope():
         ("deepseek-v3", {"attention_bias": True}, "attention_bias"),
         ("deepseek-v3", {"rms_norm_eps": 1e-5}, "rms_norm_eps 1e-05"),
         ("deepseek-v3", {"rope_interleave": False}, "rope_interleave"),
-        ("deepseek-v3", {"rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 16, "mscale": 1, "mscale_all_dim": 1}}, "beta_fast 16"),
         ("deepseek-v3", {"rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.7}}, "mscale 0.7 without mscale_all_dim"),
         ("deepseek-v3", {"rope_scaling": {"type": "linear", "factor": 2}}, "'linear' cannot be expressed with multi-latent attention"),
     ],
-    ids=["sigmoid-unnormalised", "sigmoid-top1", "v3-group-score", "v2-group-score", "mla-bias", "mla-eps", "not-interleaved", "yarn-beta", "lone-mscale", "mla-linear-rope"],
+    ids=["sigmoid-unnormalised", "sigmoid-top1", "v3-group-score", "v2-group-score", "mla-bias", "mla-eps", "not-interleaved", "lone-mscale", "mla-linear-rope"],
 )
 def test_what_megatron_cannot_express_is_refused(model, changes, message):
     with pytest.raises(ConversionError, match=message):

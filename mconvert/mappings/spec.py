@@ -22,8 +22,9 @@ class RopeScaling:
 
     kind "llama3": Megatron-Core's `--use-rope-scaling` (factor free; the other three numbers are fixed there).
     kind "linear": position interpolation, Megatron's `--rotary-seq-len-interpolation-factor`.
-    kind "yarn": YaRN, as multi-latent attention's `--rope-type yarn` (factor, mscale, mscale_all_dim; beta_fast,
-    beta_slow and the original positions are fixed by Megatron-LM, which has no flag for them under MLA).
+    kind "yarn": YaRN, as multi-latent attention's `--rope-type yarn` (factor, mscale, mscale_all_dim by flags;
+    beta_fast, beta_slow and the original positions are MLATransformerConfig fields that Megatron-LM's command
+    line cannot set: mconvert.megatron_lm.flags.settings_without_flags says how).
     """
 
     kind: str

@@ -175,9 +175,11 @@ def _router_args(moe: MoESpec) -> dict[str, Any]:
     )
 
 
-# Megatron-LM has no flags for these YaRN settings under multi-latent attention: MLATransformerConfig's
-# defaults, which megatron-core 0.16.1 and Megatron-LM 0.19.2 share, are the only values it can take.
-MLA_YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
+# YaRN settings of multi-latent attention that Megatron-LM's command line cannot set (its --yarn-* flags apply
+# to --position-embedding-type yarn only): MLATransformerConfig's fields, with the defaults that megatron-core
+# 0.16.1 and Megatron-LM 0.19.2 share. Stored in the args under the fields' names, which Megatron-LM's
+# core_transformer_config_from_args copies into MLATransformerConfig when a run's args hold them.
+MLA_YARN_DEFAULTS = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
 
 
 def _mla_args(spec: ModelSpec) -> dict[str, Any]:
@@ -186,12 +188,6 @@ def _mla_args(spec: ModelSpec) -> dict[str, Any]:
     mla, rope = spec.mla, spec.rope_scaling
     if rope is not None and rope.kind != "yarn":
         raise ConversionError(f"rope scaling '{rope.kind}' cannot be expressed with multi-latent attention (yarn can)")
-    if rope is not None:
-        for field, fixed in MLA_YARN_FIXED.items():
-            if getattr(rope, field) != fixed:
-                raise ConversionError(
-                    f"yarn {field} {getattr(rope, field):g}: Megatron-LM's multi-latent attention fixes it at {fixed:g}"
-                )
     return dict(
         multi_latent_attention=True,
         q_lora_rank=mla.q_lora_rank,
@@ -204,7 +200,7 @@ def _mla_args(spec: ModelSpec) -> dict[str, Any]:
         rotary_scaling_factor=rope.factor if rope is not None else 1.0,
         mscale=rope.mscale if rope is not None else 1.0,
         mscale_all_dim=rope.mscale_all_dim if rope is not None else 0.0,
-        **MLA_YARN_FIXED,
+        **{field: getattr(rope, field) if rope is not None else default for field, default in MLA_YARN_DEFAULTS.items()},
     )
 
 

@@ -8,7 +8,7 @@ import shlex
 from pathlib import Path
 
 from mconvert.mcore.parallelism import PipelineSplit
-from mconvert.megatron_lm.args import FLAG_OF_ARG, MEGATRON_LM_DEFAULTS, RESTORED_BY_CHECKPOINT_ARGS
+from mconvert.megatron_lm.args import FLAG_OF_ARG, MEGATRON_LM_DEFAULTS, MLA_YARN_DEFAULTS, RESTORED_BY_CHECKPOINT_ARGS
 
 
 def pipeline_split_flags(split: PipelineSplit) -> list[str]:
@@ -179,11 +179,35 @@ def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
     return caveats
 
 
+def settings_without_flags(args: argparse.Namespace) -> list[str]:
+    """Settings of this model that megatron-core takes but Megatron-LM 0.19.2's command line cannot set, each with
+    how to set it. Its core_transformer_config_from_args copies every arg named as a field of the config class
+    into the config, so an arg set under the field's name before the model is built reaches it."""
+    if not getattr(args, "multi_latent_attention", False) or args.rope_type != "yarn":
+        return []
+    fields = {field: getattr(args, field, default) for field, default in MLA_YARN_DEFAULTS.items()}
+    differing = {field: value for field, value in fields.items() if value != MLA_YARN_DEFAULTS[field]}
+    if not differing:
+        return []
+    settings = ", ".join(f"{field}={value:g}" for field, value in differing.items())
+    assignments = "; ".join(f"args.{field} = {value:g}" for field, value in differing.items())
+    them = "it" if len(differing) == 1 else "them"
+    return [
+        f"YaRN's {settings}: Megatron-LM's command line has no flag for {them} under --multi-latent-attention "
+        f"(its --yarn-* flags apply to --position-embedding-type yarn only), and without them the model is built "
+        f"with MLATransformerConfig's {', '.join(f'{field}={MLA_YARN_DEFAULTS[field]:g}' for field in differing)}. "
+        f"Set MLATransformerConfig({settings}) with megatron-core or Megatron-Bridge; in Megatron-LM, set "
+        f"{assignments} in pretrain_gpt.py between parse_and_validate_args and gpt_config_from_args (which copies "
+        f"every arg named as an MLATransformerConfig field into it). This checkpoint's stored args hold {them}"
+    ]
+
+
 def args_script(args: argparse.Namespace, checkpoint_dir: Path) -> str:
     """megatron_args.sh: MODEL_ARGS (the model) and LOAD_ARGS (start from this checkpoint), for bash."""
     missed = not_restored_by_checkpoint_args(args)
     lines = ["# Megatron-LM flags for the converted model: pass \"${MODEL_ARGS[@]}\" \"${LOAD_ARGS[@]}\" to pretrain_gpt.py."]
     lines += [f"# Caveat: {caveat}." for caveat in pretrain_gpt_caveats(args)]
+    lines += [f"# Not settable by Megatron-LM's flags: {setting}." for setting in settings_without_flags(args)]
     if missed:
         lines.append(
             "# Pass MODEL_ARGS even with --use-checkpoint-args: Megatron-LM does not restore "

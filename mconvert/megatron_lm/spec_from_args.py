@@ -10,7 +10,7 @@ import torch
 
 from mconvert.errors import ConversionError
 from mconvert.mappings.spec import MLASpec, ModelSpec, MoESpec, RopeScaling
-from mconvert.megatron_lm.args import MLA_YARN_FIXED, stored_arg
+from mconvert.megatron_lm.args import MLA_YARN_DEFAULTS, stored_arg
 
 
 def _moe_layers(freq: int | list[int], num_layers: int) -> tuple[bool, ...]:
@@ -91,7 +91,7 @@ def spec_from_args(
             factor=float(args.rotary_scaling_factor),
             mscale=float(arg("mscale", 1.0)),
             mscale_all_dim=float(arg("mscale_all_dim", 0.0)),
-            **{field: type(fixed)(arg(field, fixed)) for field, fixed in MLA_YARN_FIXED.items()},
+            **{field: type(default)(arg(field, default)) for field, default in MLA_YARN_DEFAULTS.items()},
         )
     elif arg("use_rope_scaling", False):
         rope = RopeScaling(kind="llama3", factor=float(arg("rope_scaling_factor", 8.0)))

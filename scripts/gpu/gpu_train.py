@@ -26,6 +26,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -49,6 +50,14 @@ from mconvert.verify.megatron_lm import script_arrays  # noqa: E402
 WITHOUT_TE = ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion"]
 
 
+def stated_settings(ckpt: Path) -> list[str]:
+    """The assignments megatron_args.sh's "Not settable by Megatron-LM's flags" lines say to make in
+    pretrain_gpt.py, as the driver's --config-field options: the run then builds what a user who followed them
+    builds."""
+    lines = [line for line in (ckpt / "megatron_args.sh").read_text().splitlines() if line.startswith("# Not settable")]
+    return [f"--config-field={name}={value}" for line in lines for name, value in re.findall(r"args\.(\w+) = ([0-9.e+-]+)", line)]
+
+
 def torchrun(options, ckpt: Path, have_te: bool, data: list[str], lr: float, iters: int, save: Path | None,
              loss_log: Path) -> tuple[list[str], dict[str, str]]:
     """The driver under torchrun with MODEL_ARGS and the load flags, as the README's commands run it."""
@@ -61,7 +70,7 @@ def torchrun(options, ckpt: Path, have_te: bool, data: list[str], lr: float, ite
         flags = [*flags, "--no-gradient-accumulation-fusion"]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(options.nproc),
-        "scripts/training/megatron_train.py", *flags,
+        "scripts/training/megatron_train.py", *flags, *stated_settings(ckpt),
         "--load", str(ckpt), "--finetune", "--no-load-optim", "--no-load-rng", "--ckpt-format", "torch_dist",
         "--micro-batch-size", str(options.micro_batch_size), "--global-batch-size", str(options.rows),
         "--lr", str(lr), "--train-iters", str(iters), "--loss-log", str(loss_log), *data,

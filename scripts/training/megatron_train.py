@@ -35,6 +35,11 @@ def add_driver_args(parser):
     group = parser.add_argument_group("mconvert training driver")
     group.add_argument("--token-file", required=True, help=".npy of token ids, shape [samples, seq_length + 1]")
     group.add_argument("--loss-log", required=True, help="folder for rank<R>.jsonl, one line per micro-batch")
+    group.add_argument(
+        "--config-field", action="append", default=[], metavar="NAME=VALUE",
+        help="set args.NAME (a float) after parsing, as megatron_args.sh's 'Not settable by Megatron-LM's flags' "
+        "lines say to in pretrain_gpt.py: gpt_config_from_args copies it into the model's config",
+    )
     return parser
 
 
@@ -134,6 +139,9 @@ def main() -> None:
         dataset_utils.compile_helpers = lambda: None
 
     args = parse_and_validate_args(extra_args_provider=add_driver_args)
+    for setting in args.config_field:
+        name, value = setting.split("=", 1)
+        setattr(args, name, float(value))
     Path(args.loss_log).mkdir(parents=True, exist_ok=True)
     config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
     pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
