@@ -98,6 +98,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     from mconvert.converters.hf_to_mcore import ARGS_SCRIPT, convert_hf_to_mcore
     from mconvert.converters.progress import progress_for
     from mconvert.hub import resolve_hf_dir
+    from mconvert.mappings import how_read
     from mconvert.megatron_lm.flags import args_script, pipeline_split_flags
     from mconvert.megatron_lm.launch import SBATCH_SCRIPT, TORCHRUN_SCRIPT
 
@@ -125,6 +126,8 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     if not _first_rank():
         return 0
     plan = result.plan
+    if (read_as := how_read(plan.spec.hf_config)) is not None:
+        print(read_as)
     if result.dropped_mtp_layers:
         print(f"left out {result.dropped_mtp_layers} multi-token prediction layer(s) of {options.load_dir} (--no-mtp)")
     elif plan.spec.mtp_layers:

@@ -101,7 +101,7 @@ def make_hf_checkpoint(
     import transformers
 
     torch.manual_seed(seed)
-    hf_config = transformers.AutoConfig.for_model(**config)
+    hf_config = transformers.AutoConfig.for_model(**_as_transformers_builds(config))
     model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=getattr(torch, dtype))
     with torch.no_grad():
         for parameter in model.parameters():
@@ -118,7 +118,29 @@ def make_hf_checkpoint(
     out_dir = Path(out_dir)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, save_original_format=not fused_experts, **kwargs)
+    _keep_remote_code_identity(config, out_dir)
     return out_dir
+
+
+def _as_transformers_builds(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` as transformers' own class builds it: a checkpoint that ships its own code (auto_map) under a
+    model_type transformers does not know, as the class its `architectures` names (mconvert reads it so)."""
+    from mconvert.mappings import remote_code_architecture
+
+    taken = remote_code_architecture(config)
+    if taken is None:
+        return config
+    family, architecture = taken
+    return {**{k: v for k, v in config.items() if k != "auto_map"}, "model_type": dict(family.architectures)[architecture]}
+
+
+def _keep_remote_code_identity(config: dict[str, Any], out_dir: Path) -> None:
+    """config.json as such a checkpoint has it: its own model_type, architectures and auto_map."""
+    if _as_transformers_builds(config) is config:
+        return
+    written = json.loads((out_dir / "config.json").read_text())
+    identity = {key: config[key] for key in ("model_type", "architectures", "auto_map")}
+    (out_dir / "config.json").write_text(json.dumps({**written, **identity}, indent=2) + "\n")
 
 
 def add_mtp_layers(hf_dir: str | os.PathLike, seed: int = 0) -> Path:
@@ -302,7 +324,7 @@ def write_random_hf_checkpoint(
     block = tuple(quantization["weight_block_size"]) if fp8 and quantization else None
     # transformers' model is built unquantized (a quantization_config would have it quantize the model).
     config = {k: v for k, v in config.items() if k != "quantization_config"}
-    hf_config = transformers.AutoConfig.for_model(**config)
+    hf_config = transformers.AutoConfig.for_model(**_as_transformers_builds(config))
     dtype = getattr(torch, config.get("torch_dtype", "float32"))
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
@@ -318,6 +340,7 @@ def write_random_hf_checkpoint(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(out_dir)
+    _keep_remote_code_identity(config, out_dir)
     if block:
         written = json.loads((out_dir / "config.json").read_text())
         (out_dir / "config.json").write_text(json.dumps({**written, "quantization_config": quantization}, indent=2) + "\n")

@@ -22,18 +22,60 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# Architectures transformers builds that megatron-core cannot express, each with why: refused in one line, where
+# an unknown model_type would only be called unsupported.
+INEXPRESSIBLE = {
+    "minimax_m2": (
+        "MiniMax-M2 normalises q and k over all heads of a layer (qk_norm_type 'per_layer'), which megatron-core's "
+        "attention cannot express: it normalises them per head (its q_layernorm spans one head), in every release "
+        "up to 0.19.2"
+    ),
+}
+
+
+def remote_code_architecture(config: dict[str, Any]) -> tuple[Family, str] | None:
+    """For a checkpoint that ships its own model code (`auto_map`, transformers' trust_remote_code) under a
+    model_type no family reads: the family that maps the class of that code, as its auto_map names it for
+    AutoModelForCausalLM and its `architectures` too, and that class (Kimi-K2's `kimi_k2` code is a
+    DeepseekV3ForCausalLM). The shipped code is never imported or run."""
+    auto_map = config.get("auto_map")
+    if not isinstance(auto_map, dict) or any(config.get("model_type") in family.model_types for family in FAMILIES.values()):
+        return None
+    name = str(auto_map.get("AutoModelForCausalLM", "")).rpartition(".")[2]
+    if name not in (config.get("architectures") or ()):
+        return None
+    return next(((family, name) for family in FAMILIES.values() if name in dict(family.architectures)), None)
+
+
 def family_for_config(config: dict[str, Any], source: str = "config.json") -> Family:
     model_type = config.get("model_type")
     for family in FAMILIES.values():
         if model_type in family.model_types:
             return family
+    if (taken := remote_code_architecture(config)) is not None:
+        return taken[0]
+    if model_type in INEXPRESSIBLE:
+        raise ConversionError(f"{source}: {INEXPRESSIBLE[model_type]}")
     known = sorted(t for family in FAMILIES.values() for t in family.model_types)
     if "auto_map" in config:  # the model's code ships with the checkpoint (transformers' trust_remote_code)
+        code = config["auto_map"].get("AutoModelForCausalLM", "none") if isinstance(config["auto_map"], dict) else "none"
         raise ConversionError(
-            f"{source}: model_type '{model_type}' needs the checkpoint's own code (auto_map), which mconvert neither "
-            f"runs nor maps (supported: {', '.join(known)})"
+            f"{source}: model_type '{model_type}' needs the checkpoint's own code (auto_map: {code}), which mconvert "
+            f"never runs, and that is no class mconvert maps (supported: {', '.join(known)})"
         )
     raise ConversionError(f"{source}: model_type '{model_type}' is not supported (supported: {', '.join(known)})")
+
+
+def how_read(config: dict[str, Any]) -> str | None:
+    """What a summary says of a checkpoint read as another architecture than its model_type's: None for the rest."""
+    taken = remote_code_architecture(config)
+    if taken is None:
+        return None
+    family, architecture = taken
+    return (
+        f"model_type '{config.get('model_type')}' ships its own code (auto_map), which was not run: read as "
+        f"{architecture} (the {family.name} family), the class its auto_map and architectures name"
+    )
 
 
 def family_for_model_size(model_size: str) -> Family:
@@ -93,10 +135,16 @@ def write_hf_config(family: Family, spec: ModelSpec) -> dict[str, Any]:
     described by other means than this family's config (Megatron args) may have features its config cannot
     say (Llama's has no q/k norms), and those must fail here rather than vanish."""
     config = family.write_config(spec)
+    if (taken := remote_code_architecture(spec.hf_config)) is not None and taken[0] is family:
+        # Written back as it came: under its own model_type, beside its code (auto_map is kept with the config).
+        config.update(model_type=spec.hf_config["model_type"], architectures=list(spec.hf_config["architectures"]))
     differences = _differences(family.read_config(config), spec)
     if differences:
         raise ConversionError(f"the {family.name} family cannot express this model: {'; '.join(differences)}")
     return config
 
 
-__all__ = ["FAMILIES", "Family", "ModelSpec", "MoESpec", "RopeScaling", "Table", "family_for_config", "family_for_model_size", "family_for_spec", "get_mapping", "write_hf_config"]
+__all__ = [
+    "FAMILIES", "INEXPRESSIBLE", "Family", "ModelSpec", "MoESpec", "RopeScaling", "Table", "family_for_config", "family_for_model_size",
+    "family_for_spec", "get_mapping", "how_read", "remote_code_architecture", "write_hf_config",
+]

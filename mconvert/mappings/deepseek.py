@@ -139,7 +139,7 @@ def read_mla(config: dict[str, Any], source: str) -> MLASpec:
 
 
 def read_config(config: dict[str, Any], source: str = "config.json") -> ModelSpec:
-    sigmoid = config.get("model_type") == "deepseek_v3"
+    sigmoid = FAMILY.hf_model_type(config) == "deepseek_v3"
     mla = read_mla(config, source)
     # HF's latent norms have transformers' default epsilon 1e-6; Megatron uses one epsilon for every norm.
     eps = float(config.get("rms_norm_eps", 1e-6))
@@ -214,4 +214,5 @@ FAMILY = Family(
     table=TABLE,
     read_config=read_config,
     write_config=write_config,
+    architectures=(("DeepseekV2ForCausalLM", "deepseek_v2"), ("DeepseekV3ForCausalLM", "deepseek_v3")),
 )

@@ -48,3 +48,15 @@ class Family:
     table: Table
     read_config: Callable[[dict[str, Any]], ModelSpec]
     write_config: Callable[[ModelSpec], dict[str, Any]]
+    # The transformers classes this family maps (config.json's `architectures`), each with its model_type: a
+    # checkpoint that ships its own code (`auto_map`) under another model_type is read as the class it names.
+    architectures: tuple[tuple[str, str], ...] = ()
+
+    def hf_model_type(self, config: dict[str, Any]) -> str | None:
+        """The transformers model_type whose model `config` describes: its own where the family reads it, else
+        that of the class its `architectures` names (a checkpoint shipping its own code of a known class)."""
+        model_type = config.get("model_type")
+        if model_type in self.model_types:
+            return model_type
+        classes = dict(self.architectures)
+        return next((classes[name] for name in config.get("architectures") or () if name in classes), model_type)

@@ -68,4 +68,5 @@ FAMILY = Family(
     table=TABLE,
     read_config=read_config,
     write_config=write_config,
+    architectures=(("Glm4MoeForCausalLM", "glm4_moe"),),
 )

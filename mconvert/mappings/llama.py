@@ -63,4 +63,5 @@ FAMILY = Family(
     table=TABLE,
     read_config=read_config,
     write_config=write_config,
+    architectures=(("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral")),
 )

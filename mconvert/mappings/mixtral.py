@@ -77,4 +77,5 @@ FAMILY = Family(
     table=TABLE,
     read_config=read_config,
     write_config=write_config,
+    architectures=(("MixtralForCausalLM", "mixtral"),),
 )

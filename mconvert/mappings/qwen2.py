@@ -24,4 +24,5 @@ FAMILY = Family(
     table=llama.TABLE,
     read_config=read_config,
     write_config=write_config,
+    architectures=(("Qwen2ForCausalLM", "qwen2"),),
 )

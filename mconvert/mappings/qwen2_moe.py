@@ -122,4 +122,5 @@ FAMILY = Family(
     table=TABLE,
     read_config=read_config,
     write_config=write_config,
+    architectures=(("Qwen2MoeForCausalLM", "qwen2_moe"),),
 )

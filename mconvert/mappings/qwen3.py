@@ -26,4 +26,5 @@ FAMILY = Family(
     table=llama.TABLE,
     read_config=read_config,
     write_config=write_config,
+    architectures=(("Qwen3ForCausalLM", "qwen3"),),
 )

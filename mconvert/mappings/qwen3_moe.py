@@ -42,4 +42,5 @@ FAMILY = Family(
     table=TABLE,
     read_config=read_config,
     write_config=write_config,
+    architectures=(("Qwen3MoeForCausalLM", "qwen3_moe"),),
 )

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from mconvert.mappings import remote_code_architecture
 
 
 @dataclass
@@ -16,11 +19,27 @@ class Outputs:
     hidden_states: list[list[torch.Tensor]]
 
 
+def load_hf_model(hf_dir: str | Path, dtype: torch.dtype):
+    """transformers' model of an HF directory, offline. A checkpoint that ships its own code (auto_map) under a
+    model_type transformers does not know is built as the transformers class its `architectures` names, as
+    mconvert reads it (mconvert.mappings.remote_code_architecture); its own code is not run."""
+    import transformers
+
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    taken = remote_code_architecture(config)
+    if taken is None:
+        return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, local_files_only=True)
+    family, architecture = taken
+    fields = {key: value for key, value in config.items() if key not in ("auto_map", "model_type")}
+    hf_config = transformers.AutoConfig.for_model(dict(family.architectures)[architecture], **fields)
+    return getattr(transformers, architecture).from_pretrained(hf_dir, config=hf_config, dtype=dtype, local_files_only=True)
+
+
 def hf_outputs(hf_dir: str | Path, prompts: list[torch.Tensor], dtype: torch.dtype, device: str) -> Outputs:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, local_files_only=True)
+    model = load_hf_model(hf_dir, dtype)
     model = model.to(device).eval()
     layer_outputs: dict[int, torch.Tensor] = {}
 

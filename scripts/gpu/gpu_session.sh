@@ -26,6 +26,8 @@
 #   train-mla   on one GPU: Megatron-LM training steps from DeepSeek-V3 and GLM-4.5-Air cuts (hidden 2048, 32 experts;
 #               MTP=1: with their multi-token prediction layers)
 #   verify-mla-bf16  the same cuts verified under TE in bf16
+#   kimi        on one GPU: Kimi-K2 as released (2 layers, 32 experts): verify --spec te at real width, and
+#               Megatron-LM training steps (hidden 2048) with the YaRN setting its flags cannot carry
 #   train-distopt  on one GPU: Megatron-LM training steps with --use-distributed-optimizer (Qwen2.5-0.5B's shape and
 #               Qwen3-30B-A3B's first 2 layers), whose saves hold that optimizer's state beside the weights
 #   verify-v2lite  DeepSeek-V2-Lite whole, with megatron-core 0.18.0 (carry .whl018: 0.19 cannot build it)
@@ -170,6 +172,20 @@ for stage in "$@"; do
     code=$?
     note "$stage: exit $code"
     [ "$code" = 3 ] || mark "$stage"
+    ;;
+  kimi)
+    # One GPU: Kimi-K2 as released (kimi_k2 with its own code, read as DeepseekV3ForCausalLM; YaRN beta_fast 1,
+    # which Megatron-LM's flags cannot set), its first dense and first MoE layer with 32 of its 384 experts:
+    # mconvert verify --spec te at its real width, then Megatron-LM training steps at hidden 2048 with the setting
+    # megatron_args.sh states (scripts/gpu/gpu_train.py passes it as the driver's --config-field).
+    python3 scripts/gpu/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) / 2))" \
+      'kimi-k2-instruct@2+n_routed_experts=32:tp1' > "$OUT/kimi.log" 2>&1
+    note "kimi verify: exit $?"
+    python3 scripts/gpu/gpu_train.py --nproc 1 --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" \
+      'kimi-k2-instruct@2+n_routed_experts=32+hidden_size=2048:tp1' >> "$OUT/kimi.log" 2>&1
+    code=$?
+    note "kimi train: exit $code"
+    [ "$code" = 3 ] || mark kimi
     ;;
   train-distopt)
     python3 scripts/gpu/gpu_train.py --nproc 1 --distributed-optimizer --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" \

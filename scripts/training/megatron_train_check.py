@@ -53,9 +53,9 @@ def hf_loss(
     With `padded_vocab_size`, the logits get the zero logits that Megatron's padding rows of the output layer
     (zero weights) give: they are part of the softmax Megatron-LM's loss takes, log(1 + pad / sum(exp(z)))
     more loss per token than transformers' over the real vocabulary (0.02 at 24 pads over 1000 tokens)."""
-    import transformers
+    from mconvert.verify.hf_side import load_hf_model  # a checkpoint shipping its own code: its class, its code not run
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).to(device).eval()
+    model = load_hf_model(hf_dir, dtype).to(device).eval()
     total, count = 0.0, 0
     with torch.no_grad():
         for row in torch.from_numpy(tokens):

@@ -9,6 +9,7 @@ import ast
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,8 @@ MODELS = {
     # Multi-latent attention, sigmoid routing with expert bias, group-limited routing, yarn; GLM-4.5's partial rope.
     "deepseek-v3-tp2ep2": ("deepseek-v3", 2, {}, Parallelism(tp=2, ep=2)),
     "glm4.5-air-pp2": ("glm-4.5-air", 2, {}, Parallelism(pp=2)),
+    # Kimi-K2 as released: model_type kimi_k2 with its own code (auto_map) of DeepseekV3ForCausalLM; YaRN betas 1, 1.
+    "kimi-k2-tp2ep2": ("kimi-k2-instruct", 2, {}, Parallelism(tp=2, ep=2)),
     # Multi-latent attention without a query bottleneck (q_lora_rank null), softmax routing.
     "deepseek-v2-lite-ep2": ("deepseek-v2-lite", 2, {}, Parallelism(ep=2)),
     # Layer counts that no pipeline size divides: Megatron-LM's uneven splits (DeepSeek-V3 has 61 layers).
@@ -135,6 +138,29 @@ def test_megatron_lm_parses_the_printed_flags_as_the_stored_model(name, converte
         layout = config.pipeline_model_parallel_layout
         assert (layout and layout.input_data) == stored.pipeline_model_parallel_layout
     assert (parsed.no_load_optim, parsed.no_load_rng, parsed.ckpt_format) == (True, True, "torch_dist")
+
+
+def test_mla_yarn_settings_reach_megatron_lms_config_as_megatron_args_sh_says(converted):
+    """Kimi-K2's YaRN betas have no Megatron-LM flag under multi-latent attention: the printed flags alone build
+    MLATransformerConfig's defaults, and the assignments megatron_args.sh states, made on the parsed args before
+    gpt_config_from_args (pretrain_gpt.py's path to its model builder), build the model's."""
+    from megatron.training.argument_utils import gpt_config_from_args
+
+    _, ckpt = converted("kimi-k2-tp2ep2")
+    script = (ckpt / "megatron_args.sh").read_text()
+    (line,) = [line for line in script.splitlines() if line.startswith("# Not settable by Megatron-LM's flags:")]
+    assignments = re.findall(r"args\.(\w+) = ([0-9.e+-]+)", line)
+    assert dict(assignments) == {"beta_fast": "1"}  # beta_slow 1 is MLATransformerConfig's default too
+    argv = script_arrays(ckpt, "MODEL_ARGS", "LOAD_ARGS") + RUN_FLAGS + CPU_FLAGS
+    flags_alone = gpt_config_from_args(parse_megatron_lm_args(argv, 4)).transformer
+    assert (flags_alone.beta_fast, flags_alone.beta_slow) == (32, 1)
+    args = parse_megatron_lm_args(argv, 4)
+    for name, value in assignments:
+        setattr(args, name, float(value))
+    config = gpt_config_from_args(args).transformer
+    stored = read_args(iteration_dir(ckpt))
+    assert (config.beta_fast, config.beta_slow, config.original_max_position_embeddings) == (1.0, 1.0, 4096)
+    assert (config.rotary_scaling_factor, config.mscale, config.mscale_all_dim) == (stored.rotary_scaling_factor, stored.mscale, stored.mscale_all_dim)
 
 
 SPLITS = [
