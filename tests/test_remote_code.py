@@ -80,6 +80,13 @@ def test_megatron_core_with_kimis_yarn_gives_transformers_logits_and_the_default
     assert not (kimi / "CODE_WAS_RUN").exists()
 
 
+def test_kimi_k2_split_over_two_pipeline_stages_gives_transformers_logits(kimi, tmp_path):
+    """Its dense first layer on one stage, its MoE layer on the other."""
+    assert run_cli("hf-to-mcore", "--load-dir", kimi, "--save-dir", tmp_path / "mcore", "--pp", "2").returncode == 0
+    passed = run_cli("verify", "--hf", kimi, "--mcore", tmp_path / "mcore", "--device", "cpu", "--pp", "2")
+    assert passed.returncode == 0 and passed.stdout.strip().endswith("PASS"), passed.stdout + passed.stderr
+
+
 def test_an_auto_map_into_a_class_mconvert_does_not_map_is_refused_naming_it(kimi, tmp_path):
     hf = tmp_path / "hf"
     hf.mkdir()
