@@ -23,6 +23,16 @@ from tests.cli_runner import assert_nothing_left, assert_one_line_error, run_cli
 PLANTED = "from pathlib import Path\nPath(__file__).with_name('CODE_WAS_RUN').write_text(__name__)\n"
 
 
+def with_config(hf: Path, out: Path, **changes) -> Path:
+    """`hf`'s files linked into `out`, its config.json with `changes`."""
+    out.mkdir()
+    for file in hf.iterdir():
+        if file.name != "config.json":
+            (out / file.name).symlink_to(file)
+    (out / "config.json").write_text(json.dumps(json.loads((hf / "config.json").read_text()) | changes))
+    return out
+
+
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory) -> Path:
     """A Kimi-K2 as released, shrunk: its config.json (kimi_k2, auto_map, YaRN betas 1 and 1), random weights
@@ -88,15 +98,8 @@ def test_kimi_k2_split_over_two_pipeline_stages_gives_transformers_logits(kimi, 
 
 
 def test_an_auto_map_into_a_class_mconvert_does_not_map_is_refused_naming_it(kimi, tmp_path):
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    for file in kimi.iterdir():
-        (hf / file.name).symlink_to(file)
-    config = json.loads((kimi / "config.json").read_text()) | {
-        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "auto_map": {"AutoModelForCausalLM": "modeling_kimi.KimiLinearForCausalLM"}
-    }
-    (hf / "config.json").unlink()
-    (hf / "config.json").write_text(json.dumps(config))
+    hf = with_config(kimi, tmp_path / "hf", architectures=["KimiLinearForCausalLM"], model_type="kimi_linear",
+                     auto_map={"AutoModelForCausalLM": "modeling_kimi.KimiLinearForCausalLM"})
     result = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "out")
     assert_one_line_error(result, "config.json", "kimi_linear", "auto_map: modeling_kimi.KimiLinearForCausalLM")
     assert_nothing_left(tmp_path / "out")
@@ -106,14 +109,8 @@ def test_an_auto_map_into_a_class_mconvert_does_not_map_is_refused_naming_it(kim
 def test_a_class_the_code_does_not_define_is_not_taken_from_architectures(kimi, tmp_path):
     """Read as a known class only when the shipped code is that class: a config whose auto_map names other code
     than its architectures' class is refused, not converted as the class it merely lists."""
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    for file in kimi.iterdir():
-        (hf / file.name).symlink_to(file)
-    config = json.loads((kimi / "config.json").read_text())
-    config["auto_map"] = {**config["auto_map"], "AutoModelForCausalLM": "modeling_deepseek.DeepseekV4ForCausalLM"}
-    (hf / "config.json").unlink()
-    (hf / "config.json").write_text(json.dumps(config))
+    auto_map = json.loads((kimi / "config.json").read_text())["auto_map"]
+    hf = with_config(kimi, tmp_path / "hf", auto_map={**auto_map, "AutoModelForCausalLM": "modeling_deepseek.DeepseekV4ForCausalLM"})
     result = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "out")
     assert_one_line_error(result, "config.json", "kimi_k2", "auto_map: modeling_deepseek.DeepseekV4ForCausalLM")
 
