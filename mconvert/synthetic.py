@@ -80,7 +80,10 @@ def shrink(config: dict[str, Any], layers: int = 2, **overrides: Any) -> dict[st
         small.update(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
         if config.get("q_lora_rank"):
             small["q_lora_rank"] = 40
-    # The test weights are made in full precision; FP8 checkpoints are made by quantizing them.
+    if config.get("layer_types"):
+        # Per-layer kinds (gpt-oss's sliding and full attention) follow the layers, repeating their pattern.
+        small["layer_types"] = [config["layer_types"][i % len(config["layer_types"])] for i in range(layers)]
+    # The test weights are made in full precision; FP8 and MXFP4 checkpoints are made by quantizing them.
     small.pop("quantization_config", None)
     small.update(overrides)
     return small
@@ -277,6 +280,8 @@ def _per_expert(parameters: list[tuple[str, Any]], config: dict[str, Any]) -> li
 
     family, spec = get_mapping(config)
     table, fused = family.table, dict(parameters)
+    if not table.experts:
+        return parameters  # the hub stores this family's experts fused too (gpt-oss)
     replaced: dict[str, list[tuple[str, Any]]] = {}
     for layer in range(spec.num_layers):
         prefix = table.layer_prefix.format(layer=layer)

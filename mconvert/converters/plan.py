@@ -174,7 +174,8 @@ def build_plan(
             for entry in _active(table.mtp_copies, spec):
                 layout = tensor_layout(entry.mcore, spec, parallelism)
                 add((entry.mcore,), (), (), layout, entry, [prefix + n for n in entry.hf_names], copy=True)
-        fused = layer in fused_expert_layers
+        # A family whose HF models hold their experts only fused (gpt-oss) has no per-expert layout.
+        fused = layer in fused_expert_layers or not table.experts
         moe_mlp = table.fused_moe_mlp if fused and table.fused_moe_mlp is not None else table.moe_mlp
         for entry in _active(table.attention + (moe_mlp if is_moe else table.dense_mlp), spec):
             names = checkpoint_names(entry.mcore, spec, is_moe)

@@ -36,6 +36,9 @@ class RopeScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    # YaRN's correction range rounded to whole dimensions (transformers' `truncate`, Megatron's
+    # yarn_correction_range_round_to_int); gpt-oss does not round.
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,15 @@ class ModelSpec:
     mtp_layers: int = field(default=0, compare=False)
     # Tokens each position attends to, itself included (HF `sliding_window`); None for full attention.
     sliding_window: int | None = None
+    # Which layers attend within the window, where only some do (gpt-oss's `layer_types`); None: all of them.
+    sliding_layers: tuple[bool, ...] | None = None
+    # Megatron's softmax_type: "learnable" adds a learned per-head logit to every softmax (gpt-oss's sinks).
+    softmax_type: str = "vanilla"
+    # The gated MLP: SwiGLU ("silu"), or "quick_gelu" (x * sigmoid(1.702 x)) on the gate with the linear half
+    # offset by `glu_linear_offset` and both halves clamped at `activation_clamp` (gpt-oss).
+    activation: str = "silu"
+    glu_linear_offset: float = 0.0
+    activation_clamp: float | None = None
     # Dropout on attention probabilities in training (HF `attention_dropout`); no effect on the weights.
     attention_dropout: float = 0.0
     # The config.json the spec was read from, kept so the way back can restore fields Megatron has no use for.
@@ -139,6 +151,10 @@ class ModelSpec:
     @property
     def router_expert_bias(self) -> bool:
         return self.moe is not None and self.moe.expert_bias
+
+    @property
+    def attention_sinks(self) -> bool:
+        return self.softmax_type == "learnable"
 
 
 def require(config: dict[str, Any], name: str, source: str) -> Any:
@@ -197,8 +213,6 @@ def read_yarn(scaling: dict[str, Any], source: str) -> RopeScaling:
     set, else mscale 1's: a lone mscale is ignored there, so it must be 1 here to mean the same."""
     if scaling.get("attention_factor") is not None:
         raise ConversionError(f"{source}: yarn attention_factor {scaling['attention_factor']} cannot be expressed in Megatron")
-    if scaling.get("truncate", True) is False:
-        raise ConversionError(f"{source}: yarn with truncate false cannot be expressed in Megatron")
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim") or 0.0
     if not (mscale and mscale_all_dim):
         if mscale not in (None, 1, 1.0):
@@ -212,6 +226,7 @@ def read_yarn(scaling: dict[str, Any], source: str) -> RopeScaling:
         beta_slow=float(scaling.get("beta_slow", 1.0)),
         mscale=float(mscale),
         mscale_all_dim=float(mscale_all_dim),
+        truncate=bool(scaling.get("truncate", True)),
     )
 
 

@@ -113,4 +113,60 @@ class QKVInterleave:
         return [part.reshape(-1, *tensor.shape[1:]).contiguous() for part in parts]
 
 
-Entry = Rename | Concat | QKVInterleave
+@dataclass(frozen=True)
+class Transpose:
+    """One HF tensor that is the Megatron tensor's transpose (the last two axes): transformers' fused expert
+    weights are [in, out], Megatron's linear weights [out, in]."""
+
+    mcore: str
+    hf: str
+    when: str | None = None
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return (self.hf,)
+
+    def hf_shapes(self, shape: Shape, spec: ModelSpec) -> list[Shape]:
+        return [(*shape[:-2], shape[-1], shape[-2])]
+
+    def to_mcore(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
+        return tensors[0].transpose(-1, -2).contiguous()
+
+    def to_mcore_parts(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
+        return [self.to_mcore(tensors, spec)]
+
+    def to_hf(self, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
+        return [tensor.transpose(-1, -2).contiguous()]
+
+
+@dataclass(frozen=True)
+class Deinterleave:
+    """One HF tensor whose gate and up rows alternate (gpt-oss: gate at even, up at odd positions along the
+    output axis) into Megatron's fc1, [gate; up]; `transposed` when the HF tensor is [in, out]."""
+
+    mcore: str
+    hf: str
+    transposed: bool = False
+    when: str | None = None
+
+    @property
+    def hf_names(self) -> tuple[str, ...]:
+        return (self.hf,)
+
+    def hf_shapes(self, shape: Shape, spec: ModelSpec) -> list[Shape]:
+        return [(*shape[1:], shape[0]) if self.transposed else shape]
+
+    def to_mcore(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
+        return torch.cat(self.to_mcore_parts(tensors, spec), dim=0)
+
+    def to_mcore_parts(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
+        rows = tensors[0].transpose(-1, -2) if self.transposed else tensors[0]
+        return [rows[0::2].contiguous(), rows[1::2].contiguous()]
+
+    def to_hf(self, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
+        gate, up = tensor.chunk(2, dim=0)
+        rows = torch.stack([gate, up], dim=1).reshape(tensor.shape)
+        return [(rows.transpose(-1, -2) if self.transposed else rows).contiguous()]
+
+
+Entry = Rename | Concat | QKVInterleave | Transpose | Deinterleave

@@ -80,6 +80,10 @@ def tensor_layout(name: str, spec: ModelSpec, par: Parallelism, expert: bool = F
         return _mla_layout(name, spec, par)
     if name == "eh_proj.weight":
         return TensorLayout((H, 2 * H), 0, par.tp)
+    if name == "self_attention.core_attention.softmax_offset":  # attention sinks: one logit per head
+        return TensorLayout((spec.num_attention_heads,), 0, par.tp)
+    if name == "mlp.router.bias":
+        return TensorLayout((moe.num_experts,))
     if name == "mlp.router.expert_bias":
         return TensorLayout((moe.num_experts,), dtype=torch.float32)
     if name.endswith("norm.weight") or name.endswith("layer_norm_weight"):

@@ -163,6 +163,9 @@ class Parallelism:
                 ("--ep", self.ep, "the number of experts", spec.moe.num_experts),
                 ("--etp", self.expert_tp, "the experts' intermediate size", spec.moe.ffn_hidden_size),
             ]
+            if spec.linear_bias and self.expert_tp != 1:
+                # megatron-core's TransformerConfig: "Bias in Moe is only supported when ETP==1".
+                raise ConversionError(f"--etp {self.expert_tp}: megatron-core supports experts with biases only at --etp 1")
             if spec.moe.shared_expert_ffn_hidden_size:
                 checks.append(("--tp", self.tp, "shared_expert_intermediate_size", spec.moe.shared_expert_ffn_hidden_size))
         elif self.ep != 1 or self.etp not in (None, 1, self.tp):

@@ -48,7 +48,10 @@ MEGATRON_LM_DEFAULTS: dict[str, Any] = {
     "moe_shared_expert_gate": False, "moe_aux_loss_coeff": 0.0, "moe_router_dtype": None,
     "decoder_first_pipeline_num_layers": None, "decoder_last_pipeline_num_layers": None,
     "account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False,
-    "pipeline_model_parallel_layout": None,
+    "pipeline_model_parallel_layout": None, "softmax_type": "vanilla", "quick_geglu": False, "glu_linear_offset": 0.0,
+    "activation_func_clamp_value": None, "window_attn_skip_freq": None, "rotary_scaling_factor": 1.0, "mscale": 1.0,
+    "mscale_all_dim": 0.0, "yarn_original_max_position_embeddings": None, "yarn_beta_fast": None, "yarn_beta_slow": None,
+    "yarn_correction_range_round_to_int": None,
 }
 # Args whose name in Megatron-LM 0.19 (its parser's dest, after TransformerConfig's field) differs from the
 # flag's, and from the name earlier Megatron-LM versions store: both names are written, either is read.
@@ -96,7 +99,8 @@ def megatron_args(
         kv_channels=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings,
         seq_length=min(spec.max_position_embeddings, 4096),
-        position_embedding_type="rope",
+        # YaRN is GPTModel's position embedding of its own; under multi-latent attention, MLA's rope type.
+        position_embedding_type="yarn" if rope is not None and rope.kind == "yarn" and spec.mla is None else "rope",
         add_position_embedding=False,
         use_rotary_position_embeddings=True,
         rotary_base=_integral(spec.rope_theta, "--rotary-base", "rope_theta"),
@@ -110,13 +114,19 @@ def megatron_args(
         norm_epsilon=spec.norm_eps,
         layernorm_zero_centered_gamma=False,
         apply_layernorm_1p=False,
-        swiglu=True,
+        swiglu=spec.activation == "silu",
+        quick_geglu=spec.activation == "quick_gelu",
+        glu_linear_offset=spec.glu_linear_offset,
+        activation_func_clamp_value=spec.activation_clamp,
+        softmax_type=spec.softmax_type,
         add_bias_linear=spec.linear_bias,
         add_qkv_bias=spec.qkv_bias,
         qk_layernorm=spec.qk_norm,
         untie_embeddings_and_output_weights=spec.untie_embeddings,
         # Megatron-LM's (left, right) window excludes the position itself; HF's `sliding_window` counts it.
         window_size=(spec.sliding_window - 1, 0) if spec.sliding_window is not None else None,
+        # Per layer, 1 where the window applies, where only some layers have it (Megatron numbers them from 1).
+        window_attn_skip_freq=[int(windowed) for windowed in spec.sliding_layers] if spec.sliding_layers else None,
         vocab_size=spec.vocab_size,
         padded_vocab_size=padded_vocab_size(spec.vocab_size, par),
         make_vocab_size_divisible_by=par.make_vocab_size_divisible_by,
@@ -156,7 +166,15 @@ def megatron_args(
         )
         args.update(_router_args(moe))
     if rope is not None and rope.kind == "yarn" and spec.mla is None:
-        raise ConversionError("yarn rope scaling is supported with multi-latent attention only")
+        args.update(
+            rotary_scaling_factor=rope.factor,
+            yarn_original_max_position_embeddings=rope.original_max_position_embeddings,
+            yarn_beta_fast=rope.beta_fast,
+            yarn_beta_slow=rope.beta_slow,
+            mscale=rope.mscale,
+            mscale_all_dim=rope.mscale_all_dim,
+            yarn_correction_range_round_to_int=rope.truncate,
+        )
     if spec.mla is not None:
         args.update(_mla_args(spec))
     return argparse.Namespace(**args)
@@ -188,6 +206,9 @@ def _mla_args(spec: ModelSpec) -> dict[str, Any]:
     mla, rope = spec.mla, spec.rope_scaling
     if rope is not None and rope.kind != "yarn":
         raise ConversionError(f"rope scaling '{rope.kind}' cannot be expressed with multi-latent attention (yarn can)")
+    if rope is not None and not rope.truncate:
+        # MLATransformerConfig has no field for it: MLA's YaRN always rounds its correction range.
+        raise ConversionError("yarn truncate false cannot be expressed with multi-latent attention")
     return dict(
         multi_latent_attention=True,
         q_lora_rank=mla.q_lora_rank,

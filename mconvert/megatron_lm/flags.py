@@ -8,7 +8,13 @@ import shlex
 from pathlib import Path
 
 from mconvert.mcore.parallelism import PipelineSplit
-from mconvert.megatron_lm.args import FLAG_OF_ARG, MEGATRON_LM_DEFAULTS, MLA_YARN_DEFAULTS, RESTORED_BY_CHECKPOINT_ARGS
+from mconvert.megatron_lm.args import (
+    FLAG_OF_ARG,
+    MEGATRON_LM_DEFAULTS,
+    MLA_YARN_DEFAULTS,
+    RESTORED_BY_CHECKPOINT_ARGS,
+    stored_arg,
+)
 
 
 def pipeline_split_flags(split: PipelineSplit) -> list[str]:
@@ -35,11 +41,11 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         f"--kv-channels {a.kv_channels}",
         f"--max-position-embeddings {a.max_position_embeddings}",
         f"--seq-length {a.seq_length}",
-        "--position-embedding-type rope",
+        f"--position-embedding-type {stored_arg(a, 'position_embedding_type', 'rope')}",
         f"--rotary-base {a.rotary_base}",
         "--normalization RMSNorm",
         f"--norm-epsilon {a.layernorm_epsilon:g}",
-        "--swiglu",
+        "--quick-geglu" if getattr(a, "quick_geglu", False) else "--swiglu",
         f"--attention-dropout {a.attention_dropout:g}",
         f"--hidden-dropout {a.hidden_dropout:g}",
         f"--vocab-size {a.vocab_size}",
@@ -59,7 +65,26 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         flags.append(f"--rotary-seq-len-interpolation-factor {a.rotary_seq_len_interpolation_factor}")
     if a.window_size is not None:
         flags.append(f"--window-size {a.window_size[0]},{a.window_size[1]}")
-    flags.append("--add-bias-linear" if a.add_bias_linear else "--disable-bias-linear")
+    if getattr(a, "window_attn_skip_freq", None) is not None:
+        flags.append("--window-attn-skip-freq '" + str(a.window_attn_skip_freq).replace(" ", "") + "'")
+    if getattr(a, "softmax_type", "vanilla") != "vanilla":
+        flags.append(f"--softmax-type {a.softmax_type}")
+    if getattr(a, "glu_linear_offset", 0.0):
+        flags.append(f"--glu-linear-offset {a.glu_linear_offset:g}")
+    if getattr(a, "activation_func_clamp_value", None) is not None:
+        flags.append(f"--activation-func-clamp-value {a.activation_func_clamp_value:g}")
+    if stored_arg(a, "position_embedding_type", "rope") == "yarn":
+        flags += [
+            f"--rotary-scaling-factor {a.rotary_scaling_factor:g}",
+            f"--yarn-original-max-position-embeddings {a.yarn_original_max_position_embeddings}",
+            f"--yarn-beta-fast {a.yarn_beta_fast:g}",
+            f"--yarn-beta-slow {a.yarn_beta_slow:g}",
+            f"--mscale {a.mscale:g}",
+            f"--mscale-all-dim {a.mscale_all_dim:g}",
+            "--yarn-correction-range-round-to-int" if a.yarn_correction_range_round_to_int else "--no-yarn-correction-range-round-to-int",
+        ]
+    if not a.add_bias_linear:  # biases are Megatron-LM's default: it has no --add-bias-linear
+        flags.append("--disable-bias-linear")
     if a.add_qkv_bias and not a.add_bias_linear:
         flags.append("--add-qkv-bias")
     if a.qk_layernorm:

@@ -39,8 +39,8 @@ def spec_from_args(
 
     unsupported = [
         (arg("normalization", "LayerNorm") != "RMSNorm", f"normalization {arg('normalization', 'LayerNorm')} (RMSNorm is supported)"),
-        (not arg("swiglu", False), "an MLP without SwiGLU"),
-        (arg("position_embedding_type", "learned_absolute") != "rope", f"position embeddings '{arg('position_embedding_type', 'learned_absolute')}' (rope is supported)"),
+        (not arg("swiglu", False) and not arg("quick_geglu", False), "an MLP without SwiGLU or quick-GEGLU"),
+        (arg("position_embedding_type", "learned_absolute") not in ("rope", "yarn"), f"position embeddings '{arg('position_embedding_type', 'learned_absolute')}' (rope and yarn are supported)"),
         (arg("layernorm_zero_centered_gamma", False), "layernorm_1p"),
         (arg("rotary_interleaved", False), "interleaved rotary embeddings"),
         (arg("moe_router_score_function", "softmax") not in ("softmax", "sigmoid"), f"router score function '{arg('moe_router_score_function')}' (softmax and sigmoid are supported)"),
@@ -93,6 +93,17 @@ def spec_from_args(
             mscale_all_dim=float(arg("mscale_all_dim", 0.0)),
             **{field: type(default)(arg(field, default)) for field, default in MLA_YARN_DEFAULTS.items()},
         )
+    elif arg("position_embedding_type") == "yarn":
+        rope = RopeScaling(
+            kind="yarn",
+            factor=float(arg("rotary_scaling_factor", 1.0)),
+            original_max_position_embeddings=int(arg("yarn_original_max_position_embeddings", 4096)),
+            beta_fast=float(arg("yarn_beta_fast", 32.0)),
+            beta_slow=float(arg("yarn_beta_slow", 1.0)),
+            mscale=float(arg("mscale", 1.0)),
+            mscale_all_dim=float(arg("mscale_all_dim", 0.0)),
+            truncate=bool(arg("yarn_correction_range_round_to_int", True)),
+        )
     elif arg("use_rope_scaling", False):
         rope = RopeScaling(kind="llama3", factor=float(arg("rope_scaling_factor", 8.0)))
     elif arg("rotary_seq_len_interpolation_factor") is not None:
@@ -100,9 +111,14 @@ def spec_from_args(
     else:
         rope = None
     linear_bias = bool(arg("add_bias_linear", True))
-    window = arg("window_size")
-    if window is not None and (window[1] != 0 or arg("window_attn_skip_freq") is not None):
-        raise ConversionError(f"args: window_size {window} with window_attn_skip_freq {arg('window_attn_skip_freq')}: only a causal window on every layer is supported")
+    window, skip = arg("window_size"), arg("window_attn_skip_freq")
+    if window is not None and window[1] != 0:
+        raise ConversionError(f"args: window_size {window}: only a causal window is supported")
+    if isinstance(skip, int):  # Megatron's layers are numbered from 1: every skip-th one has no window
+        skip = [int((layer + 1) % skip != 0) for layer in range(args.num_layers)]
+    if skip is not None and len(skip) != args.num_layers:
+        raise ConversionError(f"args: window_attn_skip_freq has {len(skip)} entries for {args.num_layers} layers")
+    sliding_layers = tuple(bool(windowed) for windowed in skip) if window is not None and skip is not None else None
     return ModelSpec(
         family=family,
         num_layers=args.num_layers,
@@ -128,6 +144,11 @@ def spec_from_args(
         rotary_percent=float(arg("rotary_percent", 1.0)),
         mtp_layers=arg("mtp_num_layers", 0),
         sliding_window=window[0] + 1 if window is not None else None,
+        sliding_layers=sliding_layers if sliding_layers is None or not all(sliding_layers) else None,
+        softmax_type=arg("softmax_type", "vanilla"),
+        activation="quick_gelu" if arg("quick_geglu", False) else "silu",
+        glu_linear_offset=float(arg("glu_linear_offset", 0.0)),
+        activation_clamp=arg("activation_func_clamp_value"),
         attention_dropout=float(arg("attention_dropout", 0.1)),
         hf_config=dict(hf_config or {}),
     )

@@ -14,6 +14,7 @@ import megatron.core
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
@@ -168,8 +169,9 @@ def transformer_config_from_args(
         kv_channels=getattr(args, "kv_channels", None),
         normalization=args.normalization,
         layernorm_epsilon=stored_arg(args, "layernorm_epsilon", 1e-5),
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
+        gated_linear_unit=args.swiglu or getattr(args, "quick_geglu", False),
+        activation_func=F.silu if args.swiglu else quick_gelu if getattr(args, "quick_geglu", False) else F.gelu,
+        **activation_settings(args),
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=getattr(args, "add_qkv_bias", False),
         qk_layernorm=getattr(args, "qk_layernorm", False),
@@ -202,6 +204,30 @@ def transformer_config_from_args(
         **moe_settings,
         **mla_settings,
     )
+
+
+def activation_settings(args: argparse.Namespace) -> dict:
+    """gpt-oss's clamped, offset gated MLP, its attention sinks and its windows on some layers only: only what
+    the args set, so that megatron-core releases before these fields build the models without them."""
+    names = ("glu_linear_offset", "activation_func_clamp_value", "window_attn_skip_freq")
+    settings = {name: getattr(args, name) for name in names if getattr(args, name, None) not in (None, 0.0)}
+    if getattr(args, "softmax_type", "vanilla") != "vanilla":
+        settings["softmax_type"] = args.softmax_type
+    return settings
+
+
+def yarn_settings(config: TransformerConfig, args: argparse.Namespace) -> None:
+    """GPTModel's YaRN (not multi-latent attention's) reads its settings as attributes of the config that no
+    field declares, as Megatron-LM sets them (argument_utils._apply_yarn_config_from_args)."""
+    if getattr(args, "position_embedding_type", None) != "yarn" or getattr(args, "multi_latent_attention", False):
+        return
+    config.yarn_rotary_scaling_factor = args.rotary_scaling_factor
+    config.yarn_original_max_position_embeddings = args.yarn_original_max_position_embeddings
+    config.yarn_beta_fast = args.yarn_beta_fast
+    config.yarn_beta_slow = args.yarn_beta_slow
+    config.yarn_mscale = args.mscale
+    config.yarn_mscale_all_dim = args.mscale_all_dim
+    config.yarn_correction_range_round_to_int = args.yarn_correction_range_round_to_int
 
 
 # TransformerConfig's name for a pipeline split arg where it is not the arg's (core_transformer_config_from_args).
@@ -266,6 +292,7 @@ def build_gpt_model(
     config = transformer_config_from_args(
         args, params_dtype, transformer_impl, perform_initialization
     )
+    yarn_settings(config, args)
     use_te = uses_transformer_engine(transformer_impl)
     layer_spec = _layer_spec(config, args, use_te)
     mtp_block_spec = None

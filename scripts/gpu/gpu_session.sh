@@ -28,6 +28,8 @@
 #   verify-mla-bf16  the same cuts verified under TE in bf16
 #   kimi        on one GPU: Kimi-K2 as released (2 layers, 32 experts): verify --spec te at real width, and
 #               Megatron-LM training steps (hidden 2048) with the YaRN setting its flags cannot carry
+#   gpt-oss     on one GPU: gpt-oss-20b's first two layers: verify --spec te at real width, and Megatron-LM training
+#               steps with 8 of its experts
 #   train-distopt  on one GPU: Megatron-LM training steps with --use-distributed-optimizer (Qwen2.5-0.5B's shape and
 #               Qwen3-30B-A3B's first 2 layers), whose saves hold that optimizer's state beside the weights
 #   verify-v2lite  DeepSeek-V2-Lite whole, with megatron-core 0.18.0 (carry .whl018: 0.19 cannot build it)
@@ -186,6 +188,18 @@ for stage in "$@"; do
     code=$?
     note "kimi train: exit $code"
     [ "$code" = 3 ] || mark kimi
+    ;;
+  gpt-oss)
+    # One GPU: gpt-oss-20b's first two layers (sliding, then full attention), verify --spec te at its real width,
+    # and Megatron-LM training steps with 8 of its 32 experts (fp32 with its optimizer's save on one GPU).
+    python3 scripts/gpu/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) / 2))" \
+      'gpt-oss-20b@2:tp1' > "$OUT/gpt-oss.log" 2>&1
+    note "gpt-oss verify: exit $?"
+    python3 scripts/gpu/gpu_train.py --nproc 1 --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" \
+      'gpt-oss-20b@2+num_local_experts=8:tp1' >> "$OUT/gpt-oss.log" 2>&1
+    code=$?
+    note "gpt-oss train: exit $code"
+    [ "$code" = 3 ] || mark gpt-oss
     ;;
   train-distopt)
     python3 scripts/gpu/gpu_train.py --nproc 1 --distributed-optimizer --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" \

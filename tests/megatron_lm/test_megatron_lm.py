@@ -56,6 +56,9 @@ MODELS = {
     "glm4.5-air-pp2": ("glm-4.5-air", 2, {}, Parallelism(pp=2)),
     # Kimi-K2 as released: model_type kimi_k2 with its own code (auto_map) of DeepseekV3ForCausalLM; YaRN betas 1, 1.
     "kimi-k2-tp2ep2": ("kimi-k2-instruct", 2, {}, Parallelism(tp=2, ep=2)),
+    # gpt-oss: sinks (softmax_type learnable), a window on every other layer, YaRN, biased router and experts,
+    # clamped quick-GEGLU; biased experts need ETP 1.
+    "gpt-oss-tp2ep2etp1": ("gpt-oss-20b", 2, {"sliding_window": 4}, Parallelism(tp=2, ep=2, etp=1)),
     # Multi-latent attention without a query bottleneck (q_lora_rank null), softmax routing.
     "deepseek-v2-lite-ep2": ("deepseek-v2-lite", 2, {}, Parallelism(ep=2)),
     # Layer counts that no pipeline size divides: Megatron-LM's uneven splits (DeepSeek-V3 has 61 layers).
@@ -232,7 +235,7 @@ def run_megatron_lm(name: str, argv: list[str]) -> torch.Tensor:
 # Not DeepSeek on CPU: Megatron-LM 0.19.2's local (non-TE) MLA passes its core attention arguments that
 # DotProductAttention does not take; megatron-core's judge (tests/test_deepseek_megatron.py) shims that.
 @pytest.mark.parametrize(
-    "name", ["llama3.1-tp2", "mistral-window-tp2", "qwen3-pp2", "qwen2moe-ep2", "qwen3moe-dense-first-tp2ep2etp1", "glm4.5-air-pp2",
+    "name", ["llama3.1-tp2", "mistral-window-tp2", "gpt-oss-tp2ep2etp1", "qwen3-pp2", "qwen2moe-ep2", "qwen3moe-dense-first-tp2ep2etp1", "glm4.5-air-pp2",
              "qwen3-pp2-first-stage-1", "llama3.1-pp2-embedding-counts", "qwen2.5-pp2-layout"]
 )
 def test_megatron_lm_load_checkpoint_gives_transformers_logits(name, converted):

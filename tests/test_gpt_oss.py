@@ -1,0 +1,132 @@
+"""gpt-oss converted to torch_dist and judged by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU ranks) at
+TP 2 x EP 2 (ETP 1: megatron-core takes biased experts only there) and PP 2: attention with biases and a learned
+sink per head, a window on every other layer, YaRN that does not round its correction range, a router with a
+bias, experts with biases and a clamped, offset quick-GELU gate. The prompts are longer than the window, the sinks
+large enough to move the softmax. Planted faults (sinks zeroed, the window on the other layer, gate and up not
+de-interleaved) each move megatron-core's logits away from transformers'; the conversion back is bit-exact."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from mconvert import mappings
+from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+from mconvert.mappings import gpt_oss
+from mconvert.mappings.transforms import Rename, Transpose
+from mconvert.mcore.checkpoint import iteration_dir
+from mconvert.mcore.parallelism import Parallelism
+from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
+from mconvert.verify.distributed import run_ranks
+from tests.test_moe_megatron import megatron_view
+
+WINDOW = 4
+TOKENS = torch.randint(0, 1000, (2, 12), generator=torch.Generator().manual_seed(0))  # three windows long
+LAYOUTS = {"tp2-ep2-etp1": Parallelism(tp=2, ep=2, etp=1), "pp2": Parallelism(pp=2)}
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    config = shrink(real_config("gpt-oss-20b"), layers=2, sliding_window=WINDOW)
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    return sharpened(make_hf_checkpoint(config, tmp_path_factory.mktemp("gpt_oss") / "hf"))
+
+
+def sharpened(hf_dir):
+    """Weights at std 0.1 (not make_hf_checkpoint's 0.05) and sinks of a few units, so that attention is far
+    from uniform and a sink takes a share of it that shows."""
+    tensors = load_file(hf_dir / "model.safetensors")
+    for name, tensor in tensors.items():
+        if name.endswith("sinks"):
+            tensor.mul_(3.0)
+        elif tensor.dim() > 1:
+            tensor.mul_(2.0)
+    save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    return hf_dir
+
+
+def hf_logits(hf_dir, tokens=TOKENS) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def megatron_logits(ckpt, parallelism: Parallelism) -> torch.Tensor:
+    views = run_ranks(megatron_view, {"model": str(ckpt)}, TOKENS, tp=parallelism.tp, pp=parallelism.pp, ep=parallelism.ep, etp=parallelism.etp)
+    return views["model"][0][..., :1000]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_megatron_core_gives_transformers_logits_and_the_way_back_is_bit_exact(layout, hf, tmp_path):
+    parallelism = LAYOUTS[layout]
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
+    torch.testing.assert_close(megatron_logits(tmp_path / "mcore", parallelism), hf_logits(hf), rtol=1e-4, atol=1e-4)
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back")  # from the stored args alone
+    original, back = load_file(hf / "model.safetensors"), {}
+    for path in (tmp_path / "back").glob("*.safetensors"):
+        back.update(load_file(path))
+    assert original.keys() == back.keys() and all(torch.equal(original[k], back[k]) for k in original)
+    written, read = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "back", hf))
+    for field in ("model_type", "layer_types", "sliding_window", "swiglu_limit", "attention_bias", "num_local_experts", "num_experts_per_tok"):
+        assert written[field] == read[field], field
+    assert written["rope_scaling"]["truncate"] is False and written["rope_scaling"]["factor"] == 32.0
+
+
+def test_the_prompts_exercise_the_sinks_and_the_window(hf, tmp_path):
+    """Without either, transformers' own logits move: the comparison above would see a conversion that lost them."""
+    reference = hf_logits(hf)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.zero_()
+        assert (model(TOKENS).logits - reference).abs().max() > 1e-2
+    config = json.loads((hf / "config.json").read_text())
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    (wide / "model.safetensors").symlink_to(hf / "model.safetensors")
+    (wide / "config.json").write_text(json.dumps({**config, "sliding_window": len(TOKENS[0])}))
+    assert config["sliding_window"] == WINDOW and (hf_logits(wide) - reference).abs().max() > 1e-2
+
+
+class Zeroed(Rename):
+    def to_mcore(self, tensors, spec):
+        return torch.zeros_like(tensors[0])
+
+    def to_mcore_parts(self, tensors, spec):
+        return [self.to_mcore(tensors, spec)]
+
+
+def planted(attention=None, experts=None):
+    """The gpt-oss family with its attention or experts entries replaced."""
+    table = dataclasses.replace(
+        gpt_oss.TABLE, attention=attention or gpt_oss.TABLE.attention, fused_experts=experts or gpt_oss.TABLE.fused_experts
+    )
+    return dataclasses.replace(gpt_oss.FAMILY, table=table)
+
+
+def windows_on_the_other_layers(ckpt):
+    common = iteration_dir(ckpt) / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state["args"].window_attn_skip_freq = [0, 1]
+    torch.save(state, common)
+
+
+@pytest.mark.parametrize("fault", ["sinks zeroed", "window on the other layer", "gate and up not de-interleaved"])
+def test_a_planted_fault_moves_megatrons_logits(fault, hf, tmp_path, monkeypatch):
+    if fault == "sinks zeroed":
+        attention = tuple(Zeroed(e.mcore, e.hf) if e.mcore.endswith("softmax_offset") else e for e in gpt_oss.TABLE.attention)
+        monkeypatch.setitem(mappings.FAMILIES, "gpt_oss", planted(attention=attention))
+    elif fault == "gate and up not de-interleaved":
+        experts = tuple(Transpose(e.mcore, e.hf) if e.mcore == "linear_fc1.weight" else e for e in gpt_oss.TABLE.fused_experts)
+        monkeypatch.setitem(mappings.FAMILIES, "gpt_oss", planted(experts=experts))
+    parallelism = LAYOUTS["tp2-ep2-etp1"]
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
+    if fault == "window on the other layer":
+        windows_on_the_other_layers(tmp_path / "mcore")
+    assert (megatron_logits(tmp_path / "mcore", parallelism) - hf_logits(hf)).abs().max() > 1e-2
