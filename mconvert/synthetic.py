@@ -32,6 +32,8 @@ def model_config(model: str) -> dict[str, Any]:
     config = real_config(name)
     if layers:
         config["num_hidden_layers"] = int(layers)
+        if config.get("layer_types"):
+            config["layer_types"] = config["layer_types"][: int(layers)]
     for field in fields:
         key, _, value = field.partition("=")
         try:
