@@ -51,13 +51,14 @@ MEGATRON_LM_DEFAULTS: dict[str, Any] = {
     "pipeline_model_parallel_layout": None, "softmax_type": "vanilla", "quick_geglu": False, "glu_linear_offset": 0.0,
     "activation_func_clamp_value": None, "window_attn_skip_freq": None, "rotary_scaling_factor": 1.0, "mscale": 1.0,
     "mscale_all_dim": 0.0, "yarn_original_max_position_embeddings": None, "yarn_beta_fast": None, "yarn_beta_slow": None,
-    "yarn_correction_range_round_to_int": None,
+    "yarn_correction_range_round_to_int": None, "bias_dropout_fusion": True,
 }
 # Args whose name in Megatron-LM 0.19 (its parser's dest, after TransformerConfig's field) differs from the
 # flag's, and from the name earlier Megatron-LM versions store: both names are written, either is read.
 RENAMED_ARGS = {"layernorm_epsilon": "norm_epsilon", "layernorm_zero_centered_gamma": "apply_layernorm_1p"}
 FLAG_OF_ARG = {
     "layernorm_epsilon": "--norm-epsilon", "layernorm_zero_centered_gamma": "--apply-layernorm-1p", "add_bias_linear": "--disable-bias-linear",
+    "bias_dropout_fusion": "--no-bias-dropout-fusion",
 }
 # Files that make an HF directory usable as Megatron-LM's `--tokenizer-model` for HuggingFaceTokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -119,6 +120,8 @@ def megatron_args(
         glu_linear_offset=spec.glu_linear_offset,
         activation_func_clamp_value=spec.activation_clamp,
         softmax_type=spec.softmax_type,
+        # Megatron-LM's TEGroupedMLP refuses its default bias-dropout fusion for experts with biases (gpt-oss).
+        bias_dropout_fusion=not (spec.linear_bias and spec.moe is not None),
         add_bias_linear=spec.linear_bias,
         add_qkv_bias=spec.qkv_bias,
         qk_layernorm=spec.qk_norm,

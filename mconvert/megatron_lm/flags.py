@@ -85,6 +85,8 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         ]
     if not a.add_bias_linear:  # biases are Megatron-LM's default: it has no --add-bias-linear
         flags.append("--disable-bias-linear")
+    if not getattr(a, "bias_dropout_fusion", True):
+        flags.append("--no-bias-dropout-fusion")
     if a.add_qkv_bias and not a.add_bias_linear:
         flags.append("--add-qkv-bias")
     if a.qk_layernorm:
