@@ -14,7 +14,6 @@ import megatron.core
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.fusions.fused_bias_geglu import quick_gelu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
@@ -170,7 +169,7 @@ def transformer_config_from_args(
         normalization=args.normalization,
         layernorm_epsilon=stored_arg(args, "layernorm_epsilon", 1e-5),
         gated_linear_unit=args.swiglu or getattr(args, "quick_geglu", False),
-        activation_func=F.silu if args.swiglu else quick_gelu if getattr(args, "quick_geglu", False) else F.gelu,
+        activation_func=F.silu if args.swiglu else quick_gelu() if getattr(args, "quick_geglu", False) else F.gelu,
         **activation_settings(args),
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=getattr(args, "add_qkv_bias", False),
@@ -204,6 +203,13 @@ def transformer_config_from_args(
         **moe_settings,
         **mla_settings,
     )
+
+
+def quick_gelu():
+    """megatron-core's quick-GELU (gpt-oss's gate), from the release that has it: 0.13 and 0.14 have none."""
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+    return quick_gelu
 
 
 def activation_settings(args: argparse.Namespace) -> dict:
