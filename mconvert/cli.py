@@ -141,7 +141,8 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     print(f"Megatron-LM flags (also in {save_dir}/{ARGS_SCRIPT}):")
     print(args_script(result.args, Path(save_dir)), end="")
     print("next:")
-    layout = " ".join([f"--tp {parallelism.tp} --pp {parallelism.pp} --ep {parallelism.ep}", *pipeline_split_flags(parallelism.pipeline)])
+    etp = [f"--etp {parallelism.etp}"] if parallelism.etp is not None else []
+    layout = " ".join([f"--tp {parallelism.tp} --pp {parallelism.pp} --ep {parallelism.ep}", *etp, *pipeline_split_flags(parallelism.pipeline)])
     print(f"  mconvert verify --hf {options.load_dir} --mcore {save_dir} {layout} --device cuda  # --device cpu without GPUs")
     print(f"  MEGATRON_LM=/path/to/Megatron-LM bash {save_dir}/{TORCHRUN_SCRIPT}      # train on this node")
     print(f"  MEGATRON_LM=/path/to/Megatron-LM sbatch {save_dir}/{SBATCH_SCRIPT}  # or on a Slurm cluster")

@@ -12,10 +12,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-CONFIGS = (
-    "llama-2-7b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b-instruct", "qwen3-8b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b",
-    "mixtral-8x7b-v0.1", "deepseek-v2-lite", "deepseek-v3", "glm-4.5-air",
-)
+# The real configs this package carries (mconvert/configs), by name.
+CONFIGS = tuple(sorted(path.name.removesuffix(".json") for path in resources.files("mconvert").joinpath("configs").iterdir() if path.name.endswith(".json")))
 
 
 def real_config(name: str) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from mconvert.mcore.checkpoint import iteration_dir
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 from mconvert.verify.distributed import run_ranks
+from tests.cli_runner import assert_one_line_error, run_cli
 from tests.test_moe_megatron import megatron_view
 
 WINDOW = 4
@@ -130,3 +131,15 @@ def test_a_planted_fault_moves_megatrons_logits(fault, hf, tmp_path, monkeypatch
     if fault == "window on the other layer":
         windows_on_the_other_layers(tmp_path / "mcore")
     assert (megatron_logits(tmp_path / "mcore", parallelism) - hf_logits(hf)).abs().max() > 1e-2
+
+
+def test_the_printed_verify_command_runs_as_printed_and_a_wrong_etp_is_one_line(hf, tmp_path):
+    """hf-to-mcore's `next:` verify command carries --etp; verify checks a layout by hf-to-mcore's rules."""
+    out = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "mcore", "--tp", "2", "--ep", "2", "--etp", "1")
+    assert out.returncode == 0, out.stderr
+    (printed,) = [line.split("#")[0].split() for line in out.stdout.splitlines() if line.strip().startswith("mconvert verify")]
+    assert "--etp" in printed
+    passed = run_cli(*printed[1:-2], "--device", "cpu")  # as printed, on CPU ranks instead of GPUs
+    assert passed.returncode == 0 and passed.stdout.strip().endswith("PASS"), passed.stdout + passed.stderr
+    wrong = run_cli("verify", "--hf", hf, "--mcore", tmp_path / "mcore", "--tp", "2", "--ep", "2", "--device", "cpu")
+    assert_one_line_error(wrong, "--etp 2", "--etp 1", code=2)

@@ -9,6 +9,7 @@ NCCL or on CPU gloo ranks.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 from mconvert.dependencies import VERIFY, VERIFY_INSTALL, require
 from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import read_hf_config
-from mconvert.mappings import get_mapping
+from mconvert.mappings import ModelSpec, get_mapping
 from mconvert.mcore.checkpoint import iteration_dir, read_args
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.megatron_lm.args import megatron_args
@@ -79,7 +80,8 @@ def text_prompts(path: Path, hf_dir: Path) -> list[torch.Tensor]:
     return prompts
 
 
-def check_architecture(hf_dir: Path, stored: argparse.Namespace) -> None:
+def check_architecture(hf_dir: Path, stored: argparse.Namespace) -> ModelSpec:
+    """The HF model's spec, when the checkpoint's args describe the same architecture."""
     _, spec = get_mapping(read_hf_config(hf_dir, "--hf"), source=str(hf_dir / "config.json"))
     expected = vars(megatron_args(spec, Parallelism(), spec.dtype, "local"))
     differences = [
@@ -90,6 +92,7 @@ def check_architecture(hf_dir: Path, stored: argparse.Namespace) -> None:
     ]
     if differences:
         raise ArchitectureMismatch("; ".join(differences))
+    return spec
 
 
 def resolve_spec(spec: str | None) -> str:
@@ -159,8 +162,9 @@ def verify(request: VerifyRequest) -> Report:
     if not (request.hf_dir / "config.json").exists():
         raise ConversionError(f"--hf {request.hf_dir}: no config.json")
     stored = read_args(iteration_dir(request.mcore_dir))
-    check_architecture(request.hf_dir, stored)
-    par.pipeline.check(par.pp, stored.num_layers, getattr(stored, "mtp_num_layers", None) or 0)
+    hf_spec = check_architecture(request.hf_dir, stored)
+    # The rules hf-to-mcore checks a layout by, for the MTP layers the checkpoint holds (--no-mtp leaves them out).
+    par.validate(dataclasses.replace(hf_spec, mtp_layers=getattr(stored, "mtp_num_layers", None) or 0))
     pipeline = par.pipeline.args(par.pp)
     if pipeline["virtual_pipeline_model_parallel_size"] is not None:
         raise ConversionError("--pipeline-model-parallel-layout: verify runs one stage a rank (no virtual pipeline stages)")
