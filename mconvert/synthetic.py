@@ -133,8 +133,7 @@ def _as_transformers_builds(config: dict[str, Any]) -> dict[str, Any]:
     taken = remote_code_architecture(config)
     if taken is None:
         return config
-    family, architecture = taken
-    return {**{k: v for k, v in config.items() if k != "auto_map"}, "model_type": dict(family.architectures)[architecture]}
+    return {**{k: v for k, v in config.items() if k != "auto_map"}, "model_type": taken[0].hf_model_type(config)}
 
 
 def _keep_remote_code_identity(config: dict[str, Any], out_dir: Path) -> None:

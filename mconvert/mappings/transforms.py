@@ -114,17 +114,9 @@ class QKVInterleave:
 
 
 @dataclass(frozen=True)
-class Transpose:
+class Transpose(Rename):
     """One HF tensor that is the Megatron tensor's transpose (the last two axes): transformers' fused expert
     weights are [in, out], Megatron's linear weights [out, in]."""
-
-    mcore: str
-    hf: str
-    when: str | None = None
-
-    @property
-    def hf_names(self) -> tuple[str, ...]:
-        return (self.hf,)
 
     def hf_shapes(self, shape: Shape, spec: ModelSpec) -> list[Shape]:
         return [(*shape[:-2], shape[-1], shape[-2])]

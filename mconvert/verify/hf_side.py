@@ -31,7 +31,7 @@ def load_hf_model(hf_dir: str | Path, dtype: torch.dtype):
         return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, local_files_only=True)
     family, architecture = taken
     fields = {key: value for key, value in config.items() if key not in ("auto_map", "model_type")}
-    hf_config = transformers.AutoConfig.for_model(dict(family.architectures)[architecture], **fields)
+    hf_config = transformers.AutoConfig.for_model(family.hf_model_type(config), **fields)
     return getattr(transformers, architecture).from_pretrained(hf_dir, config=hf_config, dtype=dtype, local_files_only=True)
 
 

@@ -90,6 +90,19 @@ left() { echo $((budget - ($(date +%s) - start))); }
 stage_done() { [ -e "$STATE/$1" ]; }
 mark() { touch "$STATE/$1"; }
 note() { echo "[$(date -u +%H:%M:%S) +$(($(date +%s) - start))s] $*" | tee -a "$OUT/session.log"; }
+# One GPU, one family: `mconvert verify --spec te` of VERIFY_JOB at its real width, then Megatron-LM training steps
+# of TRAIN_JOB (small enough for fp32 with its optimizer's save), into $OUT/STAGE.log.
+verify_and_train() {
+  local stage=$1 verify_job=$2 train_job=$3 code
+  python3 scripts/gpu/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) / 2))" \
+    "$verify_job" > "$OUT/$stage.log" 2>&1
+  note "$stage verify: exit $?"
+  python3 scripts/gpu/gpu_train.py --nproc 1 --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" \
+    "$train_job" >> "$OUT/$stage.log" 2>&1
+  code=$?
+  note "$stage train: exit $code"
+  [ "$code" = 3 ] || mark "$stage"
+}
 
 {
   nvidia-smi -L
@@ -176,30 +189,14 @@ for stage in "$@"; do
     [ "$code" = 3 ] || mark "$stage"
     ;;
   kimi)
-    # One GPU: Kimi-K2 as released (kimi_k2 with its own code, read as DeepseekV3ForCausalLM; YaRN beta_fast 1,
-    # which Megatron-LM's flags cannot set), its first dense and first MoE layer with 32 of its 384 experts:
-    # mconvert verify --spec te at its real width, then Megatron-LM training steps at hidden 2048 with the setting
-    # megatron_args.sh states (scripts/gpu/gpu_train.py passes it as the driver's --config-field).
-    python3 scripts/gpu/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) / 2))" \
-      'kimi-k2-instruct@2+n_routed_experts=32:tp1' > "$OUT/kimi.log" 2>&1
-    note "kimi verify: exit $?"
-    python3 scripts/gpu/gpu_train.py --nproc 1 --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" \
-      'kimi-k2-instruct@2+n_routed_experts=32+hidden_size=2048:tp1' >> "$OUT/kimi.log" 2>&1
-    code=$?
-    note "kimi train: exit $code"
-    [ "$code" = 3 ] || mark kimi
+    # Kimi-K2 as released (kimi_k2 with its own code, read as DeepseekV3ForCausalLM; YaRN beta_fast 1, which
+    # Megatron-LM's flags cannot set), its first dense and first MoE layer with 32 of its 384 experts; trained at
+    # hidden 2048 with the setting megatron_args.sh states (gpu_train.py passes it as the driver's --config-field).
+    verify_and_train kimi 'kimi-k2-instruct@2+n_routed_experts=32:tp1' 'kimi-k2-instruct@2+n_routed_experts=32+hidden_size=2048:tp1'
     ;;
   gpt-oss)
-    # One GPU: gpt-oss-20b's first two layers (sliding, then full attention), verify --spec te at its real width,
-    # and Megatron-LM training steps with 8 of its 32 experts (fp32 with its optimizer's save on one GPU).
-    python3 scripts/gpu/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) / 2))" \
-      'gpt-oss-20b@2:tp1' > "$OUT/gpt-oss.log" 2>&1
-    note "gpt-oss verify: exit $?"
-    python3 scripts/gpu/gpu_train.py --nproc 1 --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" \
-      'gpt-oss-20b@2+num_local_experts=8:tp1' >> "$OUT/gpt-oss.log" 2>&1
-    code=$?
-    note "gpt-oss train: exit $code"
-    [ "$code" = 3 ] || mark gpt-oss
+    # gpt-oss-20b's first two layers (sliding, then full attention); trained with 8 of its 32 experts.
+    verify_and_train gpt-oss 'gpt-oss-20b@2:tp1' 'gpt-oss-20b@2+num_local_experts=8:tp1'
     ;;
   train-distopt)
     python3 scripts/gpu/gpu_train.py --nproc 1 --distributed-optimizer --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" \
