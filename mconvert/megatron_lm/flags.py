@@ -221,7 +221,7 @@ def settings_without_flags(args: argparse.Namespace) -> list[str]:
     them = "it" if len(differing) == 1 else "them"
     return [
         f"YaRN's {settings}: Megatron-LM's command line has no flag for {them} under --multi-latent-attention "
-        f"(its --yarn-* flags apply to --position-embedding-type yarn only), and without them the model is built "
+        f"(its --yarn-* flags apply to --position-embedding-type yarn only), and without {them} the model is built "
         f"with MLATransformerConfig's {', '.join(f'{field}={MLA_YARN_DEFAULTS[field]:g}' for field in differing)}. "
         f"Set MLATransformerConfig({settings}) with megatron-core or Megatron-Bridge; in Megatron-LM, set "
         f"{assignments} in pretrain_gpt.py between parse_and_validate_args and gpt_config_from_args (which copies "
