@@ -128,6 +128,8 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     plan = result.plan
     if (read_as := how_read(plan.spec.hf_config)) is not None:
         print(read_as)
+    for what, count in result.left_out:
+        print(f"left out {what} of {options.load_dir}: {count} tensors a Megatron GPT checkpoint does not hold")
     if result.dropped_mtp_layers:
         print(f"left out {result.dropped_mtp_layers} multi-token prediction layer(s) of {options.load_dir} (--no-mtp)")
     elif plan.spec.mtp_layers:

@@ -65,7 +65,7 @@ def resolve_hf_dir(
         return path
     repo_id = str(reference)
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
     from huggingface_hub.utils import validate_repo_id
 
     try:

@@ -13,9 +13,10 @@ from safetensors.torch import load_file, save_file
 from mconvert.cli import main
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.formats.dcp import DCPCheckpoint
+from mconvert.full_size import is_fp8_on_the_hub, write_random_hf_checkpoint
 from mconvert.mcore.checkpoint import RELEASE
 from mconvert.mcore.parallelism import Parallelism
-from mconvert.synthetic import is_fp8_on_the_hub, make_hf_checkpoint, real_config, shrink, write_random_hf_checkpoint
+from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 
 # Smaller than the hub's 128 x 128, and not square, so that the test's widths (24 to 128) span several
 # blocks, some partial.

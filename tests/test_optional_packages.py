@@ -8,8 +8,8 @@ from __future__ import annotations
 import tomllib
 
 import pytest
-
 from cli_runner import REPO, assert_one_line_error, run_cli
+
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.dependencies import VERIFY, VERIFY_INSTALL
 

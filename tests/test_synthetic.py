@@ -4,7 +4,8 @@ transformers' own save_pretrained writes, MoE experts in the hub's per-expert la
 import pytest
 
 from mconvert.formats.hf_checkpoint import HFCheckpoint
-from mconvert.synthetic import make_hf_checkpoint, real_config, shrink, write_random_hf_checkpoint
+from mconvert.full_size import write_random_hf_checkpoint
+from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 
 
 @pytest.mark.parametrize("name", ["qwen3-8b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b", "mixtral-8x7b-v0.1"])

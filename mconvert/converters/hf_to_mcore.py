@@ -23,6 +23,7 @@ from mconvert.formats import dcp_metadata, dcp_writer
 from mconvert.formats.dcp_metadata import MetadataMaker
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
 from mconvert.formats.quantized import fp8_block_size
+from mconvert.formats.safetensors import Rows
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
@@ -42,6 +43,8 @@ class Conversion:
     flags: list[str]
     # Multi-token prediction layers the HF checkpoint held and the conversion left out (--no-mtp).
     dropped_mtp_layers: int = 0
+    # What the HF checkpoint held beside the model that the family's table leaves out, with its tensor count.
+    left_out: tuple[tuple[str, int], ...] = ()
 
 
 def mtp_layers_held(family: Family, spec: ModelSpec, names) -> int:
@@ -144,8 +147,8 @@ class FileCopies:
         runs. None otherwise: QKV's regrouping, a cast, a dequantized FP8 weight, vocabulary padding and
         row-parallel cuts are built in memory."""
         layout = piece.layout
-        if layout.split_axis not in (None, 0) and layout.fragments > 1:
-            return None
+        if layout.split_axis not in (None, 0) and layout.fragments > 1 or any(isinstance(ref.index, Rows) for ref in piece.sources):
+            return None  # a row-parallel cut, or sections of a fused projection (interleaved by group)
         places = [self.hf.place(ref.name, ref.index) for ref in piece.sources]
         if any(stored_dtype != dtype for _, _, _, stored_dtype in places) or any(ref.name in self.hf.scales for ref in piece.sources):
             return None
@@ -303,4 +306,8 @@ def convert_hf_to_mcore(
             (work / ARGS_SCRIPT).write_text(args_script(args, save_dir))
             launch.write_launch(work, save_dir, parallelism)
             write_tracker(work)
-    return Conversion(plan, args, flags, dropped_mtp_layers=0 if mtp else held)
+    left_out: dict[str, int] = {}
+    for name in hf.tensors:
+        if (what := family.table.left_out_by(name)) is not None:
+            left_out[what] = left_out.get(what, 0) + 1
+    return Conversion(plan, args, flags, dropped_mtp_layers=0 if mtp else held, left_out=tuple(left_out.items()))

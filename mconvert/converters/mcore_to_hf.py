@@ -33,8 +33,8 @@ from mconvert.converters.parallel import Buffers, Ranks, assign, check_workers, 
 from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
 from mconvert.converters.progress import NoProgress, Progress
 from mconvert.errors import ConversionError
-from mconvert.formats.hf_checkpoint import read_hf_config
-from mconvert.formats.safetensors import SafetensorsWriter, parse_size
+from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
+from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, Rows, SafetensorsWriter, StoredTensor, parse_size
 from mconvert.hub import HF_SIDE_FILES
 from mconvert.mappings import family_for_model_size, family_for_spec, get_mapping, write_hf_config
 from mconvert.mappings.family import Family
@@ -155,7 +155,7 @@ def file_copies(plan: Plan, piece: Piece, source: MegatronTensors, shapes: dict[
     otherwise. Which rows they are is found by applying the transform to a tensor on the meta device: views
     that are contiguous row blocks qualify; anything else (a copy, QKV's regrouping) is read and transformed
     in memory."""
-    if not isinstance(source, TorchDistTensors):
+    if not isinstance(source, TorchDistTensors) or any(isinstance(ref.index, Rows) for ref in piece.sources):
         return None
     key = stored_key(piece, shapes)
     offsets, shape = piece_region(piece, shapes[key])
@@ -255,6 +255,26 @@ def write_hf_pieces(
     run_pieces(mine, [sizes[i] for i in mine], load, store, workers, done, streams=files)
 
 
+def copied_back(family: Family, hf_config_dir: str | os.PathLike | None) -> dict[str, StoredTensor]:
+    """What the original checkpoint holds beside the model that its family copies back unchanged (an image-text
+    checkpoint's vision tower: a Megatron GPT checkpoint holds none), from the `--hf-config` directory, which must
+    then be the original checkpoint's."""
+    prefixes = family.table.copied_back
+    if not prefixes:
+        return {}
+    what = ", ".join(family.table.left_out_by(prefix) or prefix for prefix in prefixes)
+    directory = Path(hf_config_dir) if hf_config_dir is not None else None
+    if directory is None or not any((directory / name).exists() for name in (INDEX_FILE, SINGLE_FILE)):
+        raise ConversionError(
+            f"--hf-config {hf_config_dir}: a {family.name} checkpoint holds {what} beside the language model, which the "
+            "Megatron checkpoint does not: name the original checkpoint's directory, whose weights are copied from"
+        )
+    found = {name: stored for name, stored in HFCheckpoint(directory).tensors.items() if name.startswith(prefixes)}
+    if not found:
+        raise ConversionError(f"--hf-config {hf_config_dir}: no tensor of {what} ({', '.join(p + '*' for p in prefixes)}) to copy back")
+    return found
+
+
 @dataclass(frozen=True)
 class HFExport:
     plan: Plan
@@ -289,13 +309,15 @@ def convert_mcore_to_hf(
     source = open_megatron_checkpoint(load_dir, iteration)
     reference = read_hf_config(Path(hf_config_dir), "--hf-config") if hf_config_dir is not None else None
     plan, config = plan_export(source, reference, dtype, model_size)
+    beside = copied_back(plan.family, hf_config_dir)
 
     with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
         hf_shapes = plan.hf_shapes()
         dtypes = {ref.name: plan.dtype_of(piece) for piece in plan.pieces for ref in piece.sources}
+        tensors = {name: (dtypes[name], shape) for name, shape in hf_shapes.items()}
+        tensors.update({name: (stored.dtype, stored.shape) for name, stored in beside.items()})
         # No piece straddles two files: whole files are shared out among the ranks (file_owners).
-        writer = SafetensorsWriter(work, {name: (dtypes[name], shape) for name, shape in hf_shapes.items()}, shard_bytes,
-                                   create=ranks.is_first, together=plan.hf_groups())
+        writer = SafetensorsWriter(work, tensors, shard_bytes, create=ranks.is_first, together=plan.hf_groups() + [[name] for name in beside])
         ranks.barrier()  # the files exist, at their full size, before any rank writes into them
         sizes = piece_bytes(plan, source)
         owners = file_owners(plan, writer, sizes, ranks.world)
@@ -305,6 +327,9 @@ def convert_mcore_to_hf(
             try:
                 mine = [index for index, owner in enumerate(owners) if owner == ranks.rank]
                 write_hf_pieces(plan, source, writer, workers, mine, sizes, progress)
+                if ranks.is_first:
+                    for name, stored in beside.items():
+                        writer.copy(name, None, stored.file, stored.begin)
             finally:
                 writer.close()
         ranks.settle()  # every rank's tensors are on disk

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from mconvert.errors import ConversionError
+from mconvert.formats.safetensors import Part, Rows
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
-from mconvert.mappings.transforms import Entry
+from mconvert.mappings.transforms import Entry, Section
 from mconvert.mcore.layout import (
     EXPERTS_PREFIX,
     EXTRA_STATE_ONLY_MODULES,
@@ -37,13 +38,21 @@ _INDEXED = re.compile(r"^(?P<name>.+)\[(?P<index>\d+)\]$")
 
 @dataclass(frozen=True)
 class HFRef:
+    """An HF tensor, or the part of it that one piece reads and writes: one slice `name[index]` of a fused
+    expert tensor, or the rows of one section of a fused projection."""
+
     name: str
-    index: int | None = None
+    index: Part = None
 
     @staticmethod
     def parse(text: str) -> HFRef:
         match = _INDEXED.match(text)
         return HFRef(match["name"], int(match["index"])) if match else HFRef(text)
+
+    @staticmethod
+    def of(entry: Entry, text: str, spec: ModelSpec) -> HFRef:
+        """The HF tensor `text` names for `entry` (a Section reads only its rows)."""
+        return HFRef(text, Rows(*entry.span(spec))) if isinstance(entry, Section) else HFRef.parse(text)
 
 
 @dataclass(frozen=True)
@@ -106,7 +115,7 @@ class Plan:
             layout = piece.layout
             region = (layout.real_rows, *layout.shape[1:]) if layout.real_rows else layout.shape
             for ref, shape in zip(piece.sources, piece.entry.hf_shapes(region, self.spec)):
-                if ref.index is None:
+                if not isinstance(ref.index, int):  # a whole tensor, or some rows of one: its whole shape
                     shapes[ref.name] = tuple(shape)
                 else:
                     slices = max(ref.index + 1, shapes.get(ref.name, (0,))[0])
@@ -156,7 +165,7 @@ def build_plan(
             for key in keys:
                 shapes.setdefault(key, (*leading, *layout.shape))
                 modules[key.rsplit(".", 1)[0], offsets] = leading
-        pieces.append(Piece(keys, offsets, layout, entry, tuple(HFRef.parse(s) for s in sources), copy))
+        pieces.append(Piece(keys, offsets, layout, entry, tuple(HFRef.of(entry, s, spec) for s in sources), copy))
 
     for entry in _active(table.model, spec):
         add((entry.mcore,), (), (), tensor_layout(entry.mcore, spec, parallelism), entry, list(entry.hf_names))
@@ -177,7 +186,8 @@ def build_plan(
         # A family whose HF models hold their experts only fused (gpt-oss) has no per-expert layout.
         fused = layer in fused_expert_layers or not table.experts
         moe_mlp = table.fused_moe_mlp if fused and table.fused_moe_mlp is not None else table.moe_mlp
-        for entry in _active(table.attention + (moe_mlp if is_moe else table.dense_mlp), spec):
+        attention = table.linear_attention if spec.layer_is_linear(min(layer, spec.num_layers - 1)) else table.attention
+        for entry in _active(attention + (moe_mlp if is_moe else table.dense_mlp), spec):
             names = checkpoint_names(entry.mcore, spec, is_moe)
             located = [layer_key(name, layer, spec) for name in names]
             layout = tensor_layout(entry.mcore, spec, parallelism)
@@ -212,7 +222,7 @@ def check_sources(plan: Plan, available: dict[str, tuple[int, ...]], where) -> N
             if ref.name not in available:
                 raise ConversionError(f"tensor '{ref.name}' is missing from the HF checkpoint (needed for {piece.key})")
             shape = available[ref.name]
-            if ref.index is not None:
+            if isinstance(ref.index, int):
                 # Indexed names are slices of fused expert tensors: one slice per expert, no more, no fewer.
                 if not shape or shape[0] != plan.spec.moe.num_experts:
                     raise ConversionError(
@@ -226,7 +236,7 @@ def check_sources(plan: Plan, available: dict[str, tuple[int, ...]], where) -> N
     if not plan.spec.untie_embeddings:
         # Tied checkpoints may store the output layer too; it is the embedding.
         unread.discard("lm_head.weight")
-    unread = {name for name in unread if not name.endswith("rotary_emb.inv_freq")}
+    unread = {name for name in unread if not name.endswith("rotary_emb.inv_freq") and not plan.family.table.left_out_by(name)}
     if unread:
         name = sorted(unread)[0]
         raise ConversionError(f"{where(name)} is not used by the {plan.family.name} mapping ({len(unread)} such tensors)")

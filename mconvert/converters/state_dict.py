@@ -15,6 +15,7 @@ from mconvert.converters.hf_to_mcore import fused_expert_layers, mtp_layers_held
 from mconvert.converters.mcore_sources import StateDictTensors
 from mconvert.converters.mcore_to_hf import hf_tensors, plan_export
 from mconvert.converters.plan import build_plan, check_sources
+from mconvert.formats.safetensors import Part, Rows
 from mconvert.mappings import get_mapping
 from mconvert.mcore.parallelism import Parallelism
 
@@ -29,8 +30,10 @@ class StateDictHF:
     def where(self, name: str) -> str:
         return f"tensor '{name}' of the HF state dict"
 
-    def read(self, name: str, index: int | None = None) -> torch.Tensor:
+    def read(self, name: str, index: Part = None) -> torch.Tensor:
         tensor = self.tensors[name]
+        if isinstance(index, Rows):
+            return index.select(tensor)
         return tensor if index is None else tensor[index]
 
 
@@ -69,5 +72,14 @@ def mcore_to_hf_state_dict(
     no `lm_head.weight`, as on the hub."""
     source = StateDictTensors(dict(mcore_state_dict), args)
     plan, _ = plan_export(source, config, dtype)
-    # Experts come out one per HF tensor (the hub's layout), so no HF tensor is filled slice by slice.
-    return {ref.name: tensor for ref, tensor in hf_tensors(plan, source)}
+    # Experts come out one per HF tensor (the hub's layout); the sections of a fused projection are put
+    # together.
+    shapes, state_dict = plan.hf_shapes(), {}
+    for ref, tensor in hf_tensors(plan, source):
+        if isinstance(ref.index, Rows):
+            whole = state_dict.setdefault(ref.name, tensor.new_zeros(shapes[ref.name]))
+            grouped = whole.view(ref.index.groups, -1, *whole.shape[1:])
+            grouped[:, ref.index.start : ref.index.stop] = tensor.view(ref.index.groups, -1, *whole.shape[1:])
+        else:
+            state_dict[ref.name] = tensor
+    return state_dict

@@ -16,7 +16,7 @@ import torch
 
 from mconvert.errors import ConversionError
 from mconvert.formats.quantized import FP8_DTYPES, SCALE_SUFFIX, dequantize_fp8_blocks
-from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, StoredTensor, read_header, read_weight_map
+from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, Part, Rows, StoredTensor, read_header, read_weight_map
 
 # Floating-point dtypes whose values are checked to be finite as they are read (float8 has no min/max kernels).
 _CHECKED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
@@ -114,7 +114,10 @@ class HFCheckpoint:
             begin, shape = begin + index * row_bytes, shape[1:]
         return stored, begin, shape, math.prod(shape) * stored.dtype.itemsize
 
-    def nbytes(self, name: str, index: int | None = None) -> int:
+    def nbytes(self, name: str, index: Part = None) -> int:
+        if isinstance(index, Rows):
+            stored = self.tensors[name]
+            return math.prod(index.shape(stored.shape)) * stored.dtype.itemsize
         return self._region(name, index)[3]
 
     def place(self, name: str, index: int | None = None) -> tuple[Path, int, tuple[int, ...], torch.dtype]:
@@ -122,9 +125,12 @@ class HFCheckpoint:
         stored, begin, shape, _ = self._region(name, index)
         return stored.file, begin, tuple(shape), stored.dtype
 
-    def read(self, name: str, index: int | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+    def read(self, name: str, index: Part = None, into: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor `name`, or its slice `index` along the first axis (one expert of a fused expert tensor),
-        read into the start of `into` (a uint8 tensor of at least its bytes, to reuse memory) or fresh memory."""
+        read into the start of `into` (a uint8 tensor of at least its bytes, to reuse memory) or fresh memory;
+        or some of its rows (`Rows`: a section of a fused projection), read whole and copied out."""
+        if isinstance(index, Rows):
+            return index.select(self.read(name)).contiguous()
         stored, begin, shape, length = self._region(name, index)
         # torch.empty, unlike bytearray, does not spend a pass zero-filling what the read overwrites.
         buffer = (torch.empty(length, dtype=torch.uint8) if into is None else into)[:length]

@@ -37,6 +37,33 @@ SINGLE_FILE = "model.safetensors"
 
 
 @dataclass(frozen=True)
+class Rows:
+    """Some rows of a tensor whose rows fall in `groups` equal groups: rows [start, stop) of every group, in
+    group order. One section of a fused projection, whose sections may interleave group by group."""
+
+    groups: int
+    start: int
+    stop: int
+
+    def shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (self.groups * (self.stop - self.start), *shape[1:])
+
+    def select(self, tensor: torch.Tensor) -> torch.Tensor:
+        grouped = tensor.reshape(self.groups, -1, *tensor.shape[1:])
+        return grouped[:, self.start : self.stop].reshape(self.shape(tuple(tensor.shape)))
+
+    def runs(self, shape: tuple[int, ...], itemsize: int) -> list[tuple[int, int]]:
+        """(first byte, length) of each group's rows within the tensor's bytes, in order."""
+        row = math.prod(shape[1:]) * itemsize
+        group = shape[0] // self.groups * row
+        return [(g * group + self.start * row, (self.stop - self.start) * row) for g in range(self.groups)]
+
+
+# A part of a tensor that the readers and writers take: one slice of its first axis, or some of its rows.
+Part = int | Rows | None
+
+
+@dataclass(frozen=True)
 class StoredTensor:
     file: Path
     dtype: torch.dtype
@@ -201,27 +228,36 @@ class SafetensorsWriter:
             self._prefix[path] = count, end
             return end
 
-    def nbytes(self, name: str, index: int | None = None) -> int:
-        """The bytes of tensor `name`, or of its slice `index` along the first axis."""
-        shape = self.places[name][3]
+    def nbytes(self, name: str, index: Part = None) -> int:
+        """The bytes of tensor `name`, or of its part `index` (a slice along the first axis, or some rows)."""
+        _, _, dtype, shape = self.places[name]
+        if isinstance(index, Rows):
+            return math.prod(index.shape(shape)) * dtype.itemsize
         return self.sizes[name] // shape[0] if index is not None else self.sizes[name]
 
-    def write(self, name: str, tensor: torch.Tensor, index: int | None = None) -> None:
-        """Write tensor `name`, or its slice `index` along the first axis."""
+    def write(self, name: str, tensor: torch.Tensor, index: Part = None) -> None:
+        """Write tensor `name`, or its part `index` (a slice along the first axis, or some rows)."""
         path, begin, dtype, shape = self.places[name]
-        if index is not None:
+        runs = [(0, None)]
+        if isinstance(index, Rows):
+            runs, shape = index.runs(shape, dtype.itemsize), index.shape(shape)
+        elif index is not None:
             begin += index * math.prod(shape[1:]) * dtype.itemsize
             shape = shape[1:]
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:
             raise AssertionError(f"'{name}': got {tensor.dtype} {list(tensor.shape)}, the layout says {dtype} {list(shape)}")
         data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-        fd, done = self._fd(path), 0
-        while done < len(data):  # one write takes at most 2 GiB
-            done += os.pwrite(fd, data[done:], begin + done)
+        fd, taken = self._fd(path), 0
+        for at, length in runs:
+            run = data[taken : taken + length if length is not None else len(data)]
+            done = 0
+            while done < len(run):  # one write takes at most 2 GiB
+                done += os.pwrite(fd, run[done:], begin + at + done)
+            taken += len(run)
         with self._lock:
             self.written[name] += len(data)
 
-    def copy(self, name: str, index: int | None, source: Path, position: int) -> None:
+    def copy(self, name: str, index: int | None, source: Path, position: int) -> None:  # never some Rows
         """Write tensor `name` (or its slice `index`) as the bytes at `position` of file `source`, copied by
         the kernel where it can (`copy_range`), as `cp` copies: its layout's dtype and shape, in order."""
         path, begin, dtype, shape = self.places[name]

@@ -10,7 +10,19 @@ import dataclasses
 from typing import Any
 
 from mconvert.errors import ConversionError
-from mconvert.mappings import deepseek, glm4_moe, gpt_oss, llama, mixtral, qwen2, qwen2_moe, qwen3, qwen3_moe
+from mconvert.mappings import (
+    deepseek,
+    glm4_moe,
+    gpt_oss,
+    llama,
+    mixtral,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_5,
+    qwen3_moe,
+    qwen3_next,
+)
 from mconvert.mappings.family import Family, Table
 from mconvert.mappings.spec import ModelSpec, MoESpec, RopeScaling
 
@@ -18,7 +30,7 @@ FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
         llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, deepseek.FAMILY, glm4_moe.FAMILY,
-        gpt_oss.FAMILY,
+        gpt_oss.FAMILY, qwen3_next.FAMILY, qwen3_5.FAMILY, qwen3_5.TEXT_FAMILY,
     )
 }
 
@@ -105,11 +117,15 @@ def get_mapping(config: dict[str, Any], model_size: str | None = None, source: s
 
 def family_for_spec(spec: ModelSpec) -> Family:
     """The family whose architecture has the features of `spec`, for a model known only by its features (as
-    Megatron args describe it, naming no family). Multi-latent attention: DeepSeek; experts routed by sigmoid
+    Megatron args describe it, naming no family). Gated delta-net layers: Qwen3-Next with experts, Qwen3.5's
+    text model without (Qwen3.5's image-text checkpoints and its MoE models are told by their config, as
+    `--hf-config` gives it); multi-latent attention: DeepSeek; experts routed by sigmoid
     scores: GLM-4.5; attention sinks: gpt-oss; experts with a shared expert: Qwen2-MoE; experts with q/k norms: Qwen3-MoE; other
     experts: Mixtral. Dense with q/k norms: Qwen3; with biases on q, k and v only:
     Qwen2; else Llama. Whether the family can express every feature is `write_hf_config`'s check."""
-    if spec.softmax_type == "learnable":
+    if spec.linear_attention is not None:
+        name = "qwen3_next" if spec.moe is not None else "qwen3_5_text"
+    elif spec.softmax_type == "learnable":
         name = "gpt_oss"
     elif spec.mla is not None:
         name = "deepseek"

@@ -36,6 +36,19 @@ class Table:
     # model-scope ones Megatron shares (an MTP layer's embedding and output head).
     mtp: tuple[Entry, ...] = ()
     mtp_copies: tuple[Entry, ...] = ()
+    # The attention of layers that have gated delta-net linear attention (ModelSpec.linear_attention) in place
+    # of `attention`.
+    linear_attention: tuple[Entry, ...] = ()
+    # HF tensors that a Megatron GPT checkpoint does not hold, by name prefix, with what they are (an
+    # image-text checkpoint's vision tower): not converted, and the conversion's summary says so.
+    left_out: tuple[tuple[str, str], ...] = ()
+    # Prefixes of left-out tensors that the way back copies unchanged from the original checkpoint that
+    # `--hf-config` names (the vision tower, which the Megatron checkpoint has none of to give).
+    copied_back: tuple[str, ...] = ()
+
+    def left_out_by(self, name: str) -> str | None:
+        """What the left-out HF tensor `name` is part of; None for a tensor the table converts or refuses."""
+        return next((what for prefix, what in self.left_out if name.startswith(prefix)), None)
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,29 @@ class MLASpec:
 
 
 @dataclass(frozen=True)
+class LinearAttentionSpec:
+    """Gated delta-net linear attention (Qwen3-Next, Qwen3.5) on the layers `layers` marks, full attention on
+    the others. Each of `value_heads` heads reads the key head `head * key_heads // value_heads` (values
+    grouped by key head); q, k and v pass through one causal convolution of `conv_kernel` taps per channel."""
+
+    key_heads: int
+    value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    # True where layer i has linear attention, False where it has full attention.
+    layers: tuple[bool, ...]
+
+    @property
+    def key_dim(self) -> int:
+        return self.key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.value_heads * self.value_head_dim
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     family: str
     num_layers: int
@@ -121,6 +144,13 @@ class ModelSpec:
     activation: str = "silu"
     glu_linear_offset: float = 0.0
     activation_clamp: float | None = None
+    # Gated delta-net layers beside the full-attention ones; None: full attention everywhere.
+    linear_attention: LinearAttentionSpec | None = None
+    # Full attention's output multiplied by sigmoid of a gate that the query projection also makes, one per
+    # head dimension (Qwen3-Next's q_proj holds each head's query and gate side by side).
+    attention_output_gate: bool = False
+    # Every RMSNorm multiplies by 1 + w (Megatron's layernorm_zero_centered_gamma, `--apply-layernorm-1p`).
+    zero_centered_norms: bool = False
     # Dropout on attention probabilities in training (HF `attention_dropout`); no effect on the weights.
     attention_dropout: float = 0.0
     # The config.json the spec was read from, kept so the way back can restore fields Megatron has no use for.
@@ -133,7 +163,10 @@ class ModelSpec:
     @property
     def uniform_layers(self) -> bool:
         """Megatron stacks layers along one axis only when all layers have the same modules."""
-        return self.moe is None or len(set(self.moe.moe_layers)) == 1
+        return (self.moe is None or len(set(self.moe.moe_layers)) == 1) and self.linear_attention is None
+
+    def layer_is_linear(self, layer: int) -> bool:
+        return self.linear_attention is not None and self.linear_attention.layers[layer]
 
     def layer_is_moe(self, layer: int) -> bool:
         return self.moe is not None and self.moe.moe_layers[layer]

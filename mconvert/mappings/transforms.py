@@ -14,7 +14,7 @@ configs have, the output layer of an untied model).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
@@ -77,6 +77,9 @@ class QKVInterleave:
 
     Megatron orders the fused output by query group: for each of the `ng` groups, that group's `nq/ng` query
     heads, then its key head, then its value head. Tensor parallelism then splits whole groups.
+
+    With an output gate (`spec.attention_output_gate`) the HF query projection holds each head's query and
+    gate side by side, and Megatron's group holds its query heads, then their gates, then key and value.
     """
 
     mcore: str
@@ -91,26 +94,33 @@ class QKVInterleave:
 
     @staticmethod
     def _rows(spec: ModelSpec) -> tuple[int, int, int]:
-        """Rows of q, k and v per query group."""
+        """Rows of the HF q (with its gates), k and v per query group."""
         heads_per_group = spec.num_attention_heads // spec.num_query_groups
-        return heads_per_group * spec.head_dim, spec.head_dim, spec.head_dim
+        gated = 2 if spec.attention_output_gate else 1
+        return gated * heads_per_group * spec.head_dim, spec.head_dim, spec.head_dim
 
     def hf_shapes(self, shape: Shape, spec: ModelSpec) -> list[Shape]:
         rest = shape[1:]
         return [(rows * spec.num_query_groups, *rest) for rows in self._rows(spec)]
 
     def to_mcore(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
-        groups = spec.num_query_groups
-        q, k, v = (t.reshape(groups, -1, *t.shape[1:]) for t in tensors)
-        return torch.cat([q, k, v], dim=1).reshape(-1, *tensors[0].shape[1:])
+        groups, rest = spec.num_query_groups, tensors[0].shape[1:]
+        q, k, v = (t.reshape(groups, -1, *rest) for t in tensors)
+        if spec.attention_output_gate:  # per head [query; gate] -> per group [queries; gates]
+            heads = q.reshape(groups, -1, 2, spec.head_dim, *rest)
+            q = torch.cat([heads[:, :, 0], heads[:, :, 1]], dim=1).reshape(groups, -1, *rest)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
     def to_mcore_parts(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
         return [self.to_mcore(tensors, spec)]
 
     def to_hf(self, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
-        grouped = tensor.reshape(spec.num_query_groups, -1, *tensor.shape[1:])
-        parts = torch.split(grouped, list(self._rows(spec)), dim=1)
-        return [part.reshape(-1, *tensor.shape[1:]).contiguous() for part in parts]
+        groups, rest = spec.num_query_groups, tensor.shape[1:]
+        q, k, v = torch.split(tensor.reshape(groups, -1, *rest), list(self._rows(spec)), dim=1)
+        if spec.attention_output_gate:
+            query, gate = q.reshape(groups, 2, -1, spec.head_dim, *rest).unbind(1)
+            q = torch.stack([query, gate], dim=2)
+        return [part.reshape(-1, *rest).contiguous() for part in (q, k, v)]
 
 
 @dataclass(frozen=True)
@@ -161,4 +171,51 @@ class Deinterleave:
         return [(rows.transpose(-1, -2) if self.transposed else rows).contiguous()]
 
 
-Entry = Rename | Concat | QKVInterleave | Transpose | Deinterleave
+# A fused HF projection's sections: (groups, ((section, rows per group), ...)). Its rows fall in `groups` equal
+# groups (one per key head where the family interleaves the sections by head, else one), each made of the
+# sections in order.
+Sections = Callable[["ModelSpec"], tuple[int, tuple[tuple[str, int], ...]]]
+
+
+@dataclass(frozen=True)
+class Section(Rename):
+    """A Megatron tensor that is one section of a fused HF tensor: section `section` of every group of its
+    rows, in group order (`sections` says how the HF tensor is cut). Megatron-Core stores the sections of its
+    own fused tensors under keys of their own (gated delta-net's in_proj and conv1d), so each section is an
+    entry; the converters read and write just its rows of the HF tensor (`span`)."""
+
+    sections: Sections | None = None
+    section: str = ""
+
+    def span(self, spec: ModelSpec) -> tuple[int, int, int]:
+        """(groups, first row, end row) of this section within each group."""
+        groups, sections = self.sections(spec)
+        names = [name for name, _ in sections]
+        start = sum(rows for _, rows in sections[: names.index(self.section)])
+        return groups, start, start + sections[names.index(self.section)][1]
+
+    def hf_shapes(self, shape: Shape, spec: ModelSpec) -> list[Shape]:
+        groups, sections = self.sections(spec)
+        return [(groups * sum(rows for _, rows in sections), *shape[1:])]
+
+
+@dataclass(frozen=True)
+class Shift(Rename):
+    """One HF tensor that is the Megatron tensor plus `by` (a norm whose weight HF multiplies by as it is where
+    Megatron's zero-centred norms multiply by 1 + w: by 1). Computed in fp32 and rounded to the tensor's dtype:
+    exact where the difference needs no more bits than the dtype has (by Sterbenz's lemma, for any w from
+    by / 2 to 2 by), the last bit otherwise."""
+
+    by: float = 1.0
+
+    def to_mcore(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
+        return (tensors[0].float() - self.by).to(tensors[0].dtype)
+
+    def to_mcore_parts(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
+        return [self.to_mcore(tensors, spec)]
+
+    def to_hf(self, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
+        return [(tensor.float() + self.by).to(tensor.dtype)]
+
+
+Entry = Rename | Concat | QKVInterleave | Transpose | Deinterleave | Section | Shift

@@ -78,6 +78,9 @@ def tensor_layout(name: str, spec: ModelSpec, par: Parallelism, expert: bool = F
         return TensorLayout((padded_vocab_size(spec.vocab_size, par), H), 0, par.tp, real_rows=spec.vocab_size)
     if spec.mla is not None and name.startswith("self_attention."):
         return _mla_layout(name, spec, par)
+    scope, _, within = name.partition(".")
+    if spec.linear_attention is not None and scope == "self_attention" and within.split(".")[0] in GATED_DELTA_NET_MODULES:
+        return _gated_delta_net_layout(within, spec, par)
     if name == "eh_proj.weight":
         return TensorLayout((H, 2 * H), 0, par.tp)
     if name == "self_attention.core_attention.softmax_offset":  # attention sinks: one logit per head
@@ -89,7 +92,8 @@ def tensor_layout(name: str, spec: ModelSpec, par: Parallelism, expert: bool = F
     if name.endswith("norm.weight") or name.endswith("layer_norm_weight"):
         norm_size = d if name.startswith("self_attention.q_") or name.startswith("self_attention.k_") else H
         return TensorLayout((norm_size,))
-    qkv_rows = spec.num_query_groups * (spec.num_attention_heads // spec.num_query_groups + 2) * d
+    gated = 2 if spec.attention_output_gate else 1  # the output gate's rows beside each query head's
+    qkv_rows = spec.num_query_groups * (gated * spec.num_attention_heads // spec.num_query_groups + 2) * d
     if expert:
         ffn = moe.ffn_hidden_size
     elif name.startswith("mlp.shared_experts."):
@@ -110,6 +114,33 @@ def tensor_layout(name: str, spec: ModelSpec, par: Parallelism, expert: bool = F
     if name == "mlp.shared_experts.gate_weight":
         return TensorLayout((1, H))
     raise ConversionError(f"no Megatron layout known for tensor '{name}'")
+
+
+# Gated delta-net's parameters (megatron-core's GatedDeltaNet, the attention of linear-attention layers). Its
+# sharded state dict stores in_proj's and conv1d's sections under keys of their own (`in_proj.weight.query`,
+# ...), each split across TP ranks by rows; A_log and dt_bias hold one value per value head.
+GATED_DELTA_NET_MODULES = ("in_proj", "conv1d", "A_log", "dt_bias", "out_norm", "out_proj")
+_IN_PROJ_SECTIONS = ("query", "key", "value", "z", "beta", "alpha")
+
+
+def _gated_delta_net_layout(name: str, spec: ModelSpec, par: Parallelism) -> TensorLayout:
+    la, H = spec.linear_attention, spec.hidden_size
+    rows = {"query": la.key_dim, "key": la.key_dim, "value": la.value_dim, "z": la.value_dim, "beta": la.value_heads, "alpha": la.value_heads}
+    module, _, section = name.partition(".weight.")
+    if module == "in_proj" and section in _IN_PROJ_SECTIONS:
+        return TensorLayout((rows[section], H), 0, par.tp)
+    if module == "conv1d" and section in _IN_PROJ_SECTIONS[:3]:
+        return TensorLayout((rows[section], 1, la.conv_kernel), 0, par.tp)
+    layouts = {
+        "in_proj.layer_norm_weight": TensorLayout((H,)),
+        "A_log": TensorLayout((la.value_heads,), 0, par.tp),
+        "dt_bias": TensorLayout((la.value_heads,), 0, par.tp),
+        "out_norm.weight": TensorLayout((la.value_head_dim,)),
+        "out_proj.weight": TensorLayout((H, la.value_dim), 1, par.tp),
+    }
+    if name not in layouts:
+        raise ConversionError(f"no Megatron layout known for gated delta-net tensor 'self_attention.{name}'")
+    return layouts[name]
 
 
 def _mla_layout(name: str, spec: ModelSpec, par: Parallelism) -> TensorLayout:

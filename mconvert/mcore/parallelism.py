@@ -158,6 +158,11 @@ class Parallelism:
         ]
         if spec.moe is None or not all(spec.moe.moe_layers):
             checks.append(("--tp", self.tp, "intermediate_size", spec.ffn_hidden_size))
+        if spec.linear_attention is not None:
+            checks += [
+                ("--tp", self.tp, "linear_num_key_heads", spec.linear_attention.key_heads),
+                ("--tp", self.tp, "linear_num_value_heads", spec.linear_attention.value_heads),
+            ]
         if spec.moe is not None:
             checks += [
                 ("--ep", self.ep, "the number of experts", spec.moe.num_experts),

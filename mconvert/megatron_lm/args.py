@@ -51,7 +51,9 @@ MEGATRON_LM_DEFAULTS: dict[str, Any] = {
     "pipeline_model_parallel_layout": None, "softmax_type": "vanilla", "quick_geglu": False, "glu_linear_offset": 0.0,
     "activation_func_clamp_value": None, "window_attn_skip_freq": None, "rotary_scaling_factor": 1.0, "mscale": 1.0,
     "mscale_all_dim": 0.0, "yarn_original_max_position_embeddings": None, "yarn_beta_fast": None, "yarn_beta_slow": None,
-    "yarn_correction_range_round_to_int": None, "bias_dropout_fusion": True,
+    "yarn_correction_range_round_to_int": None, "bias_dropout_fusion": True, "attention_output_gate": False,
+    "experimental_attention_variant": None, "linear_attention_freq": None, "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
 }
 # Args whose name in Megatron-LM 0.19 (its parser's dest, after TransformerConfig's field) differs from the
 # flag's, and from the name earlier Megatron-LM versions store: both names are written, either is read.
@@ -113,8 +115,9 @@ def megatron_args(
         normalization="RMSNorm",
         layernorm_epsilon=spec.norm_eps,
         norm_epsilon=spec.norm_eps,
-        layernorm_zero_centered_gamma=False,
-        apply_layernorm_1p=False,
+        layernorm_zero_centered_gamma=spec.zero_centered_norms,
+        apply_layernorm_1p=spec.zero_centered_norms,
+        attention_output_gate=spec.attention_output_gate,
         swiglu=spec.activation == "silu",
         quick_geglu=spec.activation == "quick_gelu",
         glu_linear_offset=spec.glu_linear_offset,
@@ -180,7 +183,30 @@ def megatron_args(
         )
     if spec.mla is not None:
         args.update(_mla_args(spec))
+    if spec.linear_attention is not None:
+        args.update(_linear_attention_args(spec, transformer_impl))
     return argparse.Namespace(**args)
+
+
+def _linear_attention_args(spec: ModelSpec, transformer_impl: str) -> dict[str, Any]:
+    """Gated delta-net layers beside full attention. megatron-core builds them only under the Transformer
+    Engine spec. Its linear_attention_freq N makes every N-th layer full attention; other patterns are lists,
+    1 for a linear-attention layer."""
+    la = spec.linear_attention
+    if transformer_impl != "transformer_engine":
+        raise ConversionError(f"--transformer-impl {transformer_impl}: megatron-core builds gated delta-net layers only under transformer_engine")
+    full = [layer for layer, linear in enumerate(la.layers) if not linear]
+    every = full[0] + 1 if full else 0
+    regular = every > 1 and la.layers == tuple(bool((layer + 1) % every) for layer in range(spec.num_layers))
+    return dict(
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=every if regular else [int(linear) for linear in la.layers],
+        linear_conv_kernel_dim=la.conv_kernel,
+        linear_key_head_dim=la.key_head_dim,
+        linear_value_head_dim=la.value_head_dim,
+        linear_num_key_heads=la.key_heads,
+        linear_num_value_heads=la.value_heads,
+    )
 
 
 def _router_args(moe: MoESpec) -> dict[str, Any]:

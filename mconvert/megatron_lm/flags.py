@@ -91,6 +91,10 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--add-qkv-bias")
     if a.qk_layernorm:
         flags.append("--qk-layernorm")
+    if stored_arg(a, "layernorm_zero_centered_gamma", False):
+        flags.append("--apply-layernorm-1p")
+    if getattr(a, "attention_output_gate", False):
+        flags.append("--attention-output-gate")
     if a.untie_embeddings_and_output_weights:
         flags.append("--untie-embeddings-and-output-weights")
     if a.bf16:
@@ -125,7 +129,22 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         flags += _mla_flags(a)
     if getattr(a, "mtp_num_layers", None):
         flags.append(f"--mtp-num-layers {a.mtp_num_layers}")
+    if getattr(a, "experimental_attention_variant", None) == "gated_delta_net":
+        flags += _linear_attention_flags(a)
     return flags
+
+
+def _linear_attention_flags(a: argparse.Namespace) -> list[str]:
+    freq = a.linear_attention_freq
+    return [
+        "--experimental-attention-variant gated_delta_net",
+        f"--linear-attention-freq {freq}" if isinstance(freq, int) else "--linear-attention-freq '" + str(freq).replace(" ", "") + "'",
+        f"--linear-conv-kernel-dim {a.linear_conv_kernel_dim}",
+        f"--linear-key-head-dim {a.linear_key_head_dim}",
+        f"--linear-value-head-dim {a.linear_value_head_dim}",
+        f"--linear-num-key-heads {a.linear_num_key_heads}",
+        f"--linear-num-value-heads {a.linear_num_value_heads}",
+    ]
 
 
 def _router_flags(a: argparse.Namespace) -> list[str]:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from mconvert.errors import ConversionError
-from mconvert.mappings.spec import MLASpec, ModelSpec, MoESpec, RopeScaling
+from mconvert.mappings.spec import LinearAttentionSpec, MLASpec, ModelSpec, MoESpec, RopeScaling
 from mconvert.megatron_lm.args import MLA_YARN_DEFAULTS, stored_arg
 
 
@@ -23,6 +23,16 @@ def _moe_layers(freq: int | list[int], num_layers: int) -> tuple[bool, ...]:
         return tuple(layer % freq == 0 for layer in range(num_layers))
     if len(freq) != num_layers:
         raise ConversionError(f"args: moe_layer_freq has {len(freq)} entries for {num_layers} layers")
+    return tuple(bool(x) for x in freq)
+
+
+def _linear_layers(freq: int | list[int] | None, num_layers: int) -> tuple[bool, ...]:
+    """Megatron's --linear-attention-freq: every N-th layer (from 1) full attention for an int N, else one 0/1
+    per layer (1: linear attention)."""
+    if isinstance(freq, int):
+        return tuple(bool((layer + 1) % freq) for layer in range(num_layers))
+    if not isinstance(freq, list) or len(freq) != num_layers:
+        raise ConversionError(f"args: linear_attention_freq {freq!r} is neither an int nor one 0/1 per layer of {num_layers}")
     return tuple(bool(x) for x in freq)
 
 
@@ -41,7 +51,7 @@ def spec_from_args(
         (arg("normalization", "LayerNorm") != "RMSNorm", f"normalization {arg('normalization', 'LayerNorm')} (RMSNorm is supported)"),
         (not arg("swiglu", False) and not arg("quick_geglu", False), "an MLP without SwiGLU or quick-GEGLU"),
         (arg("position_embedding_type", "learned_absolute") not in ("rope", "yarn"), f"position embeddings '{arg('position_embedding_type', 'learned_absolute')}' (rope and yarn are supported)"),
-        (arg("layernorm_zero_centered_gamma", False), "layernorm_1p"),
+        (arg("experimental_attention_variant") not in (None, "gated_delta_net"), f"the attention variant '{arg('experimental_attention_variant')}' (gated_delta_net is supported)"),
         (arg("rotary_interleaved", False), "interleaved rotary embeddings"),
         (arg("moe_router_score_function", "softmax") not in ("softmax", "sigmoid"), f"router score function '{arg('moe_router_score_function')}' (softmax and sigmoid are supported)"),
     ]
@@ -110,6 +120,16 @@ def spec_from_args(
         rope = RopeScaling(kind="linear", factor=float(args.rotary_seq_len_interpolation_factor))
     else:
         rope = None
+    linear_attention: LinearAttentionSpec | None = None
+    if arg("experimental_attention_variant") == "gated_delta_net":
+        linear_attention = LinearAttentionSpec(
+            key_heads=arg("linear_num_key_heads", 16),
+            value_heads=arg("linear_num_value_heads", 32),
+            key_head_dim=arg("linear_key_head_dim", 128),
+            value_head_dim=arg("linear_value_head_dim", 128),
+            conv_kernel=arg("linear_conv_kernel_dim", 4),
+            layers=_linear_layers(arg("linear_attention_freq"), args.num_layers),
+        )
     linear_bias = bool(arg("add_bias_linear", True))
     window, skip = arg("window_size"), arg("window_attn_skip_freq")
     if window is not None and window[1] != 0:
@@ -150,5 +170,8 @@ def spec_from_args(
         glu_linear_offset=float(arg("glu_linear_offset", 0.0)),
         activation_clamp=arg("activation_func_clamp_value"),
         attention_dropout=float(arg("attention_dropout", 0.1)),
+        linear_attention=linear_attention,
+        attention_output_gate=bool(arg("attention_output_gate", False)),
+        zero_centered_norms=bool(arg("layernorm_zero_centered_gamma", False)),
         hf_config=dict(hf_config or {}),
     )

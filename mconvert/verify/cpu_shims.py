@@ -1,4 +1,5 @@
-"""The few patches megatron-core (0.13 to 0.19) needs to run a GPTModel forward on CPU.
+"""The few patches megatron-core (0.13 to 0.19) needs to run a GPTModel forward on CPU, and the stand-ins for
+what only Transformer Engine or CUDA kernels provide (gated delta-net's norms and L2 norm).
 
 megatron-core assumes CUDA in a handful of places even when every tensor lives on the CPU
 (`use_cpu_initialization=True`). These shims make those places work on CPU and change nothing else:
@@ -146,3 +147,42 @@ def mla_without_transformer_engine() -> None:
         import transformer_engine  # noqa: F401  (only probing whether it is installed)
     except ImportError:
         multi_latent_attention.HAVE_TE = False
+
+
+def _l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6, **kwargs: object) -> torch.Tensor:
+    """flash-linear-attention's l2norm (x / sqrt(sum x^2 + eps), in fp32), in torch."""
+    y = x.float()
+    return (y * torch.rsqrt(y.pow(2).sum(dim, keepdim=True) + eps)).to(x.dtype)
+
+
+def gated_delta_net_without_fla() -> None:
+    """megatron-core's GatedDeltaNet refuses to build without flash-linear-attention (Triton kernels, CUDA only),
+    though with `deterministic_mode` its forward runs its own PyTorch convolution and chunked delta rule and
+    needs of that package only the queries' and keys' L2 norm: that, in torch. Idempotent."""
+    import importlib
+
+    try:  # megatron-core 0.19 splits the module into a package
+        module = importlib.import_module("megatron.core.ssm.gated_delta_net.common")
+    except ModuleNotFoundError:
+        module = importlib.import_module("megatron.core.ssm.gated_delta_net")
+    module.HAVE_FLA = True
+    module.l2norm = _l2norm
+
+
+def rms_norm(zero_centered: bool) -> type:
+    """An RMSNorm module for megatron-core's local layers (its `config, hidden_size, eps` interface) that can be
+    zero-centred (weight w, output scaled by 1 + w, as Transformer Engine's zero_centered_gamma): the local
+    spec's torch norm refuses zero-centred weights."""
+
+    class RMSNorm(torch.nn.Module):
+        def __init__(self, config: object, hidden_size: int, eps: float = 1e-5, **kwargs: object):
+            super().__init__()
+            self.eps = eps
+            self.weight = torch.nn.Parameter(torch.zeros(hidden_size) if zero_centered else torch.ones(hidden_size))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+            weight = self.weight.float() + 1 if zero_centered else self.weight.float()
+            return (y * weight).to(x.dtype)
+
+    return RMSNorm

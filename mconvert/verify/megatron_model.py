@@ -7,6 +7,7 @@ that load it: torch_dist checkpoints are layout-independent.
 """
 
 import argparse
+import copy
 import importlib.util
 from typing import Literal
 
@@ -171,6 +172,7 @@ def transformer_config_from_args(
         gated_linear_unit=args.swiglu or getattr(args, "quick_geglu", False),
         activation_func=F.silu if args.swiglu else quick_gelu() if getattr(args, "quick_geglu", False) else F.gelu,
         **activation_settings(args),
+        **linear_attention_settings(args),
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=getattr(args, "add_qkv_bias", False),
         qk_layernorm=getattr(args, "qk_layernorm", False),
@@ -222,6 +224,21 @@ def activation_settings(args: argparse.Namespace) -> dict:
     return settings
 
 
+def linear_attention_settings(args: argparse.Namespace) -> dict:
+    """Qwen3-Next's and Qwen3.5's gated delta-net layers, gated attention and zero-centred norms: only what the
+    args set, so that megatron-core releases before these fields build the other models."""
+    settings = {}
+    if stored_arg(args, "layernorm_zero_centered_gamma", False):
+        settings["layernorm_zero_centered_gamma"] = True
+    if getattr(args, "attention_output_gate", False):
+        settings["attention_output_gate"] = True
+    if getattr(args, "experimental_attention_variant", None) == "gated_delta_net":
+        names = ("experimental_attention_variant", "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
+                 "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")
+        settings.update({name: getattr(args, name) for name in names})
+    return settings
+
+
 def yarn_settings(config: TransformerConfig, args: argparse.Namespace) -> None:
     """GPTModel's YaRN (not multi-latent attention's) reads its settings as attributes of the config that no
     field declares, as Megatron-LM sets them (argument_utils._apply_yarn_config_from_args)."""
@@ -256,6 +273,15 @@ def _layer_spec(
     config: TransformerConfig, args: argparse.Namespace, use_te: bool
 ) -> ModuleSpec | TransformerBlockSubmodules:
     """The layer spec Megatron-LM's GPT model provider picks for these args."""
+    if getattr(config, "experimental_attention_variant", None) is not None:
+        if not use_te:
+            return _linear_attention_block_without_te(config, args)
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_transformer_block_with_experimental_attention_variant_spec,
+        )
+
+        # Mixes linear and full attention, dense and MoE layers, and slices this pipeline stage's layers.
+        return get_transformer_block_with_experimental_attention_variant_spec(config)
     if config.num_moe_experts:
         # Handles moe_layer_freq (dense and MoE layers mixed) and slices this pipeline stage's layers.
         spec = get_gpt_decoder_block_spec(
@@ -274,6 +300,49 @@ def _layer_spec(
     if config.multi_latent_attention and not use_te:
         _fit_local_mla(spec)
     return spec
+
+
+def _linear_attention_block_without_te(config: TransformerConfig, args: argparse.Namespace) -> TransformerBlockSubmodules:
+    """megatron-core's GPT block of a gated delta-net model (Qwen3-Next, Qwen3.5) built from its local modules, for
+    CPU ranks: megatron-core builds these models only under Transformer Engine, whose fused norm-and-linear
+    in_proj and zero-centred norms have no local module. This stage's layers are the local spec's (dense and MoE
+    as the args mix them); the linear-attention ones get megatron-core's own GatedDeltaNet with a local in_proj
+    after the layer's input norm, stored under the fused module's key (as the local spec stores every norm it
+    unfuses), run by its PyTorch path (`deterministic_mode`: its convolution and chunked delta rule in torch,
+    see cpu_shims.gated_delta_net_without_fla); every norm is zero-centred where the args say."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    cpu_shims.gated_delta_net_without_fla()
+    config.deterministic_mode = True
+    norm = cpu_shims.rms_norm(config.layernorm_zero_centered_gamma)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization)
+    linear = _linear_layers(config)
+    offset = get_transformer_layer_offset(config)
+    # The local spec repeats one spec object for alike layers: each is changed on a copy of its own.
+    block.layer_specs = [copy.deepcopy(layer) for layer in block.layer_specs]
+    for number, layer in enumerate(block.layer_specs, offset):
+        layer = layer.submodules
+        layer.input_layernorm = layer.pre_mlp_layernorm = norm
+        keys = dict(layer.sharded_state_dict_keys_map or {})
+        if linear[number]:
+            layer.self_attention = ModuleSpec(
+                module=GatedDeltaNet,
+                submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear),
+            )
+            keys["input_layernorm."] = "self_attention.in_proj.layer_norm_"
+        else:
+            layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = norm
+        layer.sharded_state_dict_keys_map = keys
+    block.layer_norm = norm
+    return block
+
+
+def _linear_layers(config: TransformerConfig) -> list[bool]:
+    """Per layer, whether it has linear attention: megatron-core's linear_attention_freq (every N-th layer full)."""
+    freq = config.linear_attention_freq
+    return [bool(x) for x in freq] if isinstance(freq, list) else [bool((i + 1) % freq) for i in range(config.num_layers)]
 
 
 def _fit_local_mla(spec: ModuleSpec | TransformerBlockSubmodules) -> None:

@@ -83,7 +83,7 @@ def text_prompts(path: Path, hf_dir: Path) -> list[torch.Tensor]:
 def check_architecture(hf_dir: Path, stored: argparse.Namespace) -> ModelSpec:
     """The HF model's spec, when the checkpoint's args describe the same architecture."""
     _, spec = get_mapping(read_hf_config(hf_dir, "--hf"), source=str(hf_dir / "config.json"))
-    expected = vars(megatron_args(spec, Parallelism(), spec.dtype, "local"))
+    expected = vars(megatron_args(spec, Parallelism(), spec.dtype, "transformer_engine"))
     differences = [
         f"{name}: checkpoint {getattr(stored, name, None)!r}, HF {expected.get(name)!r}"
         for name in ARCHITECTURE_ARGS
@@ -168,7 +168,7 @@ def verify(request: VerifyRequest) -> Report:
     pipeline = par.pipeline.args(par.pp)
     if pipeline["virtual_pipeline_model_parallel_size"] is not None:
         raise ConversionError("--pipeline-model-parallel-layout: verify runs one stage a rank (no virtual pipeline stages)")
-    vocab_size = read_hf_config(request.hf_dir, "--hf")["vocab_size"]
+    vocab_size = hf_spec.vocab_size
     prompts = (
         text_prompts(request.prompts_file, request.hf_dir)
         if request.prompts_file

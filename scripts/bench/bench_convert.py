@@ -84,7 +84,8 @@ def make_source(model: str, work_dir: Path, fp8: bool = False) -> Path:
     with `fp8`, in the hub's block-quantized FP8 where the config says so (DeepSeek-V3)."""
     import torch
 
-    from mconvert.synthetic import model_config, write_random_hf_checkpoint
+    from mconvert.full_size import write_random_hf_checkpoint
+    from mconvert.synthetic import model_config
 
     source = work_dir / (model + ("-fp8" if fp8 else ""))
     if not (source / COMPLETE_MARK).exists():

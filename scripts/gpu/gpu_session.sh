@@ -30,6 +30,9 @@
 #               Megatron-LM training steps (hidden 2048) with the YaRN setting its flags cannot carry
 #   gpt-oss     on one GPU: gpt-oss-20b's first two layers: verify --spec te at real width, and Megatron-LM training
 #               steps with 8 of its experts
+#   qwen-gdn-verify  on one GPU: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (gated delta-net) cut to 4 layers at real width:
+#               verify --spec te at TP 1 as written and from TP 2 x EP 2 and PP 2 saves (carry .whl: fla's wheels)
+#   qwen-gdn-train  the same families' Megatron-LM training steps on one GPU
 #   train-distopt  on one GPU: Megatron-LM training steps with --use-distributed-optimizer (Qwen2.5-0.5B's shape and
 #               Qwen3-30B-A3B's first 2 layers), whose saves hold that optimizer's state beside the weights
 #   verify-v2lite  DeepSeek-V2-Lite whole, with megatron-core 0.18.0 (carry .whl018: 0.19 cannot build it)
@@ -92,6 +95,16 @@ mark() { touch "$STATE/$1"; }
 note() { echo "[$(date -u +%H:%M:%S) +$(($(date +%s) - start))s] $*" | tee -a "$OUT/session.log"; }
 # One GPU, one family: `mconvert verify --spec te` of VERIFY_JOB at its real width, then Megatron-LM training steps
 # of TRAIN_JOB (small enough for fp32 with its optimizer's save), into $OUT/STAGE.log.
+# Gated delta-net (the qwen-gdn stages) imports flash-linear-attention: its wheels are carried in .whl.
+QWEN3_NEXT='qwen3-next-80b-a3b-instruct@4+num_experts=64'
+QWEN3_5='qwen3.5-0.8b@4'
+QWEN3_5_MOE='qwen3.5-35b-a3b@4+text_config.num_experts=64'
+install_fla() {
+  python3 -c "import fla" 2>/dev/null && return
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fla_core-*.whl \
+    .whl/flash_linear_attention-*.whl .whl/einops-*.whl >> "$OUT/session.log" 2>&1
+  python3 -c "import fla; print('flash-linear-attention', fla.__version__)" >> "$OUT/session.log" 2>&1
+}
 verify_and_train() {
   local stage=$1 verify_job=$2 train_job=$3 code
   python3 scripts/gpu/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) / 2))" \
@@ -197,6 +210,30 @@ for stage in "$@"; do
   gpt-oss)
     # gpt-oss-20b's first two layers (sliding, then full attention); trained with 8 of its 32 experts.
     verify_and_train gpt-oss 'gpt-oss-20b@2:tp1' 'gpt-oss-20b@2+num_local_experts=8:tp1'
+    ;;
+  qwen-gdn-verify)
+    # Qwen3-Next, Qwen3.5 (image-text, dense) and Qwen3.5-MoE, cut to one full-attention period (3 gated delta-net
+    # layers, then full attention) at real width, with 64 of their experts: verified under Transformer Engine at TP 1
+    # from checkpoints written at TP 2 x EP 2 or PP 2 (torch_dist reshards on loading) and as written.
+    install_fla
+    # No job starts in the last ${GDN_TRAIN_S:-0} s: the training stage's, when it follows in the same call.
+    python3 scripts/gpu/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) - ${GDN_TRAIN_S:-0}))" \
+      "$QWEN3_NEXT:tp2ep2>tp1" "$QWEN3_5_MOE:tp2ep2>tp1" "$QWEN3_5:tp2pp2>tp1" "$QWEN3_NEXT:pp2>tp1" "$QWEN3_NEXT:tp1" \
+      > "$OUT/qwen-gdn-verify.log" 2>&1
+    note "qwen-gdn-verify: exit $?"
+    mark "$stage"
+    ;;
+  qwen-gdn-train)
+    # The same families' Megatron-LM training steps, with 16 experts. flash-linear-attention refuses the gated
+    # delta rule's backward on Hopper with Triton 3.4 to 3.7.0 (wrong gradients there): --deterministic-mode has
+    # megatron-core run its PyTorch delta rule instead.
+    install_fla
+    python3 scripts/gpu/gpu_train.py --nproc 1 --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" \
+      --megatron-flag=--deterministic-mode "$QWEN3_5:tp1" "${QWEN3_NEXT/=64/=16}:tp1" "${QWEN3_5_MOE/=64/=16}:tp1" \
+      > "$OUT/qwen-gdn-train.log" 2>&1
+    code=$?
+    note "qwen-gdn-train: exit $code"
+    [ "$code" = 3 ] || mark "$stage"
     ;;
   train-distopt)
     python3 scripts/gpu/gpu_train.py --nproc 1 --distributed-optimizer --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" \

@@ -126,6 +126,8 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--done-dir", type=Path, help="a marker per finished job here; jobs marked are skipped")
+    parser.add_argument("--megatron-flag", action="append", default=[],
+                        help="a flag added to both runs (--megatron-flag=--deterministic-mode), recorded in the result")
     parser.add_argument("--mtp", action="store_true",
                         help="give each HF model the multi-token prediction layers its config names, as the hub's hold them")
     parser.add_argument("--distributed-optimizer", action="store_true",
@@ -160,6 +162,7 @@ def main() -> int:
         work.mkdir(parents=True)
         hf = options.work / (model + "+mtp" if options.mtp else model)
         result: dict = {"job": job, "launcher": options.launcher, "transformer_engine": have_te, "mtp": options.mtp,
+                        "megatron_flags": options.megatron_flag,
                         "distributed_optimizer": options.distributed_optimizer}
         result["make_hf_s"] = write_hf_model(model, hf, "cuda" if torch.cuda.is_available() else "cpu")
         if options.mtp and not (hf / "mtp.safetensors").exists():
@@ -182,6 +185,7 @@ def main() -> int:
                 "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1", "--lr-decay-style", "constant",
                 "--dist-ckpt-strictness", "raise_unexpected",
                 *(["--use-distributed-optimizer"] if options.distributed_optimizer else []),
+                *options.megatron_flag,
             ]
             launch = train_sh if options.launcher == "train.sh" else torchrun
             # Megatron moves DeepSeek-V3's and GLM-4.5's expert bias by the token counts after every step

@@ -5,7 +5,8 @@
 A job is MODEL:LAYOUT[:DTYPE]: MODEL a config of mconvert/configs as CONFIG[@LAYERS][+FIELD=VALUE...] (LAYERS to
 cut the model to its first few layers, all if absent; fields of the config set, e.g.
 deepseek-v3@2+first_k_dense_replace=1 for its first dense and first MoE layer), LAYOUT like tp1, tp2, pp2, ep2,
-tp2pp2, tp2ep2etp1, DTYPE fp32 (default) or bf16. --spec te|local is passed to verify. For each job it writes the HF model once (bf16, tensor by tensor), converts it with `mconvert hf-to-mcore`
+tp2pp2, tp2ep2etp1, or WRITTEN>LOADED (tp2ep2>tp1: converted at TP 2 and EP 2, verified at TP 1, as torch_dist
+reshards on loading), DTYPE fp32 (default) or bf16. --spec te|local is passed to verify. For each job it writes the HF model once (bf16, tensor by tensor), converts it with `mconvert hf-to-mcore`
 and runs `mconvert verify --device cuda`, timing both; each result is appended to OUT/results.jsonl as it comes,
 so a run stopped at its time limit keeps what it finished. Jobs not started before --deadline-s are skipped.
 Jobs of one model should be adjacent: the HF model is deleted after its last adjacent job, each checkpoint
@@ -26,17 +27,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from mconvert.synthetic import model_config, write_random_hf_checkpoint  # noqa: E402
+from mconvert.full_size import write_random_hf_checkpoint  # noqa: E402
+from mconvert.synthetic import model_config  # noqa: E402
 
 MCONVERT = [sys.executable, "-m", "mconvert.cli"]
 LAYOUT = re.compile(r"(?:tp(?P<tp>\d+))?(?:pp(?P<pp>\d+))?(?:ep(?P<ep>\d+))?(?:etp(?P<etp>\d+))?$")
 
 
 def parse_job(job: str) -> tuple[str, dict[str, str], str]:
-    """MODEL, the parallel sizes of LAYOUT as mconvert's flags name them, DTYPE."""
+    """MODEL, the parallel sizes of LAYOUT (as written) as mconvert's flags name them, DTYPE."""
     model, layout, *rest = job.split(":")
-    sizes = {k: v for k, v in LAYOUT.match(layout).groupdict().items() if v}
-    return model, sizes, rest[0] if rest else "fp32"
+    return model, layout_sizes(layout.partition(">")[0]), rest[0] if rest else "fp32"
+
+
+def layout_sizes(layout: str) -> dict[str, str]:
+    return {k: v for k, v in LAYOUT.match(layout).groupdict().items() if v}
+
+
+def loaded_sizes(job: str) -> dict[str, str]:
+    """The parallel sizes the job's checkpoint is verified at: LOADED of WRITTEN>LOADED, else as written."""
+    written, _, loaded = job.split(":")[1].partition(">")
+    return layout_sizes(loaded or written)
 
 
 def write_hf_model(model: str, hf: Path, device: str) -> float:
@@ -86,7 +97,8 @@ def main() -> int:
             report.unlink(missing_ok=True)  # a failed verify writes none: the last job's must not stand in for it
             code, verify_s, verify_out = run(
                 [*MCONVERT, "verify", "--hf", str(hf), "--mcore", str(mcore), "--device", options.device, "--dtype", dtype,
-                 "--json", str(report), *flags, *(["--spec", options.spec] if options.spec else [])]
+                 "--json", str(report), *(f"--{k}={v}" for k, v in loaded_sizes(job).items()),
+                 *(["--spec", options.spec] if options.spec else [])]
             )
             result.update(verify_s=round(verify_s, 1), verify_exit=code, verify_output=verify_out[-3000:])
             if report.exists():

@@ -40,7 +40,8 @@ FP32_LOSS_TOLERANCE = 1e-4
 
 
 def write_tokens(hf_dir: Path, rows: int, seq_length: int, out: Path, seed: int = 20261122) -> None:
-    vocab_size = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
+    config = json.loads((hf_dir / "config.json").read_text())
+    vocab_size = (config.get("text_config") or config)["vocab_size"]  # an image-text model's: its language model's
     generator = np.random.default_rng(seed)
     np.save(out, generator.integers(0, vocab_size, size=(rows, seq_length + 1), dtype=np.int64))
 

@@ -26,8 +26,8 @@ from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
 from mconvert.formats import dcp_writer  # noqa: E402
 from mconvert.mcore.checkpoint import iteration_dir, read_args  # noqa: E402
 from mconvert.mcore.parallelism import Parallelism, PipelineSplit  # noqa: E402
-from mconvert.megatron_lm.flags import pipeline_split_flags  # noqa: E402
 from mconvert.megatron_lm.args import FLAG_OF_ARG, MEGATRON_LM_DEFAULTS, RESTORED_BY_CHECKPOINT_ARGS  # noqa: E402
+from mconvert.megatron_lm.flags import pipeline_split_flags  # noqa: E402
 from mconvert.synthetic import write_word_tokenizer  # noqa: E402
 from mconvert.verify.distributed import ParallelLayout, run_ranks  # noqa: E402
 from mconvert.verify.megatron_lm import (  # noqa: E402

@@ -1,0 +1,165 @@
+"""Qwen3-Next, Qwen3.5 (image-text, dense) and Qwen3.5-MoE converted to torch_dist and judged by megatron-core
+0.16.1's own GPTModel on gloo CPU ranks at TP 2 with EP 2 or PP 2: three gated delta-net layers, then one of
+full attention with an output gate, q/k norms and partial rope, zero-centred norms, MoE with a gated shared
+expert. megatron-core builds gated delta-net only under Transformer Engine; on CPU ranks its own GatedDeltaNet
+runs with local linears and its PyTorch delta rule (mconvert.verify.megatron_model). The prompts are 160
+tokens, three chunks of the delta rule's 64. Planted faults (Qwen3-Next's per-key-head sections read flat, the
+delta-net's output norm not shifted to zero-centred) each move megatron-core's logits away from transformers';
+the conversion back is bit-exact, the vision tower copied from the original."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from mconvert import mappings
+from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+from mconvert.mappings import qwen3_next
+from mconvert.mappings.transforms import Rename, Section
+from mconvert.mcore.parallelism import Parallelism
+from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
+from mconvert.verify.distributed import run_ranks
+from tests.cli_runner import assert_one_line_error, run_cli
+from tests.test_moe_megatron import megatron_view
+
+TOKENS = torch.randint(0, 1000, (2, 160), generator=torch.Generator().manual_seed(0))
+# name: (config, layout, whether its experts are stored fused as on the hub)
+CASES = {
+    "qwen3-next-tp2ep2": ("qwen3-next-80b-a3b-instruct", Parallelism(tp=2, ep=2), False),
+    "qwen3-next-pp2": ("qwen3-next-80b-a3b-instruct", Parallelism(pp=2), False),
+    "qwen3.5-tp2pp2": ("qwen3.5-0.8b", Parallelism(tp=2, pp=2), False),
+    "qwen3.5-moe-tp2ep2": ("qwen3.5-35b-a3b", Parallelism(tp=2, ep=2), True),
+}
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """config name -> its random-init HF checkpoint (4 layers), at std 0.1 so that attention is far from uniform."""
+    done = {}
+
+    def make(name: str):
+        if name not in done:
+            fused = name == "qwen3.5-35b-a3b"
+            hf = make_hf_checkpoint(shrink(real_config(name), layers=4), tmp_path_factory.mktemp(name.replace(".", "_")) / "hf", fused_experts=fused)
+            tensors = load_file(hf / "model.safetensors")
+            save_file({k: v * 2.0 if v.dim() > 1 else v for k, v in tensors.items()}, hf / "model.safetensors", metadata={"format": "pt"})
+            done[name] = hf
+        return done[name]
+
+    return make
+
+
+def hf_logits(hf_dir) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(TOKENS).logits
+
+
+def megatron_logits(ckpt, parallelism: Parallelism) -> torch.Tensor:
+    views = run_ranks(megatron_view, {"model": str(ckpt)}, TOKENS, tp=parallelism.tp, pp=parallelism.pp, ep=parallelism.ep, timeout_s=600)
+    return views["model"][0][..., :1000]
+
+
+def hf_tensors(directory) -> dict[str, torch.Tensor]:
+    return {k: v for path in directory.glob("*.safetensors") for k, v in load_file(path).items()}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_megatron_core_gives_transformers_logits_and_the_way_back_is_bit_exact(case, made, tmp_path):
+    name, parallelism, _ = CASES[case]
+    hf = made(name)
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
+    # fp32, summed in other orders over 160 positions of weights at std 0.1: differences of a few 1e-3 at most.
+    torch.testing.assert_close(megatron_logits(tmp_path / "mcore", parallelism), hf_logits(hf), rtol=1e-3, atol=1e-2)
+    # Back with the original as --hf-config: the image-text class, its vision tower copied from there.
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back", hf_config_dir=hf)
+    original, back = hf_tensors(hf), hf_tensors(tmp_path / "back")
+    assert original.keys() == back.keys() and all(torch.equal(original[k], back[k]) for k in original)
+    written, read = (json.loads((d / "config.json").read_text()) for d in (tmp_path / "back", hf))
+    assert written["architectures"] == read["architectures"] and written["model_type"] == read["model_type"]
+    text, read_text = written.get("text_config", written), read.get("text_config", read)
+    for field in ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "head_dim"):
+        assert text[field] == read_text[field], field
+
+
+def test_the_prompts_run_the_delta_rule_over_several_chunks_and_the_conversion_back_needs_no_hf_config(made, tmp_path):
+    """Without --hf-config the args name the family (Qwen3-Next: gated delta-net with experts), and the rows
+    from 64 on depend on the delta rule's state carried across chunks."""
+    hf = made("qwen3-next-80b-a3b-instruct")
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2))
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back")
+    original, back = hf_tensors(hf), hf_tensors(tmp_path / "back")
+    assert original.keys() == back.keys() and all(torch.equal(original[k], back[k]) for k in original)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    with torch.no_grad():
+        whole, tail = model(TOKENS).logits, model(TOKENS[:, 64:]).logits
+    assert (whole[:, 64:] - tail).abs().max() > 1e-2
+
+
+def flat(spec):
+    """Qwen3.5's flat [q; k; v; z] in place of Qwen3-Next's per-key-head grouping."""
+    la = spec.linear_attention
+    return 1, (("query", la.key_dim), ("key", la.key_dim), ("value", la.value_dim), ("z", la.value_dim))
+
+
+@pytest.mark.parametrize("fault", ["sections read flat", "output norm not zero-centred"])
+def test_a_planted_fault_moves_megatrons_logits(fault, made, tmp_path, monkeypatch):
+    entries = []
+    for entry in qwen3_next.TABLE.linear_attention:
+        if fault == "sections read flat" and isinstance(entry, Section) and "in_proj_qkvz" in entry.hf:
+            entry = dataclasses.replace(entry, sections=flat)
+        elif fault == "output norm not zero-centred" and entry.mcore.endswith("out_norm.weight"):
+            entry = Rename(entry.mcore, entry.hf)
+        entries.append(entry)
+    table = dataclasses.replace(qwen3_next.TABLE, linear_attention=tuple(entries))
+    monkeypatch.setitem(mappings.FAMILIES, "qwen3_next", dataclasses.replace(qwen3_next.FAMILY, table=table))
+    hf = made("qwen3-next-80b-a3b-instruct")
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2))
+    assert (megatron_logits(tmp_path / "mcore", Parallelism(tp=2)) - hf_logits(hf)).abs().max() > 0.1
+
+
+def test_multimodal_rope_for_text_is_the_rope_the_flags_build(made, monkeypatch):
+    """Qwen3.5's interleaved multimodal rope (mrope_section) with the three position ids of text equal: the
+    angles of megatron-core's rope over the rotated quarter of each head, at rope_theta."""
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")  # where megatron-core puts the positions
+
+    config = transformers.AutoConfig.from_pretrained(made("qwen3.5-0.8b")).text_config
+    rope = transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5TextRotaryEmbedding(config)
+    assert config.rope_parameters["mrope_section"] and config.rope_parameters["mrope_interleaved"]
+    positions = torch.arange(160)[None].expand(3, 1, -1)  # (temporal, height, width) of text: all equal
+    cos, sin = rope(torch.zeros(1, dtype=torch.float32), positions)
+    megatron = RotaryEmbedding(
+        kv_channels=config.head_dim, rotary_percent=config.rope_parameters["partial_rotary_factor"], rotary_base=config.rope_parameters["rope_theta"],
+        use_cpu_initialization=True,
+    )
+    angles = megatron(160)[:, 0, 0]  # [positions, rotated dimensions]
+    torch.testing.assert_close(cos[0], angles.cos(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sin[0], angles.sin(), rtol=1e-5, atol=1e-5)
+
+
+def test_the_vision_tower_is_left_out_and_said_so_and_the_way_back_needs_the_original(made, tmp_path):
+    hf = made("qwen3.5-0.8b")
+    out = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "mcore", "--tp", "2")
+    assert out.returncode == 0, out.stderr
+    assert f"left out the vision tower of {hf}" in out.stdout
+    assert "--experimental-attention-variant gated_delta_net" in out.stdout and "--apply-layernorm-1p" in out.stdout
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((hf / "config.json").read_text())
+    failed = run_cli("mcore-to-hf", "--load-dir", tmp_path / "mcore", "--save-dir", tmp_path / "back", "--hf-config", config_only)
+    assert_one_line_error(failed, "--hf-config", "the vision tower", code=1)
+    assert not (tmp_path / "back").exists()
+
+
+def test_local_transformer_impl_is_refused_in_one_line(made, tmp_path):
+    out = run_cli("hf-to-mcore", "--load-dir", made("qwen3.5-0.8b"), "--save-dir", tmp_path / "mcore", "--transformer-impl", "local")
+    assert_one_line_error(out, "--transformer-impl local", "transformer_engine", code=1)
+    assert not (tmp_path / "mcore").exists()
