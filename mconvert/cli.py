@@ -184,7 +184,8 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
     plan = result.plan
     print(
         f"wrote {save_dir}: {plan.family.name} ({result.config['architectures'][0]}), "
-        f"{len(plan.hf_shapes())} tensors, {str(plan.dtype).removeprefix('torch.')}, "
+        f"{len(plan.hf_shapes())} tensors{f' (and {result.copied} copied from --hf-config)' if result.copied else ''}, "
+        f"{str(plan.dtype).removeprefix('torch.')}, "
         + _summary(started, iteration_dir(Path(options.load_dir), options.iteration), save_dir)
     )
     print("next:")

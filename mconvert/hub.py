@@ -25,6 +25,10 @@ HF_SIDE_FILES = (
     "*.tiktoken",
     "chat_template.json",
     "chat_template.jinja",
+    # An image-text checkpoint's input processing (Qwen3.5).
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
 )
 # What is fetched from a hub repository: never pickled `*.bin` weights, nor the `original/` copies some carry.
 CONFIG_FILES = ("config.json", *HF_SIDE_FILES)

@@ -4,7 +4,7 @@ full attention with an output gate, q/k norms and partial rope, zero-centred nor
 expert. megatron-core builds gated delta-net only under Transformer Engine; on CPU ranks its own GatedDeltaNet
 runs with local linears and its PyTorch delta rule (mconvert.verify.megatron_model). The prompts are 160
 tokens, three chunks of the delta rule's 64. Planted faults (Qwen3-Next's per-key-head sections read flat, the
-delta-net's output norm not shifted to zero-centred) each move megatron-core's logits away from transformers';
+delta-net's output norm not shifted to zero-centred, the norms not zero-centred at all) each move megatron-core's logits away from transformers';
 the conversion back is bit-exact, the vision tower copied from the original."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
 from mconvert.mappings import qwen3_next
 from mconvert.mappings.transforms import Rename, Section
+from mconvert.mcore.checkpoint import iteration_dir
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 from mconvert.verify.distributed import run_ranks
@@ -108,7 +109,15 @@ def flat(spec):
     return 1, (("query", la.key_dim), ("key", la.key_dim), ("value", la.value_dim), ("z", la.value_dim))
 
 
-@pytest.mark.parametrize("fault", ["sections read flat", "output norm not zero-centred"])
+def without_zero_centred_norms(ckpt):
+    """The args as if --apply-layernorm-1p were left out: every norm multiplies by w, not 1 + w."""
+    common = iteration_dir(ckpt) / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state["args"].apply_layernorm_1p = state["args"].layernorm_zero_centered_gamma = False
+    torch.save(state, common)
+
+
+@pytest.mark.parametrize("fault", ["sections read flat", "output norm not zero-centred", "no --apply-layernorm-1p"])
 def test_a_planted_fault_moves_megatrons_logits(fault, made, tmp_path, monkeypatch):
     entries = []
     for entry in qwen3_next.TABLE.linear_attention:
@@ -121,6 +130,8 @@ def test_a_planted_fault_moves_megatrons_logits(fault, made, tmp_path, monkeypat
     monkeypatch.setitem(mappings.FAMILIES, "qwen3_next", dataclasses.replace(qwen3_next.FAMILY, table=table))
     hf = made("qwen3-next-80b-a3b-instruct")
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2))
+    if fault == "no --apply-layernorm-1p":
+        without_zero_centred_norms(tmp_path / "mcore")
     assert (megatron_logits(tmp_path / "mcore", Parallelism(tp=2)) - hf_logits(hf)).abs().max() > 0.1
 
 

@@ -280,6 +280,8 @@ class HFExport:
     plan: Plan
     config: dict[str, Any]
     files: tuple[str, ...]
+    # Tensors copied unchanged from the original checkpoint (`copied_back`: the vision tower).
+    copied: int = 0
 
 
 def convert_mcore_to_hf(
@@ -342,4 +344,4 @@ def convert_mcore_to_hf(
                     for path in sorted(Path(hf_config_dir).glob(pattern)):
                         shutil.copy2(path, work / path.name)
     files = tuple(sorted(p.name for p in save_dir.iterdir()))
-    return HFExport(plan, config, files)
+    return HFExport(plan, config, files, copied=len(beside))

@@ -24,7 +24,8 @@ from mconvert.mappings import (
     qwen3_next,
 )
 from mconvert.mappings.family import Family, Table
-from mconvert.mappings.spec import ModelSpec, MoESpec, RopeScaling
+from mconvert.mappings.rope import RopeScaling
+from mconvert.mappings.spec import ModelSpec, MoESpec
 
 FAMILIES: dict[str, Family] = {
     family.name: family

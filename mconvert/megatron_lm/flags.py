@@ -204,8 +204,10 @@ def unnormalized_mla_query(args: argparse.Namespace) -> bool:
 def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
     """What Megatron-LM's pretrain_gpt.py would build differently from these args: its model builder
     (gpt_builders.gpt_builder) passes GPTModel neither --rope-scaling-factor nor
-    --rotary-seq-len-interpolation-factor, so GPTModel's defaults (8, none) apply; and what recent
-    megatron-core builds differently (mconvert.verify.megatron_model.require_unnormalized_mla_query)."""
+    --rotary-seq-len-interpolation-factor, so GPTModel's defaults (8, none) apply; what recent megatron-core
+    builds differently (mconvert.verify.megatron_model.require_unnormalized_mla_query); and what gated delta-net
+    needs beside megatron-core (flash-linear-attention, which refuses its backward on Hopper under some Tritons:
+    it reports wrong gradients there)."""
     caveats = []
     if args.use_rope_scaling and args.rope_scaling_factor != 8.0:
         caveats.append(
@@ -216,6 +218,12 @@ def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
         caveats.append(
             "pretrain_gpt.py builds GPTModel without --rotary-seq-len-interpolation-factor, so without position "
             "interpolation: pass seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor in its gpt_builder"
+        )
+    if getattr(args, "experimental_attention_variant", None) == "gated_delta_net":
+        caveats.append(
+            "gated delta-net layers import flash-linear-attention (pip install flash-linear-attention), whose delta-rule "
+            "backward refuses Hopper GPUs under Triton 3.4 to 3.7.0 (it reports wrong gradients there): train with Triton 3.7.1 or "
+            "later, with tilelang installed, or with --deterministic-mode (megatron-core's PyTorch delta rule)"
         )
     if unnormalized_mla_query(args):
         caveats.append(

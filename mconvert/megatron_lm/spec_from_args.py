@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from mconvert.errors import ConversionError
-from mconvert.mappings.spec import LinearAttentionSpec, MLASpec, ModelSpec, MoESpec, RopeScaling
+from mconvert.mappings.rope import RopeScaling
+from mconvert.mappings.spec import LinearAttentionSpec, MLASpec, ModelSpec, MoESpec
 from mconvert.megatron_lm.args import MLA_YARN_DEFAULTS, stored_arg
 
 

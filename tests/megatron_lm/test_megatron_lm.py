@@ -59,6 +59,10 @@ MODELS = {
     # gpt-oss: sinks (softmax_type learnable), a window on every other layer, YaRN, biased router and experts,
     # clamped quick-GEGLU; biased experts need ETP 1.
     "gpt-oss-tp2ep2etp1": ("gpt-oss-20b", 2, {"sliding_window": 4}, Parallelism(tp=2, ep=2, etp=1)),
+    # Gated delta-net beside gated full attention, zero-centred norms, partial rope; Qwen3-Next's experts with a
+    # gated shared expert; Qwen3.5 as its image-text checkpoint.
+    "qwen3-next-tp2ep2": ("qwen3-next-80b-a3b-instruct", 4, {}, Parallelism(tp=2, ep=2)),
+    "qwen3.5-tp2pp2": ("qwen3.5-0.8b", 4, {}, Parallelism(tp=2, pp=2)),
     # Multi-latent attention without a query bottleneck (q_lora_rank null), softmax routing.
     "deepseek-v2-lite-ep2": ("deepseek-v2-lite", 2, {}, Parallelism(ep=2)),
     # Layer counts that no pipeline size divides: Megatron-LM's uneven splits (DeepSeek-V3 has 61 layers).
@@ -164,6 +168,28 @@ def test_mla_yarn_settings_reach_megatron_lms_config_as_megatron_args_sh_says(co
     stored = read_args(iteration_dir(ckpt))
     assert (config.beta_fast, config.beta_slow, config.original_max_position_embeddings) == (1.0, 1.0, 4096)
     assert (config.rotary_scaling_factor, config.mscale, config.mscale_all_dim) == (stored.rotary_scaling_factor, stored.mscale, stored.mscale_all_dim)
+
+
+@pytest.mark.parametrize("name", ["qwen3-next-tp2ep2", "qwen3.5-tp2pp2"])
+def test_gated_delta_net_reaches_megatron_lms_model_builder(name, converted):
+    """pretrain_gpt.py's path from the printed flags to its model: gpt_config_from_args gives the TransformerConfig
+    of the stored args' gated delta-net layers, and Megatron-LM's GPT builder picks megatron-core's experimental
+    block spec for it (which builds those layers under Transformer Engine only: on GPUs)."""
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.models import gpt as gpt_builder
+
+    _, ckpt = converted(name)
+    argv = script_arrays(ckpt, "MODEL_ARGS", "LOAD_ARGS") + RUN_FLAGS + CPU_FLAGS
+    args = parse_megatron_lm_args(argv, world_size(MODELS[name][3]))
+    config = gpt_config_from_args(args).transformer
+    stored = read_args(iteration_dir(ckpt))
+    fields = ("experimental_attention_variant", "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
+              "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "attention_output_gate")
+    assert {f: getattr(config, f) for f in fields} == {f: getattr(stored, f) for f in fields}
+    assert config.experimental_attention_variant == "gated_delta_net" and config.linear_attention_freq == 4
+    assert config.layernorm_zero_centered_gamma and config.qk_layernorm and args.rotary_percent == 0.25
+    source = inspect.getsource(gpt_builder)
+    assert "get_transformer_block_with_experimental_attention_variant_spec(config=transformer_cfg" in source
 
 
 SPLITS = [
