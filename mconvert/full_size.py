@@ -163,7 +163,8 @@ def write_random_hf_checkpoint(
     # transformers' model is built unquantized (a quantization_config would have it quantize the model).
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     hf_config = transformers.AutoConfig.for_model(**as_transformers_builds(config))
-    dtype = getattr(torch, config.get("torch_dtype", "float32"))
+    # An image-text config names its dtype in its text_config.
+    dtype = getattr(torch, config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype") or "float32")
     with torch.device("meta"):
         # An image-text checkpoint (text_config beside vision_config) is made whole, vision tower included.
         auto = transformers.AutoModelForImageTextToText if "text_config" in config else transformers.AutoModelForCausalLM

@@ -46,6 +46,12 @@ def _model(spec: ModelSpec) -> dict[str, Any]:
     model = {name: getattr(spec, name) for name in _MODEL_FIELDS}
     if spec.moe is not None:
         model |= {"num_experts": spec.moe.num_experts, "moe_router_topk": spec.moe.top_k, "moe_ffn_hidden_size": spec.moe.ffn_hidden_size}
+    if spec.linear_attention is not None:
+        la = spec.linear_attention
+        model |= {
+            "linear_attention_layers": "".join("L" if linear else "F" for linear in la.layers),
+            "linear_num_key_heads": la.key_heads, "linear_num_value_heads": la.value_heads,
+        }
     return model
 
 
