@@ -275,7 +275,7 @@ def _layer_spec(
     """The layer spec Megatron-LM's GPT model provider picks for these args."""
     if getattr(config, "experimental_attention_variant", None) is not None:
         if not use_te:
-            return _linear_attention_block_without_te(config, args)
+            return linear_attention_block_without_te(config, args)
         from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
             get_transformer_block_with_experimental_attention_variant_spec,
         )
@@ -302,7 +302,7 @@ def _layer_spec(
     return spec
 
 
-def _linear_attention_block_without_te(config: TransformerConfig, args: argparse.Namespace) -> TransformerBlockSubmodules:
+def linear_attention_block_without_te(config: TransformerConfig, args: argparse.Namespace) -> TransformerBlockSubmodules:
     """megatron-core's GPT block of a gated delta-net model (Qwen3-Next, Qwen3.5) built from its local modules, for
     CPU ranks: megatron-core builds these models only under Transformer Engine, whose fused norm-and-linear
     in_proj and zero-centred norms have no local module. This stage's layers are the local spec's (dense and MoE
@@ -317,7 +317,10 @@ def _linear_attention_block_without_te(config: TransformerConfig, args: argparse
     cpu_shims.gated_delta_net_without_fla()
     config.deterministic_mode = True
     norm = cpu_shims.rms_norm(config.layernorm_zero_centered_gamma)
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=args.normalization)
+    # The local layers of this stage, as for a model without the variant (megatron-core 0.19 refuses it there).
+    plain = copy.copy(config)
+    plain.experimental_attention_variant = None
+    block = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, normalization=args.normalization)
     linear = _linear_layers(config)
     offset = get_transformer_layer_offset(config)
     # The local spec repeats one spec object for alike layers: each is changed on a copy of its own.

@@ -262,7 +262,7 @@ def run_megatron_lm(name: str, argv: list[str]) -> torch.Tensor:
 # DotProductAttention does not take; megatron-core's judge (tests/test_deepseek_megatron.py) shims that.
 @pytest.mark.parametrize(
     "name", ["llama3.1-tp2", "mistral-window-tp2", "gpt-oss-tp2ep2etp1", "qwen3-pp2", "qwen2moe-ep2", "qwen3moe-dense-first-tp2ep2etp1", "glm4.5-air-pp2",
-             "qwen3-pp2-first-stage-1", "llama3.1-pp2-embedding-counts", "qwen2.5-pp2-layout"]
+             "qwen3-pp2-first-stage-1", "llama3.1-pp2-embedding-counts", "qwen2.5-pp2-layout", "qwen3-next-tp2ep2", "qwen3.5-tp2pp2"]
 )
 def test_megatron_lm_load_checkpoint_gives_transformers_logits(name, converted):
     hf, ckpt = converted(name)
@@ -304,7 +304,7 @@ def megatron_lm_save(argv: list[str], iteration: int) -> None:
     save_checkpoint(iteration, model, None, None, 0)
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-tp2", "qwen2moe-ep2", "qwen3-pp2-first-stage-1"])
+@pytest.mark.parametrize("name", ["qwen2.5-tp2", "qwen2moe-ep2", "qwen3-pp2-first-stage-1", "qwen3-next-tp2ep2"])
 def test_a_megatron_lm_training_save_exports_bit_identically(name, converted, tmp_path):
     """Megatron-LM's own save (iteration directory, common state in the DCP files, args with its enums and
     0.19 names; with its layers split unevenly over the pipeline stages) of the loaded checkpoint exports to
