@@ -170,6 +170,21 @@ def test_the_vision_tower_is_left_out_and_said_so_and_the_way_back_needs_the_ori
     assert not (tmp_path / "back").exists()
 
 
+def test_the_multi_token_prediction_layer_is_left_out_and_said_so(made, tmp_path):
+    """The hub's Qwen3-Next holds its MTP layer under `mtp.` (transformers drops it): not converted, and said so."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    source = made("qwen3-next-80b-a3b-instruct")
+    (hf / "config.json").write_text((source / "config.json").read_text())
+    tensors = load_file(source / "model.safetensors")
+    hidden = tensors["model.norm.weight"].shape[0]
+    mtp = {"mtp.fc.weight": torch.zeros(hidden, 2 * hidden), "mtp.norm.weight": torch.zeros(hidden)}
+    save_file({**tensors, **mtp}, hf / "model.safetensors", metadata={"format": "pt"})
+    out = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "mcore")
+    assert out.returncode == 0, out.stderr
+    assert f"left out the multi-token prediction layer (Megatron-LM 0.19.2 builds none beside gated delta-net) of {hf}: 2 tensors" in out.stdout
+
+
 def test_local_transformer_impl_is_refused_in_one_line(made, tmp_path):
     out = run_cli("hf-to-mcore", "--load-dir", made("qwen3.5-0.8b"), "--save-dir", tmp_path / "mcore", "--transformer-impl", "local")
     assert_one_line_error(out, "--transformer-impl local", "transformer_engine", code=1)

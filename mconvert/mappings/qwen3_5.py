@@ -34,7 +34,7 @@ TEXT_TABLE = Table(
     dense_mlp=llama.DENSE_MLP,
     moe_mlp=qwen2_moe.ROUTER + qwen2_moe.SHARED_EXPERT,
     fused_experts=qwen2_moe.FUSED_EXPERTS,
-    left_out=(("mtp.", "the multi-token prediction layer (not converted yet)"), ("model.visual.", "the vision tower")),
+    left_out=(("mtp.", qwen3_next.MTP_LEFT_OUT), ("model.visual.", "the vision tower")),
 )
 
 # The image-text checkpoints: the same language model one level down.

@@ -192,6 +192,20 @@ def test_gated_delta_net_reaches_megatron_lms_model_builder(name, converted):
     assert "get_transformer_block_with_experimental_attention_variant_spec(config=transformer_cfg" in source
 
 
+def test_megatron_lm_builds_no_mtp_block_beside_gated_delta_net(converted):
+    """Why hf-to-mcore leaves Qwen3-Next's and Qwen3.5's multi-token prediction layer out (and says so): Megatron-LM
+    0.19.2's mtp_block_spec asks get_gpt_decoder_layer_specs for the decoder's last layer, which refuses the
+    attention variant."""
+    from megatron.training.argument_utils import gpt_config_from_args
+    from megatron.training.models import gpt as gpt_builder
+
+    _, ckpt = converted("qwen3-next-tp2ep2")
+    argv = script_arrays(ckpt, "MODEL_ARGS", "LOAD_ARGS") + RUN_FLAGS + CPU_FLAGS + ["--mtp-num-layers", "1"]
+    config = gpt_config_from_args(parse_megatron_lm_args(argv, 4))
+    with pytest.raises(AssertionError, match="Experimental attention variant is not supported"):
+        gpt_builder.mtp_block_spec(config, transformer_layer_spec=None)
+
+
 SPLITS = [
     PipelineSplit(), PipelineSplit(first_stage_layers=1), PipelineSplit(last_stage_layers=2),
     PipelineSplit(first_stage_layers=1, last_stage_layers=1), PipelineSplit(first_stage_layers=3), PipelineSplit(first_stage_layers=0),
