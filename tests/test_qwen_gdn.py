@@ -185,6 +185,20 @@ def test_the_multi_token_prediction_layer_is_left_out_and_said_so(made, tmp_path
     assert f"left out the multi-token prediction layer (Megatron-LM 0.19.2 builds none beside gated delta-net) of {hf}: 2 tensors" in out.stdout
 
 
+def test_tp_above_the_query_groups_is_converted_and_megatron_core_0_16_says_it_cannot_run_it(made, tmp_path):
+    """Qwen3-Next has 2 key-value heads: megatron-core takes TP 4 and 8 (a multiple of them), splitting the fused
+    QKV's rows evenly; 0.16.1's output gate there is wrong, which verify says in one line (megatron-core 0.19.2
+    runs it: tests/megatron_lm). TP 3, neither a divisor nor a multiple, is refused before anything is written."""
+    hf = tmp_path / "hf"
+    make_hf_checkpoint(shrink(real_config("qwen3-next-80b-a3b-instruct"), layers=4, linear_num_key_heads=4, linear_num_value_heads=8), hf)
+    assert run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "mcore", "--tp", "4").returncode == 0
+    failed = run_cli("verify", "--hf", hf, "--mcore", tmp_path / "mcore", "--tp", "4", "--device", "cpu")
+    assert_one_line_error(failed, "TP 4", "query groups", "0.19", code=2)
+    refused = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "tp3", "--tp", "3")
+    assert_one_line_error(refused, "--tp 3", code=1)
+    assert not (tmp_path / "tp3").exists()
+
+
 def test_local_transformer_impl_is_refused_in_one_line(made, tmp_path):
     out = run_cli("hf-to-mcore", "--load-dir", made("qwen3.5-0.8b"), "--save-dir", tmp_path / "mcore", "--transformer-impl", "local")
     assert_one_line_error(out, "--transformer-impl local", "transformer_engine", code=1)

@@ -152,10 +152,20 @@ class Parallelism:
         for flag, size in (("--tp", self.tp), ("--pp", self.pp), ("--ep", self.ep), ("--etp", self.expert_tp)):
             if size < 1:
                 raise ConversionError(f"{flag} {size}: must be at least 1")
-        checks = [
-            ("--tp", self.tp, "num_attention_heads", spec.num_attention_heads),
-            ("--tp", self.tp, "num_key_value_heads (query groups)", spec.num_query_groups),
-        ]
+        checks = [("--tp", self.tp, "num_attention_heads", spec.num_attention_heads)]
+        if self.tp <= spec.num_query_groups:
+            checks.append(("--tp", self.tp, "num_key_value_heads (query groups)", spec.num_query_groups))
+        elif self.tp % spec.num_query_groups:
+            raise ConversionError(
+                f"--tp {self.tp}: neither divides nor is a multiple of num_key_value_heads ({spec.num_query_groups}), as "
+                "megatron-core requires"
+            )
+        else:
+            # Above the query groups, megatron-core splits the fused QKV's rows evenly still (each rank gathers
+            # the group it reads): the rows must divide.
+            gated = 2 if spec.attention_output_gate else 1
+            rows = spec.num_query_groups * (gated * spec.num_attention_heads // spec.num_query_groups + 2) * spec.head_dim
+            checks.append(("--tp", self.tp, "the fused QKV's rows", rows))
         if spec.moe is None or not all(spec.moe.moe_layers):
             checks.append(("--tp", self.tp, "intermediate_size", spec.ffn_hidden_size))
         if spec.linear_attention is not None:

@@ -163,6 +163,9 @@ def verify(request: VerifyRequest) -> Report:
         raise ConversionError(f"--hf {request.hf_dir}: no config.json")
     stored = read_args(iteration_dir(request.mcore_dir))
     hf_spec = check_architecture(request.hf_dir, stored)
+    from mconvert.verify.megatron_model import require_output_gate_above_query_groups
+
+    require_output_gate_above_query_groups(stored, par.tp)
     # The rules hf-to-mcore checks a layout by, for the MTP layers the checkpoint holds (--no-mtp leaves them out).
     par.validate(dataclasses.replace(hf_spec, mtp_layers=getattr(stored, "mtp_num_layers", None) or 0))
     pipeline = par.pipeline.args(par.pp)

@@ -63,6 +63,8 @@ MODELS = {
     # gated shared expert; Qwen3.5 as its image-text checkpoint.
     "qwen3-next-tp2ep2": ("qwen3-next-80b-a3b-instruct", 4, {}, Parallelism(tp=2, ep=2)),
     "qwen3.5-tp2pp2": ("qwen3.5-0.8b", 4, {}, Parallelism(tp=2, pp=2)),
+    # TP above the 2 query groups (megatron-core splits the fused QKV's rows evenly still; 4 linear key heads).
+    "qwen3-next-tp4": ("qwen3-next-80b-a3b-instruct", 4, {"linear_num_key_heads": 4, "linear_num_value_heads": 8}, Parallelism(tp=4)),
     # Multi-latent attention without a query bottleneck (q_lora_rank null), softmax routing.
     "deepseek-v2-lite-ep2": ("deepseek-v2-lite", 2, {}, Parallelism(ep=2)),
     # Layer counts that no pipeline size divides: Megatron-LM's uneven splits (DeepSeek-V3 has 61 layers).
@@ -276,7 +278,7 @@ def run_megatron_lm(name: str, argv: list[str]) -> torch.Tensor:
 # DotProductAttention does not take; megatron-core's judge (tests/test_deepseek_megatron.py) shims that.
 @pytest.mark.parametrize(
     "name", ["llama3.1-tp2", "mistral-window-tp2", "gpt-oss-tp2ep2etp1", "qwen3-pp2", "qwen2moe-ep2", "qwen3moe-dense-first-tp2ep2etp1", "glm4.5-air-pp2",
-             "qwen3-pp2-first-stage-1", "llama3.1-pp2-embedding-counts", "qwen2.5-pp2-layout", "qwen3-next-tp2ep2", "qwen3.5-tp2pp2"]
+             "qwen3-pp2-first-stage-1", "llama3.1-pp2-embedding-counts", "qwen2.5-pp2-layout", "qwen3-next-tp2ep2", "qwen3.5-tp2pp2", "qwen3-next-tp4"]
 )
 def test_megatron_lm_load_checkpoint_gives_transformers_logits(name, converted):
     hf, ckpt = converted(name)
