@@ -84,8 +84,7 @@ def test_unknown_architecture(hf, tmp_path, capsys):
 @pytest.mark.parametrize(
     "flags, named",
     [
-        (["--tp", "3"], "--tp 3"),  # 4 heads, 2 query groups
-        (["--tp", "4"], "query groups"),
+        (["--tp", "3"], "--tp 3"),  # 4 heads, 2 query groups (--tp 4, a multiple of them, megatron-core takes)
         (["--pp", "3"], "--pp 3 does not divide num_hidden_layers (2): split the layers unevenly"),  # 2 layers
         (["--pp", "2", "--decoder-first-pipeline-num-layers", "3"], "take 3 layers, the model has 2"),
         (["--pp", "2", "--decoder-last-pipeline-num-layers", "0"], "--decoder-last-pipeline-num-layers 0: must be at least 1"),

@@ -40,7 +40,7 @@ def test_inspect_torch_dist(converted, capsys):
     assert report["written_for"] == {"tp": 2, "pp": 1, "ep": 1, "etp": 2, "pipeline_split": []}
     # vocab 1000 padded to a multiple of 128 x 2: 1024 rows; TP 1 pads to 1024 as well, TP 4 to 1536.
     assert report["vocab"] == {"size": 1000, "stored_rows": 1024, "padding": 24, "make_vocab_size_divisible_by": 128}
-    assert report["suits"] == {"tp": [1, 2], "pp": [1, 2], "ep": [1]}
+    assert report["suits"] == {"tp": [1, 2, 4], "pp": [1, 2], "ep": [1]}
     assert report["args"]["tensor_model_parallel_size"] == 2
     tensors = {t["name"]: t for t in report["tensors"]}
     assert tensors["embedding.word_embeddings.weight"] == {
@@ -58,7 +58,7 @@ def test_inspect_hf(converted, capsys):
     code, report = inspect_json(capsys, str(hf))
     assert code == 0 and report["format"] == "hf" and report["architecture"] == "Qwen2ForCausalLM"
     assert {"name": "model.embed_tokens.weight", "shape": [1000, 64], "dtype": "float32", "file": "model.safetensors"} in report["tensors"]
-    assert report["suits"]["tp"] == [1, 2]  # 2 query groups
+    assert report["suits"]["tp"] == [1, 2, 4]  # 4 heads; 2 query groups, which TP may divide or be a multiple of
     assert report["files"]["manifest"] is False
 
 
