@@ -15,8 +15,8 @@ import dataclasses
 from typing import Any
 
 from mconvert.errors import ConversionError
-from mconvert.mappings import llama, qwen2_moe, qwen3_next
-from mconvert.mappings.family import Family, Table
+from mconvert.mappings import qwen2_moe, qwen3_next
+from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec, read_dense_spec, write_dense_config
 from mconvert.mappings.transforms import Rename, Section
 
@@ -27,13 +27,11 @@ LINEAR_ATTENTION = qwen3_next.DELTA_NET_REST + (
     Rename("self_attention.in_proj.weight.alpha", "linear_attn.in_proj_a.weight"),
 )
 
-TEXT_TABLE = Table(
-    model=llama.MODEL,
-    attention=llama.ATTENTION,
+# Qwen3-Next's table with the delta-net's projections one by one, and the experts only fused (as the hub has them).
+TEXT_TABLE = dataclasses.replace(
+    qwen3_next.TABLE,
     linear_attention=LINEAR_ATTENTION,
-    dense_mlp=llama.DENSE_MLP,
-    moe_mlp=qwen2_moe.ROUTER + qwen2_moe.SHARED_EXPERT,
-    fused_experts=qwen2_moe.FUSED_EXPERTS,
+    experts=(),
     left_out=(("mtp.", qwen3_next.MTP_LEFT_OUT), ("model.visual.", "the vision tower")),
 )
 
