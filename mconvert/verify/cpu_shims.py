@@ -7,7 +7,9 @@ they only patch CUDA-only entry points that would otherwise raise without a GPU.
 processes that run megatron-core on CPU (never on CUDA ranks).
 """
 
+import argparse
 import contextlib
+import copy
 import types
 
 import torch
@@ -186,3 +188,51 @@ def rms_norm(zero_centered: bool) -> type:
             return (y * weight).to(x.dtype)
 
     return RMSNorm
+
+
+def linear_attention_block_without_te(config: object, args: argparse.Namespace) -> object:
+    """megatron-core's GPT block of a gated delta-net model (Qwen3-Next, Qwen3.5) built from its local modules, for
+    CPU ranks: megatron-core builds these models only under Transformer Engine, whose fused norm-and-linear
+    in_proj and zero-centred norms have no local module. This stage's layers are the local spec's (dense and MoE
+    as the args mix them); the linear-attention ones get megatron-core's own GatedDeltaNet with a local in_proj
+    after the layer's input norm, stored under the fused module's key (as the local spec stores every norm it
+    unfuses), run by its PyTorch path (`deterministic_mode`: its convolution and chunked delta rule in torch,
+    see gated_delta_net_without_fla); every norm is zero-centred where the args say."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    gated_delta_net_without_fla()
+    config.deterministic_mode = True
+    norm = rms_norm(config.layernorm_zero_centered_gamma)
+    # The local layers of this stage, as for a model without the variant (megatron-core 0.19 refuses it there).
+    plain = copy.copy(config)
+    plain.experimental_attention_variant = None
+    block = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, normalization=args.normalization)
+    linear = _linear_layers(config)
+    offset = get_transformer_layer_offset(config)
+    # The local spec repeats one spec object for alike layers: each is changed on a copy of its own.
+    block.layer_specs = [copy.deepcopy(layer) for layer in block.layer_specs]
+    for number, layer in enumerate(block.layer_specs, offset):
+        layer = layer.submodules
+        layer.input_layernorm = layer.pre_mlp_layernorm = norm
+        keys = dict(layer.sharded_state_dict_keys_map or {})
+        if linear[number]:
+            layer.self_attention = ModuleSpec(
+                module=GatedDeltaNet,
+                submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear),
+            )
+            keys["input_layernorm."] = "self_attention.in_proj.layer_norm_"
+        else:
+            layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = norm
+        layer.sharded_state_dict_keys_map = keys
+    block.layer_norm = norm
+    return block
+
+
+def _linear_layers(config: object) -> list[bool]:
+    """Per layer, whether it has linear attention: megatron-core's linear_attention_freq (every N-th layer full)."""
+    freq = config.linear_attention_freq
+    return [bool(x) for x in freq] if isinstance(freq, list) else [bool((i + 1) % freq) for i in range(config.num_layers)]

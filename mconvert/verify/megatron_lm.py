@@ -87,7 +87,7 @@ def build_model_as_pretrain_gpt(args: argparse.Namespace, pre_process: bool, pos
     )
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from mconvert.verify.megatron_model import linear_attention_block_without_te
+    from mconvert.verify.cpu_shims import linear_attention_block_without_te
 
     config = core_transformer_config_from_args(args)
     use_te = args.transformer_impl == "transformer_engine"

@@ -7,7 +7,6 @@ that load it: torch_dist checkpoints are layout-independent.
 """
 
 import argparse
-import copy
 import importlib.util
 from typing import Literal
 
@@ -287,7 +286,7 @@ def _layer_spec(
     """The layer spec Megatron-LM's GPT model provider picks for these args."""
     if getattr(config, "experimental_attention_variant", None) is not None:
         if not use_te:
-            return linear_attention_block_without_te(config, args)
+            return cpu_shims.linear_attention_block_without_te(config, args)
         from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
             get_transformer_block_with_experimental_attention_variant_spec,
         )
@@ -312,52 +311,6 @@ def _layer_spec(
     if config.multi_latent_attention and not use_te:
         _fit_local_mla(spec)
     return spec
-
-
-def linear_attention_block_without_te(config: TransformerConfig, args: argparse.Namespace) -> TransformerBlockSubmodules:
-    """megatron-core's GPT block of a gated delta-net model (Qwen3-Next, Qwen3.5) built from its local modules, for
-    CPU ranks: megatron-core builds these models only under Transformer Engine, whose fused norm-and-linear
-    in_proj and zero-centred norms have no local module. This stage's layers are the local spec's (dense and MoE
-    as the args mix them); the linear-attention ones get megatron-core's own GatedDeltaNet with a local in_proj
-    after the layer's input norm, stored under the fused module's key (as the local spec stores every norm it
-    unfuses), run by its PyTorch path (`deterministic_mode`: its convolution and chunked delta rule in torch,
-    see cpu_shims.gated_delta_net_without_fla); every norm is zero-centred where the args say."""
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    cpu_shims.gated_delta_net_without_fla()
-    config.deterministic_mode = True
-    norm = cpu_shims.rms_norm(config.layernorm_zero_centered_gamma)
-    # The local layers of this stage, as for a model without the variant (megatron-core 0.19 refuses it there).
-    plain = copy.copy(config)
-    plain.experimental_attention_variant = None
-    block = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, normalization=args.normalization)
-    linear = _linear_layers(config)
-    offset = get_transformer_layer_offset(config)
-    # The local spec repeats one spec object for alike layers: each is changed on a copy of its own.
-    block.layer_specs = [copy.deepcopy(layer) for layer in block.layer_specs]
-    for number, layer in enumerate(block.layer_specs, offset):
-        layer = layer.submodules
-        layer.input_layernorm = layer.pre_mlp_layernorm = norm
-        keys = dict(layer.sharded_state_dict_keys_map or {})
-        if linear[number]:
-            layer.self_attention = ModuleSpec(
-                module=GatedDeltaNet,
-                submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear),
-            )
-            keys["input_layernorm."] = "self_attention.in_proj.layer_norm_"
-        else:
-            layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = norm
-        layer.sharded_state_dict_keys_map = keys
-    block.layer_norm = norm
-    return block
-
-
-def _linear_layers(config: TransformerConfig) -> list[bool]:
-    """Per layer, whether it has linear attention: megatron-core's linear_attention_freq (every N-th layer full)."""
-    freq = config.linear_attention_freq
-    return [bool(x) for x in freq] if isinstance(freq, list) else [bool((i + 1) % freq) for i in range(config.num_layers)]
 
 
 def _fit_local_mla(spec: ModuleSpec | TransformerBlockSubmodules) -> None:
