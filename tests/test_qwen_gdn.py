@@ -2,7 +2,7 @@
 0.16.1's own GPTModel on gloo CPU ranks at TP 2 with EP 2 or PP 2: three gated delta-net layers, then one of
 full attention with an output gate, q/k norms and partial rope, zero-centred norms, MoE with a gated shared
 expert. megatron-core builds gated delta-net only under Transformer Engine; on CPU ranks its own GatedDeltaNet
-runs with local linears and its PyTorch delta rule (mconvert.verify.megatron_model). The prompts are 160
+runs with local linears and its PyTorch delta rule (mconvert.verify.cpu_shims). The prompts are 160
 tokens, three chunks of the delta rule's 64. Planted faults (Qwen3-Next's per-key-head sections read flat, the
 delta-net's output norm not shifted to zero-centred, the norms not zero-centred at all) each move megatron-core's logits away from transformers';
 the conversion back is bit-exact, the vision tower copied from the original."""
