@@ -76,13 +76,14 @@ def require_shared_expert_gate() -> None:
 
 
 def require_output_gate_above_query_groups(args: argparse.Namespace, tp: int) -> None:
-    """megatron-core before 0.19 gates attention with the gates of every head of the group a rank gathers, not
-    of its own heads, at TP above the query groups (0.16.1 fails there; 0.19.2 slices them)."""
+    """megatron-core 0.16.1 cannot run attention with an output gate at TP above the query groups: the gates it
+    takes are those of the whole group a rank gathers, which it fails to shape as its own heads' (0.19.2 slices
+    them to the rank's heads; 0.17 and 0.18 were not tried, and are refused with it)."""
     groups = args.num_query_groups if getattr(args, "group_query_attention", False) else args.num_attention_heads
     if getattr(args, "attention_output_gate", False) and tp > groups and Version(MEGATRON_CORE_VERSION) < Version("0.19"):
         raise ConversionError(
             f"megatron-core {MEGATRON_CORE_VERSION} cannot run attention with an output gate at TP {tp}, above the "
-            f"{groups} query groups (it gates with another head's gates): verify at TP {groups} or below, or with "
+            f"{groups} query groups (its gates are the whole gathered group's): verify at TP {groups} or below, or with "
             "megatron-core 0.19 or later"
         )
 
