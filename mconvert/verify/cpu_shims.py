@@ -198,6 +198,7 @@ def linear_attention_block_without_te(config: object, args: argparse.Namespace) 
     after the layer's input norm, stored under the fused module's key (as the local spec stores every norm it
     unfuses), run by its PyTorch path (`deterministic_mode`: its convolution and chunked delta rule in torch,
     see gated_delta_net_without_fla); every norm is zero-centred where the args say."""
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -211,7 +212,7 @@ def linear_attention_block_without_te(config: object, args: argparse.Namespace) 
     plain = copy.copy(config)
     plain.experimental_attention_variant = None
     block = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, normalization=args.normalization)
-    linear = _linear_layers(config)
+    linear = get_linear_attention_pattern(config)  # 1 where a layer has linear attention
     offset = get_transformer_layer_offset(config)
     # The local spec repeats one spec object for alike layers: each is changed on a copy of its own.
     block.layer_specs = [copy.deepcopy(layer) for layer in block.layer_specs]
@@ -230,9 +231,3 @@ def linear_attention_block_without_te(config: object, args: argparse.Namespace) 
         layer.sharded_state_dict_keys_map = keys
     block.layer_norm = norm
     return block
-
-
-def _linear_layers(config: object) -> list[bool]:
-    """Per layer, whether it has linear attention: megatron-core's linear_attention_freq (every N-th layer full)."""
-    freq = config.linear_attention_freq
-    return [bool(x) for x in freq] if isinstance(freq, list) else [bool((i + 1) % freq) for i in range(config.num_layers)]
