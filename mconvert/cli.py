@@ -130,8 +130,11 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
         print(read_as)
     for what, count in result.left_out:
         print(f"left out {what} of {options.load_dir}: {count} tensors a Megatron GPT checkpoint does not hold")
+    for difference in plan.spec.computed_differently:
+        print(f"note: {difference}")
     if result.dropped_mtp_layers:
-        print(f"left out {result.dropped_mtp_layers} multi-token prediction layer(s) of {options.load_dir} (--no-mtp)")
+        why = plan.family.table.mtp_left_out or "--no-mtp"
+        print(f"left out {result.dropped_mtp_layers} multi-token prediction layer(s) of {options.load_dir} ({why})")
     elif plan.spec.mtp_layers:
         print(f"converted {plan.spec.mtp_layers} multi-token prediction layer(s) (--mtp-num-layers; --no-mtp leaves them out)")
     print(

@@ -91,9 +91,12 @@ def shrink(config: dict[str, Any], layers: int = 2, **overrides: Any) -> dict[st
         small.update(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
         if config.get("q_lora_rank"):
             small["q_lora_rank"] = 40
-    if "linear_num_key_heads" in config:
-        # Gated delta-net: 2 key heads each read by 2 of the 4 value heads, key and value widths apart.
-        small.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24)
+        if "qk_head_dim" in config:
+            small["qk_head_dim"] = 24
+    if "index_topk" in config:
+        # Sparse attention's indexer: a rope part and a wider rest, heads enough that few scores are all-zero
+        # after its ReLU, and a top-k well below the tests' prompts, so that it chooses.
+        small.update(index_n_heads=8, index_head_dim=24, index_topk=32)
     if "linear_num_key_heads" in config:
         # Gated delta-net: 2 key heads each read by 2 of the 4 value heads, key and value widths apart.
         small.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24)

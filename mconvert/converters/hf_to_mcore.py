@@ -265,6 +265,7 @@ def convert_hf_to_mcore(
     check_target(save_dir, overwrite)
     hf = HFCheckpoint(load_dir, fp8_block_size(config), check_finite=not allow_nonfinite)
     held = mtp_layers_held(family, spec, hf.tensors)
+    mtp = mtp and not family.table.mtp_left_out
     spec = dataclasses.replace(spec, mtp_layers=held if mtp else 0)
     plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers(family, spec, hf))
     read = without_mtp_layers(family, spec, hf.tensors, held) if not mtp else hf.tensors

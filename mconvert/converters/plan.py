@@ -186,7 +186,10 @@ def build_plan(
         # A family whose HF models hold their experts only fused (gpt-oss) has no per-expert layout.
         fused = layer in fused_expert_layers or not table.experts
         moe_mlp = table.fused_moe_mlp if fused and table.fused_moe_mlp is not None else table.moe_mlp
-        attention = table.linear_attention if spec.layer_is_linear(min(layer, spec.num_layers - 1)) else table.attention
+        decoder_layer = min(layer, spec.num_layers - 1)
+        attention = table.linear_attention if spec.layer_is_linear(decoder_layer) else table.attention
+        if spec.layer_has_indexer(decoder_layer):
+            attention += table.indexer
         for entry in _active(attention + (moe_mlp if is_moe else table.dense_mlp), spec):
             names = checkpoint_names(entry.mcore, spec, is_moe)
             located = [layer_key(name, layer, spec) for name in names]

@@ -12,6 +12,7 @@ from typing import Any
 from mconvert.errors import ConversionError
 from mconvert.mappings import (
     deepseek,
+    deepseek_v32,
     glm4_moe,
     gpt_oss,
     llama,
@@ -31,7 +32,7 @@ FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
         llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, deepseek.FAMILY, glm4_moe.FAMILY,
-        gpt_oss.FAMILY, qwen3_next.FAMILY, qwen3_5.FAMILY, qwen3_5.TEXT_FAMILY,
+        deepseek_v32.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY, qwen3_5.FAMILY, qwen3_5.TEXT_FAMILY,
     )
 }
 
@@ -120,7 +121,8 @@ def family_for_spec(spec: ModelSpec) -> Family:
     """The family whose architecture has the features of `spec`, for a model known only by its features (as
     Megatron args describe it, naming no family). Gated delta-net layers: Qwen3-Next with experts, Qwen3.5's
     text model without (Qwen3.5's image-text checkpoints and its MoE models are told by their config, as
-    `--hf-config` gives it); multi-latent attention: DeepSeek; experts routed by sigmoid
+    `--hf-config` gives it); sparse attention: DeepSeek-V3.2 (GLM-5.1 where its indexer rotates pairs or
+    shares top-k); multi-latent attention: DeepSeek; experts routed by sigmoid
     scores: GLM-4.5; attention sinks: gpt-oss; experts with a shared expert: Qwen2-MoE; experts with q/k norms: Qwen3-MoE; other
     experts: Mixtral. Dense with q/k norms: Qwen3; with biases on q, k and v only:
     Qwen2; else Llama. Whether the family can express every feature is `write_hf_config`'s check."""
@@ -128,6 +130,8 @@ def family_for_spec(spec: ModelSpec) -> Family:
         name = "qwen3_next" if spec.moe is not None else "qwen3_5_text"
     elif spec.softmax_type == "learnable":
         name = "gpt_oss"
+    elif spec.sparse_attention is not None:
+        name = "deepseek_v32"
     elif spec.mla is not None:
         name = "deepseek"
     elif spec.moe is not None and spec.moe.score_function == "sigmoid":

@@ -18,6 +18,9 @@ from mconvert.mappings.family import Family, Table
 from mconvert.mappings.spec import MLASpec, ModelSpec, MoESpec, read_dense_spec, require, write_dense_config
 from mconvert.mappings.transforms import Concat, Rename
 
+# transformers' latent norms (q_a_layernorm, kv_a_layernorm) have a fixed epsilon whatever rms_norm_eps says.
+LATENT_NORM_EPS = 1e-6
+
 # The latent norms are fused into the up projections under the Transformer Engine spec; mcore/layout.py
 # writes them under the local spec's names (q_layernorm, kv_layernorm) too.
 MLA_ATTENTION = (
@@ -138,22 +141,28 @@ def read_mla(config: dict[str, Any], source: str) -> MLASpec:
     )
 
 
-def read_config(config: dict[str, Any], source: str = "config.json") -> ModelSpec:
-    sigmoid = FAMILY.hf_model_type(config) == "deepseek_v3"
+def read_mla_model(config: dict[str, Any], family: str, sigmoid: bool, source: str) -> ModelSpec:
+    """A DeepSeek-style model: multi-latent attention, dense layers first, then routed and shared experts."""
     mla = read_mla(config, source)
-    # HF's latent norms have transformers' default epsilon 1e-6; Megatron uses one epsilon for every norm.
-    eps = float(config.get("rms_norm_eps", 1e-6))
-    if eps != 1e-6:
-        raise ConversionError(f"{source}: rms_norm_eps {eps:g} differs from the latent norms' fixed 1e-6, which Megatron cannot express")
     spec = read_dense_spec(
         config,
-        "deepseek",
+        family,
         source,
         head_dim=mla.qk_head_dim + mla.qk_pos_emb_head_dim,
         num_query_groups=config["num_attention_heads"],
         mla=mla,
     )
-    return dataclasses.replace(spec, moe=read_moe(config, spec.num_layers, sigmoid, source))
+    computed_differently = ()
+    if spec.norm_eps != LATENT_NORM_EPS:
+        computed_differently = (
+            f"transformers normalises the attention latents with epsilon {LATENT_NORM_EPS:g} and the rest with "
+            f"rms_norm_eps {spec.norm_eps:g}; megatron-core has one epsilon for every norm ({spec.norm_eps:g})",
+        )
+    return dataclasses.replace(spec, moe=read_moe(config, spec.num_layers, sigmoid, source), computed_differently=computed_differently)
+
+
+def read_config(config: dict[str, Any], source: str = "config.json") -> ModelSpec:
+    return read_mla_model(config, "deepseek", FAMILY.hf_model_type(config) == "deepseek_v3", source)
 
 
 def write_moe(config: dict[str, Any], spec: ModelSpec, family: str) -> dict[str, Any]:

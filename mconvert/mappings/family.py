@@ -39,6 +39,11 @@ class Table:
     # The attention of layers that have gated delta-net linear attention (ModelSpec.linear_attention) in place
     # of `attention`.
     linear_attention: tuple[Entry, ...] = ()
+    # The sparse-attention indexer of layers that run one (ModelSpec.sparse_attention), beside `attention`.
+    indexer: tuple[Entry, ...] = ()
+    # Why the multi-token prediction layers an HF checkpoint holds are left out (Megatron-LM builds none beside
+    # the model's attention variant); empty where they convert.
+    mtp_left_out: str = ""
     # HF tensors that a Megatron GPT checkpoint does not hold, by name prefix, with what they are (an
     # image-text checkpoint's vision tower): not converted, and the conversion's summary says so.
     left_out: tuple[tuple[str, str], ...] = ()

@@ -84,6 +84,23 @@ class LinearAttentionSpec:
 
 
 @dataclass(frozen=True)
+class SparseAttentionSpec:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5.1): a lightning indexer scores every earlier token for
+    each query (`index_heads` heads of `index_head_dim`, their first qk_pos_emb_head_dim dims rotated) and
+    multi-latent attention attends to the best `topk` only. Layers that `indexer_layers` marks False run no
+    indexer and reuse the top-k of the last layer that did (GLM's shared layers)."""
+
+    index_heads: int
+    index_head_dim: int
+    topk: int
+    # Whether the indexer's rope rotates interleaved pairs (GLM-5.1) or the two halves (DeepSeek-V3.2).
+    rope_interleaved: bool
+    indexer_layers: tuple[bool, ...]
+    # The indexer's key norm (a LayerNorm with bias) has its own epsilon in transformers: 1e-6.
+    key_norm_eps: float = 1e-6
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     family: str
     num_layers: int
@@ -122,6 +139,8 @@ class ModelSpec:
     activation_clamp: float | None = None
     # Gated delta-net layers beside the full-attention ones; None: full attention everywhere.
     linear_attention: LinearAttentionSpec | None = None
+    # DeepSeek Sparse Attention's indexer beside multi-latent attention; None: dense attention.
+    sparse_attention: SparseAttentionSpec | None = None
     # Full attention's output multiplied by sigmoid of a gate that the query projection also makes, one per
     # head dimension (Qwen3-Next's q_proj holds each head's query and gate side by side).
     attention_output_gate: bool = False
@@ -129,6 +148,9 @@ class ModelSpec:
     zero_centered_norms: bool = False
     # Dropout on attention probabilities in training (HF `attention_dropout`); no effect on the weights.
     attention_dropout: float = 0.0
+    # What megatron-core computes differently from transformers for this model, where no setting reconciles them
+    # (each conversion says so; the verifier measures it).
+    computed_differently: tuple[str, ...] = field(default=(), compare=False)
     # The config.json the spec was read from, kept so the way back can restore fields Megatron has no use for.
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -139,7 +161,11 @@ class ModelSpec:
     @property
     def uniform_layers(self) -> bool:
         """Megatron stacks layers along one axis only when all layers have the same modules."""
-        return (self.moe is None or len(set(self.moe.moe_layers)) == 1) and self.linear_attention is None
+        shared_top_k = self.sparse_attention is not None and not all(self.sparse_attention.indexer_layers)
+        return (self.moe is None or len(set(self.moe.moe_layers)) == 1) and self.linear_attention is None and not shared_top_k
+
+    def layer_has_indexer(self, layer: int) -> bool:
+        return self.sparse_attention is not None and self.sparse_attention.indexer_layers[layer]
 
     def layer_is_linear(self, layer: int) -> bool:
         return self.linear_attention is not None and self.linear_attention.layers[layer]

@@ -144,8 +144,9 @@ def _gated_delta_net_layout(name: str, spec: ModelSpec, par: Parallelism) -> Ten
 
 
 def _mla_layout(name: str, spec: ModelSpec, par: Parallelism) -> TensorLayout:
-    """Multi-latent attention's tensors. The down projections are replicated across TP ranks (Transformer
-    Engine's duplicated linears); the up projections split whole heads; linear_proj splits its input."""
+    """Multi-latent attention's tensors, and its sparse-attention indexer's. The down projections are replicated
+    across TP ranks (Transformer Engine's duplicated linears); the up projections split whole heads; linear_proj
+    splits its input."""
     mla, heads, H = spec.mla, spec.num_attention_heads, spec.hidden_size
     q_head = mla.qk_head_dim + mla.qk_pos_emb_head_dim
     layouts = {
@@ -160,6 +161,15 @@ def _mla_layout(name: str, spec: ModelSpec, par: Parallelism) -> TensorLayout:
         ),
         "self_attention.linear_proj.weight": TensorLayout((H, heads * mla.v_head_dim), 1, par.tp),
     }
+    if (sparse := spec.sparse_attention) is not None:  # the indexer: every tensor whole on every TP rank
+        indexer = "self_attention.core_attention.indexer."
+        layouts.update({
+            indexer + "linear_wq_b.weight": TensorLayout((sparse.index_heads * sparse.index_head_dim, mla.q_lora_rank)),
+            indexer + "linear_wk.weight": TensorLayout((sparse.index_head_dim, H)),
+            indexer + "k_norm.weight": TensorLayout((sparse.index_head_dim,)),
+            indexer + "k_norm.bias": TensorLayout((sparse.index_head_dim,)),
+            indexer + "linear_weights_proj.weight": TensorLayout((sparse.index_heads, H)),
+        })
     if name not in layouts:
         raise ConversionError(f"no Megatron layout known for multi-latent attention tensor '{name}'")
     return layouts[name]

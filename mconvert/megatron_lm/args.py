@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from mconvert.errors import ConversionError
+from mconvert.mappings.deepseek_v32 import shared_top_k_schedule
 from mconvert.mappings.rope import RopeScaling
 from mconvert.mappings.spec import ModelSpec, MoESpec
 from mconvert.mcore.parallelism import Parallelism, PipelineSplit, padded_vocab_size
@@ -55,6 +56,9 @@ MEGATRON_LM_DEFAULTS: dict[str, Any] = {
     "yarn_correction_range_round_to_int": None, "bias_dropout_fusion": True, "attention_output_gate": False,
     "experimental_attention_variant": None, "linear_attention_freq": None, "linear_conv_kernel_dim": 4,
     "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "dsa_indexer_n_heads": None, "dsa_indexer_head_dim": None, "dsa_indexer_topk": None, "dsa_indexer_topk_freq": 1,
+    "dsa_indexer_skip_topk_offset": 0, "dsa_indexer_rope_interleaved": False, "dsa_indexer_rotate_activation": True,
+    "dsa_indexer_scoring_relu": True, "dsa_indexer_k_norm_epsilon": None, "sequence_parallel": False,
 }
 # Args whose name in Megatron-LM 0.19 (its parser's dest, after TransformerConfig's field) differs from the
 # flag's, and from the name earlier Megatron-LM versions store: both names are written, either is read.
@@ -186,7 +190,32 @@ def megatron_args(
         args.update(_mla_args(spec))
     if spec.linear_attention is not None:
         args.update(_linear_attention_args(spec, transformer_impl))
+    if spec.sparse_attention is not None:
+        args.update(_sparse_attention_args(spec, par, transformer_impl))
     return argparse.Namespace(**args)
+
+
+def _sparse_attention_args(spec: ModelSpec, par: Parallelism, transformer_impl: str) -> dict[str, Any]:
+    """DeepSeek Sparse Attention, which megatron-core builds only under the Transformer Engine spec, with sequence
+    parallelism at TP > 1 (its absorbed MLA requires it). No Hadamard rotation before scoring (see
+    mconvert.mappings.deepseek_v32); the key norm's own epsilon where it differs from the model's; the top-k
+    shared as the layers without an indexer say."""
+    sparse = spec.sparse_attention
+    if transformer_impl != "transformer_engine":
+        raise ConversionError(f"--transformer-impl {transformer_impl}: megatron-core builds sparse-attention layers only under transformer_engine")
+    freq, offset = shared_top_k_schedule(sparse.indexer_layers) if not all(sparse.indexer_layers) else (1, 0)
+    return dict(
+        experimental_attention_variant="dsa",
+        sequence_parallel=par.tp > 1,
+        dsa_indexer_n_heads=sparse.index_heads,
+        dsa_indexer_head_dim=sparse.index_head_dim,
+        dsa_indexer_topk=sparse.topk,
+        dsa_indexer_topk_freq=freq,
+        dsa_indexer_skip_topk_offset=offset,
+        dsa_indexer_rope_interleaved=sparse.rope_interleaved,
+        dsa_indexer_rotate_activation=False,
+        dsa_indexer_k_norm_epsilon=sparse.key_norm_eps if sparse.key_norm_eps != spec.norm_eps else None,
+    )
 
 
 def _linear_attention_args(spec: ModelSpec, transformer_impl: str) -> dict[str, Any]:

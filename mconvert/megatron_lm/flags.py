@@ -55,6 +55,8 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         *pipeline_split_flags(PipelineSplit.from_args(a)),
         f"--transformer-impl {a.transformer_impl}",
     ]
+    if getattr(a, "sequence_parallel", False):
+        flags.append("--sequence-parallel")
     if a.rotary_percent != 1.0:
         flags.append(f"--rotary-percent {a.rotary_percent:g}")
     if a.group_query_attention:
@@ -131,6 +133,26 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         flags.append(f"--mtp-num-layers {a.mtp_num_layers}")
     if getattr(a, "experimental_attention_variant", None) == "gated_delta_net":
         flags += _linear_attention_flags(a)
+    if getattr(a, "experimental_attention_variant", None) == "dsa":
+        flags += _sparse_attention_flags(a)
+    return flags
+
+
+def _sparse_attention_flags(a: argparse.Namespace) -> list[str]:
+    flags = [
+        "--experimental-attention-variant dsa",
+        f"--dsa-indexer-n-heads {a.dsa_indexer_n_heads}",
+        f"--dsa-indexer-head-dim {a.dsa_indexer_head_dim}",
+        f"--dsa-indexer-topk {a.dsa_indexer_topk}",
+    ]
+    if a.dsa_indexer_topk_freq != 1:
+        flags += [f"--dsa-indexer-topk-freq {a.dsa_indexer_topk_freq}", f"--dsa-indexer-skip-topk-offset {a.dsa_indexer_skip_topk_offset}"]
+    if a.dsa_indexer_rope_interleaved:
+        flags.append("--dsa-indexer-rope-interleaved")
+    if not a.dsa_indexer_rotate_activation:
+        flags.append("--no-dsa-indexer-rotate-activation")
+    if a.dsa_indexer_k_norm_epsilon is not None:
+        flags.append(f"--dsa-indexer-k-norm-epsilon {a.dsa_indexer_k_norm_epsilon:g}")
     return flags
 
 

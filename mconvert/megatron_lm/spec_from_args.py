@@ -10,7 +10,7 @@ import torch
 
 from mconvert.errors import ConversionError
 from mconvert.mappings.rope import RopeScaling
-from mconvert.mappings.spec import LinearAttentionSpec, MLASpec, ModelSpec, MoESpec
+from mconvert.mappings.spec import LinearAttentionSpec, MLASpec, ModelSpec, MoESpec, SparseAttentionSpec
 from mconvert.megatron_lm.args import MLA_YARN_DEFAULTS, stored_arg
 
 
@@ -52,7 +52,8 @@ def spec_from_args(
         (arg("normalization", "LayerNorm") != "RMSNorm", f"normalization {arg('normalization', 'LayerNorm')} (RMSNorm is supported)"),
         (not arg("swiglu", False) and not arg("quick_geglu", False), "an MLP without SwiGLU or quick-GEGLU"),
         (arg("position_embedding_type", "learned_absolute") not in ("rope", "yarn"), f"position embeddings '{arg('position_embedding_type', 'learned_absolute')}' (rope and yarn are supported)"),
-        (arg("experimental_attention_variant") not in (None, "gated_delta_net"), f"the attention variant '{arg('experimental_attention_variant')}' (gated_delta_net is supported)"),
+        (arg("experimental_attention_variant") not in (None, "gated_delta_net", "dsa"), f"the attention variant '{arg('experimental_attention_variant')}' (gated_delta_net and dsa are supported)"),
+        (not arg("dsa_indexer_scoring_relu", True), "sparse-attention indexer scores without ReLU"),
         (arg("rotary_interleaved", False), "interleaved rotary embeddings"),
         (arg("moe_router_score_function", "softmax") not in ("softmax", "sigmoid"), f"router score function '{arg('moe_router_score_function')}' (softmax and sigmoid are supported)"),
     ]
@@ -131,6 +132,19 @@ def spec_from_args(
             conv_kernel=arg("linear_conv_kernel_dim", 4),
             layers=_linear_layers(arg("linear_attention_freq"), args.num_layers),
         )
+    sparse_attention: SparseAttentionSpec | None = None
+    if arg("experimental_attention_variant") == "dsa":
+        norm_eps = arg("dsa_indexer_k_norm_epsilon")
+        freq, offset = arg("dsa_indexer_topk_freq", 1) or 1, arg("dsa_indexer_skip_topk_offset", 0) or 0
+        sparse_attention = SparseAttentionSpec(
+            index_heads=args.dsa_indexer_n_heads,
+            index_head_dim=args.dsa_indexer_head_dim,
+            topk=args.dsa_indexer_topk,
+            rope_interleaved=bool(arg("dsa_indexer_rope_interleaved", False)),
+            # megatron-core's rule for the 1-numbered layers that run an indexer (its is_dsa_skip_topk_layer).
+            indexer_layers=tuple(max(n - max(offset, 1), 0) % freq == 0 for n in range(1, args.num_layers + 1)),
+            key_norm_eps=float(norm_eps if norm_eps is not None else arg("layernorm_epsilon", 1e-5)),
+        )
     linear_bias = bool(arg("add_bias_linear", True))
     window, skip = arg("window_size"), arg("window_attn_skip_freq")
     if window is not None and window[1] != 0:
@@ -172,6 +186,7 @@ def spec_from_args(
         activation_clamp=arg("activation_func_clamp_value"),
         attention_dropout=float(arg("attention_dropout", 0.1)),
         linear_attention=linear_attention,
+        sparse_attention=sparse_attention,
         attention_output_gate=bool(arg("attention_output_gate", False)),
         zero_centered_norms=bool(arg("layernorm_zero_centered_gamma", False)),
         hf_config=dict(hf_config or {}),

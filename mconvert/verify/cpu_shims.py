@@ -231,3 +231,73 @@ def linear_attention_block_without_te(config: object, args: argparse.Namespace) 
         layer.sharded_state_dict_keys_map = keys
     block.layer_norm = norm
     return block
+
+
+def duplicated_linear() -> type:
+    """A linear layer whose whole weight every tensor-parallel rank holds: what Transformer Engine's
+    `parallel_mode="duplicated"` TELinear is (the sparse-attention indexer's projections), which the local spec
+    has no module for. Returns (output, None) as megatron's linears do; stored whole, one replica per TP rank."""
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    class DuplicatedLinear(MegatronModule):
+        def __init__(self, input_size: int, output_size: int, *, config: object, init_method: object, bias: bool, **kwargs: object):
+            super().__init__(config)
+            if bias:
+                raise ValueError("the indexer's projections have no bias")
+            self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+            init_method(self.weight)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+            return torch.nn.functional.linear(x, self.weight), None
+
+        def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: object = None) -> dict:
+            return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {}, sharded_offsets)
+
+    return DuplicatedLinear
+
+
+def sparse_attention_block_without_te(config: object, args: argparse.Namespace) -> object:
+    """megatron-core's GPT block of a DeepSeek Sparse Attention model (DeepSeek-V3.2, GLM-5.1) built from its local
+    modules, for CPU ranks: megatron-core builds the `dsa` variant only under Transformer Engine. This stage's
+    layers are the local spec's multi-latent ones (dense and MoE as the args mix them), each with megatron-core's
+    own absorbed MLA and DSAttention as its DSA spec makes them, from local modules: the indexer's duplicated
+    linears (duplicated_linear) and the down projections as the local MLA has them (column-parallel, gathered)."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_dsa_module_spec_for_backend
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class LocalWithDuplicatedLinear(LocalSpecProvider):
+        def linear(self) -> type:
+            return duplicated_linear()
+
+    norm = norm_under_sequence_parallelism()
+    attention = get_dsa_module_spec_for_backend(config, backend=LocalWithDuplicatedLinear())
+    attention.submodules.linear_q_down_proj = attention.submodules.linear_kv_down_proj = ColumnParallelLinear
+    attention.submodules.q_layernorm = attention.submodules.kv_layernorm = norm
+    attention.submodules.core_attention.submodules.indexer.submodules.k_norm = norm
+    plain = copy.copy(config)
+    plain.experimental_attention_variant = None
+    block = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, normalization=args.normalization)
+    block.layer_specs = [copy.deepcopy(layer) for layer in block.layer_specs]
+    for layer in block.layer_specs:
+        layer.submodules.self_attention = attention
+        layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
+    block.layer_norm = norm
+    return block
+
+
+def norm_under_sequence_parallelism() -> type:
+    """megatron-core's torch norm (RMSNorm or LayerNorm, as the config it is given says), built where the model runs
+    with sequence parallelism, which that module refuses: under it, a norm's weight gradient must be summed over the
+    TP ranks, which the forward passes of the CPU judges never take."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    class TorchNorm:
+        def __new__(cls, config: object, hidden_size: int, eps: float = 1e-5, **kwargs: object) -> torch.nn.Module:
+            unsplit = copy.copy(config)
+            unsplit.sequence_parallel = False
+            return WrappedTorchNorm(unsplit, hidden_size, eps, **kwargs)
+
+    return TorchNorm

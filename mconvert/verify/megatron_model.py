@@ -185,6 +185,7 @@ def transformer_config_from_args(
         activation_func=F.silu if args.swiglu else quick_gelu() if getattr(args, "quick_geglu", False) else F.gelu,
         **activation_settings(args),
         **linear_attention_settings(args),
+        **sparse_attention_settings(args),
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=getattr(args, "add_qkv_bias", False),
         qk_layernorm=getattr(args, "qk_layernorm", False),
@@ -203,6 +204,11 @@ def transformer_config_from_args(
             AttnBackend.auto if uses_transformer_engine(transformer_impl) else AttnBackend.local
         ),
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        # Sparse attention's absorbed MLA requires sequence parallelism at TP > 1; it changes no result.
+        sequence_parallel=(
+            getattr(args, "experimental_attention_variant", None) == "dsa"
+            and parallel_state.get_tensor_model_parallel_world_size() > 1
+        ),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
@@ -251,6 +257,22 @@ def linear_attention_settings(args: argparse.Namespace) -> dict:
     return settings
 
 
+def sparse_attention_settings(args: argparse.Namespace) -> dict:
+    """DeepSeek Sparse Attention's indexer, from megatron-core 0.19: 0.16's always rotates q and k by a Hadamard
+    matrix (bf16 and fast-hadamard-transform only) and cannot rotate interleaved pairs."""
+    if getattr(args, "experimental_attention_variant", None) != "dsa":
+        return {}
+    if Version(MEGATRON_CORE_VERSION) < Version("0.19"):
+        raise ConversionError(
+            f"sparse attention: megatron-core {MEGATRON_CORE_VERSION}'s indexer always applies the Hadamard rotation "
+            f"(bf16 and fast-hadamard-transform only) and has no interleaved rope; verify with megatron-core 0.19 or later"
+        )
+    names = ("experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
+             "dsa_indexer_topk_freq", "dsa_indexer_skip_topk_offset", "dsa_indexer_rope_interleaved",
+             "dsa_indexer_rotate_activation", "dsa_indexer_k_norm_epsilon")
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
+
+
 def yarn_settings(config: TransformerConfig, args: argparse.Namespace) -> None:
     """GPTModel's YaRN (not multi-latent attention's) reads its settings as attributes of the config that no
     field declares, as Megatron-LM sets them (argument_utils._apply_yarn_config_from_args)."""
@@ -286,6 +308,8 @@ def _layer_spec(
 ) -> ModuleSpec | TransformerBlockSubmodules:
     """The layer spec Megatron-LM's GPT model provider picks for these args."""
     if getattr(config, "experimental_attention_variant", None) is not None:
+        if not use_te and config.experimental_attention_variant == "dsa":
+            return cpu_shims.sparse_attention_block_without_te(config, args)
         if not use_te:
             return cpu_shims.linear_attention_block_without_te(config, args)
         from megatron.core.models.gpt.experimental_attention_variant_module_specs import (

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
@@ -115,7 +115,7 @@ def _forward(
 
     layer_outputs: dict[int, torch.Tensor] = {}
     hooks = [
-        layer.register_forward_hook(_recorder(layer_outputs, layer.layer_number - 1))
+        layer.register_forward_hook(_recorder(layer_outputs, layer.layer_number - 1, chunk.config.sequence_parallel))
         for layer in (chunk.decoder.layers if record_hidden_states else [])
     ]
     # One microbatch through the stages, as megatron's forward-only schedule runs it; the schedule
@@ -125,8 +125,10 @@ def _forward(
     try:
         with torch.no_grad():
             if not is_first_stage:
+                # Under sequence parallelism each TP rank holds and passes on its part of the sequence.
+                split = parallel_state.get_tensor_model_parallel_world_size() if chunk.config.sequence_parallel else 1
                 received = torch.empty(
-                    (seq, batch, chunk.config.hidden_size), dtype=chunk.config.pipeline_dtype, device=device
+                    (seq // split, batch, chunk.config.hidden_size), dtype=chunk.config.pipeline_dtype, device=device
                 )
                 dist.recv(received, src=parallel_state.get_pipeline_model_parallel_prev_rank())
                 chunk.set_input_tensor(received)
@@ -148,9 +150,11 @@ def _forward(
     return logits.cpu(), hidden_states
 
 
-def _recorder(outputs: dict[int, torch.Tensor], layer_index: int):
+def _recorder(outputs: dict[int, torch.Tensor], layer_index: int, sequence_parallel: bool):
     def record(module: torch.nn.Module, inputs: object, output: object) -> None:
         hidden = output[0] if isinstance(output, tuple) else output  # [seq, batch, hidden]
+        if sequence_parallel:  # each TP rank holds its part of the sequence
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         outputs[layer_index] = hidden.detach().transpose(0, 1).float().cpu()
 
     return record
