@@ -70,13 +70,51 @@ def test_mla_yarn_settings_without_flags_are_kept_and_named():
         ("deepseek-v3", {"topk_group": 2}, "best 4 experts in Megatron but by their best 2"),
         ("deepseek-v2-lite", {"topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3}, "best 2 experts in Megatron but by their best 1"),
         ("deepseek-v3", {"attention_bias": True}, "attention_bias"),
-        ("deepseek-v3", {"rms_norm_eps": 1e-5}, "rms_norm_eps 1e-05"),
         ("deepseek-v3", {"rope_interleave": False}, "rope_interleave"),
         ("deepseek-v3", {"rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.7}}, "mscale 0.7 without mscale_all_dim"),
         ("deepseek-v3", {"rope_scaling": {"type": "linear", "factor": 2}}, "'linear' cannot be expressed with multi-latent attention"),
     ],
-    ids=["sigmoid-unnormalised", "sigmoid-top1", "v3-group-score", "v2-group-score", "mla-bias", "mla-eps", "not-interleaved", "lone-mscale", "mla-linear-rope"],
+    ids=["sigmoid-unnormalised", "sigmoid-top1", "v3-group-score", "v2-group-score", "mla-bias", "not-interleaved", "lone-mscale", "mla-linear-rope"],
 )
 def test_what_megatron_cannot_express_is_refused(model, changes, message):
     with pytest.raises(ConversionError, match=message):
         flags_of({**real_config(model), **changes})
+
+
+def test_a_norm_epsilon_apart_from_the_latent_norms_is_converted_and_said():
+    """transformers' MLA latent norms keep epsilon 1e-6 whatever rms_norm_eps says (GLM-5.1: 1e-5); megatron-core has
+    one for all norms. Converted, with the difference said (its effect is measured in tests/megatron_lm)."""
+    assert get_mapping(real_config("deepseek-v3"))[1].computed_differently == ()
+    (said,) = get_mapping({**real_config("deepseek-v3"), "rms_norm_eps": 1e-5})[1].computed_differently
+    assert "latents with epsilon 1e-06" in said and "rms_norm_eps 1e-05" in said
+
+
+def test_deepseek_v32_and_glm_51_flags():
+    """The real configs: the indexer's sizes, GLM-5.1's interleaved indexer rope and its key norm's own epsilon."""
+    deepseek = flags_of(real_config("deepseek-v3.2"))
+    glm = flags_of(real_config("glm-5.1"))
+    for flags in (deepseek, glm):
+        for flag in ("--experimental-attention-variant dsa", "--dsa-indexer-head-dim 128", "--dsa-indexer-topk 2048",
+                     "--no-dsa-indexer-rotate-activation", "--sequence-parallel", "--multi-latent-attention", "--qk-layernorm"):
+            assert flag in flags, flag
+    assert "--dsa-indexer-n-heads 64" in deepseek and "--dsa-indexer-n-heads 32" in glm
+    assert "--dsa-indexer-rope-interleaved" in glm and "--dsa-indexer-rope-interleaved" not in deepseek
+    assert "--dsa-indexer-k-norm-epsilon 1e-06" in glm and not any(f.startswith("--dsa-indexer-k-norm-epsilon") for f in deepseek)
+    assert "--qk-head-dim 192" in glm and "--v-head-dim 256" in glm and "--rotary-base 1000000" in glm
+
+
+def test_sparse_attention_under_the_local_spec_is_refused():
+    _, spec = get_mapping(real_config("deepseek-v3.2"))
+    with pytest.raises(ConversionError, match="--transformer-impl local: megatron-core builds sparse-attention layers only under transformer_engine"):
+        megatron_args(spec, Parallelism(), torch.bfloat16, "local")
+
+
+def test_verify_under_megatron_core_016_refuses_sparse_attention_in_one_line(hf_model_factory, tmp_path):
+    """megatron-core 0.16.1's indexer always rotates q and k by a Hadamard matrix (bf16 and fast-hadamard-transform
+    only) and has no interleaved rope: verify says to use 0.19 (tests/megatron_lm/test_sparse_attention.py)."""
+    from tests.cli_runner import assert_one_line_error, run_cli
+
+    hf = hf_model_factory("deepseek-v3.2")
+    assert run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "mcore").returncode == 0
+    failed = run_cli("verify", "--hf", hf, "--mcore", tmp_path / "mcore", "--device", "cpu")
+    assert_one_line_error(failed, "sparse attention", "megatron-core 0.16.1", "0.19", code=2)

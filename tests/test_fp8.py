@@ -23,8 +23,9 @@ from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 BLOCK = (16, 32)
 
 
-def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8 weight, scale_inv per block) as DeepSeek's block quantization makes them."""
+def quantize(weight: torch.Tensor, power_of_two: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 weight, scale_inv per block) as DeepSeek's block quantization makes them; `power_of_two`: each scale
+    rounded up to a power of two (DeepSeek-V3.2's ue8m0 scales)."""
     rows, cols = weight.shape
     grid = (-(-rows // BLOCK[0]), -(-cols // BLOCK[1]))
     scale_inv = torch.empty(grid)
@@ -33,6 +34,8 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         for j in range(grid[1]):
             block = weight[i * BLOCK[0] : (i + 1) * BLOCK[0], j * BLOCK[1] : (j + 1) * BLOCK[1]].float()
             scale_inv[i, j] = block.abs().max() / 448.0
+            if power_of_two:
+                scale_inv[i, j] = 2.0 ** torch.ceil(torch.log2(scale_inv[i, j]))
             quantized[i * BLOCK[0] : (i + 1) * BLOCK[0], j * BLOCK[1] : (j + 1) * BLOCK[1]] = (block / scale_inv[i, j]).to(torch.float8_e4m3fn)
     return quantized, scale_inv
 
@@ -120,3 +123,25 @@ def test_fp8_without_block_scales_is_refused(checkpoints, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model.layers.1.self_attn.o_proj.weight" in err and "FP8 without" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_ue8m0_block_scales_convert_as_their_values(tmp_path):
+    """DeepSeek-V3.2's `scale_fmt: ue8m0`: power-of-two block scales, stored here as float8_e8m0fnu (safetensors'
+    F8_E8M0), convert as the same weights with the scales in fp32."""
+    source = make_hf_checkpoint(shrink(real_config("deepseek-v3.2")), tmp_path / "source")
+    tensors = load_file(source / "model.safetensors")
+    quantized = {name: quantize(t, power_of_two=True) for name, t in tensors.items() if is_fp8_on_the_hub(name)}
+    config = {**json.loads((source / "config.json").read_text()),
+              "quantization_config": {**real_config("deepseek-v3.2")["quantization_config"], "weight_block_size": list(BLOCK)}}
+    for name, scale_dtype in (("e8m0", torch.float8_e8m0fnu), ("fp32", torch.float32)):
+        directory = tmp_path / name
+        directory.mkdir()
+        content = dict(tensors)
+        for weight, (q, scale_inv) in quantized.items():
+            content[weight], content[weight + "_scale_inv"] = q, scale_inv.to(scale_dtype)
+        save_file(content, directory / "model.safetensors", metadata={"format": "pt"})
+        (directory / "config.json").write_text(json.dumps(config))
+        convert_hf_to_mcore(directory, tmp_path / f"{name}-mcore", dtype=torch.float32)
+    from_e8m0, from_fp32 = stored(tmp_path / "e8m0-mcore"), stored(tmp_path / "fp32-mcore")
+    assert load_file(tmp_path / "e8m0" / "model.safetensors")["model.layers.1.self_attn.o_proj.weight_scale_inv"].dtype == torch.float8_e8m0fnu
+    assert from_e8m0.keys() == from_fp32.keys() and all(torch.equal(from_e8m0[k], from_fp32[k]) for k in from_fp32)

@@ -1,6 +1,7 @@
 """Quantized hub weights, dequantized a tensor at a time while streaming: block-quantized FP8 (DeepSeek-V3's
-`quant_method: fp8` with `weight_block_size`), where each FP8 weight `X` comes with `X_scale_inv`, one fp32
-factor per block, which multiplies the block back to its values."""
+`quant_method: fp8` with `weight_block_size`), where each FP8 weight `X` comes with `X_scale_inv`, one factor per
+block, which multiplies the block back to its values: fp32, or a power of two in float8_e8m0fnu where the config
+says `scale_fmt: ue8m0` (DeepSeek-V3.2), both read as their values."""
 
 from __future__ import annotations
 

@@ -31,6 +31,8 @@ ST_DTYPES = {
     "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
+    # Power-of-two scales (DeepSeek-V3.2's `scale_fmt: ue8m0` block scales may be stored so).
+    "F8_E8M0": torch.float8_e8m0fnu,
 }
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

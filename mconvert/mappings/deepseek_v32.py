@@ -17,7 +17,7 @@ from typing import Any
 
 from mconvert.errors import ConversionError
 from mconvert.mappings import deepseek
-from mconvert.mappings.family import Family, Table
+from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec, SparseAttentionSpec, require
 from mconvert.mappings.transforms import Rename
 

@@ -65,7 +65,8 @@ MEGATRON_LM_DEFAULTS: dict[str, Any] = {
 RENAMED_ARGS = {"layernorm_epsilon": "norm_epsilon", "layernorm_zero_centered_gamma": "apply_layernorm_1p"}
 FLAG_OF_ARG = {
     "layernorm_epsilon": "--norm-epsilon", "layernorm_zero_centered_gamma": "--apply-layernorm-1p", "add_bias_linear": "--disable-bias-linear",
-    "bias_dropout_fusion": "--no-bias-dropout-fusion",
+    "bias_dropout_fusion": "--no-bias-dropout-fusion", "dsa_indexer_rotate_activation": "--no-dsa-indexer-rotate-activation",
+    "dsa_indexer_scoring_relu": "--no-dsa-indexer-scoring-relu",
 }
 # Files that make an HF directory usable as Megatron-LM's `--tokenizer-model` for HuggingFaceTokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")

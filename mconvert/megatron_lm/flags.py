@@ -247,6 +247,13 @@ def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
             "backward refuses Hopper GPUs under Triton 3.4 to 3.7.0 (it reports wrong gradients there): train with Triton 3.7.1 or "
             "later, with tilelang installed, or with --deterministic-mode (megatron-core's PyTorch delta rule)"
         )
+    if getattr(args, "experimental_attention_variant", None) == "dsa":
+        caveats.append(
+            "sparse attention's indexer chooses tokens without a gradient: it trains only through its own loss "
+            "(--dsa-indexer-loss-coeff), else it keeps its converted weights; its Hadamard rotation is off "
+            "(--no-dsa-indexer-rotate-activation: orthogonal, no score changes; drop the flag to rotate, in bf16 with "
+            "fast-hadamard-transform)"
+        )
     if unnormalized_mla_query(args):
         caveats.append(
             "megatron-core 0.19 and later add a layer norm before linear_q_proj in multi-latent attention without "

@@ -301,3 +301,11 @@ def norm_under_sequence_parallelism() -> type:
             return WrappedTorchNorm(unsplit, hidden_size, eps, **kwargs)
 
     return TorchNorm
+
+
+def experimental_block_without_te(config: object, args: argparse.Namespace) -> object:
+    """The GPT block of a model with megatron-core's experimental attention variant (gated delta-net or DeepSeek
+    Sparse Attention), built from its local modules for CPU ranks."""
+    if config.experimental_attention_variant == "dsa":
+        return sparse_attention_block_without_te(config, args)
+    return linear_attention_block_without_te(config, args)

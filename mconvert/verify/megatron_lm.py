@@ -87,13 +87,13 @@ def build_model_as_pretrain_gpt(args: argparse.Namespace, pre_process: bool, pos
     )
     from megatron.training.arguments import core_transformer_config_from_args
 
-    from mconvert.verify.cpu_shims import linear_attention_block_without_te
+    from mconvert.verify.cpu_shims import experimental_block_without_te
 
     config = core_transformer_config_from_args(args)
     use_te = args.transformer_impl == "transformer_engine"
     if config.experimental_attention_variant is not None:
-        # Megatron-LM's builder takes megatron-core's experimental block spec, which builds gated delta-net only
-        # under Transformer Engine; on CPU ranks, the same layers from megatron-core's local modules.
+        # Megatron-LM's builder takes megatron-core's experimental block spec, which builds gated delta-net and
+        # sparse attention only under Transformer Engine; on CPU ranks, the same layers from its local modules.
         if use_te:
             from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
                 get_transformer_block_with_experimental_attention_variant_spec,
@@ -101,7 +101,7 @@ def build_model_as_pretrain_gpt(args: argparse.Namespace, pre_process: bool, pos
 
             spec = get_transformer_block_with_experimental_attention_variant_spec(config=config)
         else:
-            spec = linear_attention_block_without_te(config, args)
+            spec = experimental_block_without_te(config, args)
     elif args.num_experts:
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization)
     elif use_te:

@@ -308,10 +308,8 @@ def _layer_spec(
 ) -> ModuleSpec | TransformerBlockSubmodules:
     """The layer spec Megatron-LM's GPT model provider picks for these args."""
     if getattr(config, "experimental_attention_variant", None) is not None:
-        if not use_te and config.experimental_attention_variant == "dsa":
-            return cpu_shims.sparse_attention_block_without_te(config, args)
         if not use_te:
-            return cpu_shims.linear_attention_block_without_te(config, args)
+            return cpu_shims.experimental_block_without_te(config, args)
         from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
             get_transformer_block_with_experimental_attention_variant_spec,
         )

@@ -106,6 +106,11 @@ def _forward(
     (chunk,) = model  # one chunk per rank: no virtual pipeline stages
     device = next(chunk.parameters()).device
     tokens = tokens.to(device)
+    prompt_length = tokens.shape[1]
+    # Under sequence parallelism the TP ranks split the sequence evenly: the prompt is padded at its end to a
+    # multiple of TP, which changes no earlier position's logits (attention is causal, routing per token).
+    split = parallel_state.get_tensor_model_parallel_world_size() if chunk.config.sequence_parallel else 1
+    tokens = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], -prompt_length % split)], dim=1)
     batch, seq = tokens.shape
     position_ids = torch.arange(seq, device=device).expand(batch, seq)
     # True = masked out. megatron's own default causal mask is allocated on "cuda", so pass one.
@@ -126,7 +131,6 @@ def _forward(
         with torch.no_grad():
             if not is_first_stage:
                 # Under sequence parallelism each TP rank holds and passes on its part of the sequence.
-                split = parallel_state.get_tensor_model_parallel_world_size() if chunk.config.sequence_parallel else 1
                 received = torch.empty(
                     (seq // split, batch, chunk.config.hidden_size), dtype=chunk.config.pipeline_dtype, device=device
                 )
@@ -147,7 +151,7 @@ def _forward(
         device=device,
     )
     hidden_states = _hidden_states_of_all_stages(layer_outputs) if record_hidden_states else []
-    return logits.cpu(), hidden_states
+    return logits[:, :prompt_length].cpu(), [hidden[:, :prompt_length] for hidden in hidden_states]
 
 
 def _recorder(outputs: dict[int, torch.Tensor], layer_index: int, sequence_parallel: bool):

@@ -186,6 +186,14 @@ def verify(request: VerifyRequest) -> Report:
         notes.append(f"sliding window of {window} tokens: prompts cut to the window")
     elif window is not None:
         notes.append(f"sliding window of {window} tokens: every prompt is within it")
+    top_k = getattr(stored, "dsa_indexer_topk", None) if getattr(stored, "experimental_attention_variant", None) == "dsa" else None
+    if top_k is not None and max(len(prompt) for prompt in prompts) <= top_k:
+        if request.prompts_file:
+            notes.append(f"sparse attention keeps the best {top_k} tokens: every prompt is within them, so its indexer chooses none")
+        else:
+            # Only a prompt longer than the top-k makes the indexer choose: one of top-k + 64 tokens joins them.
+            prompts.append(torch.randint(0, vocab_size, (top_k + 64,), generator=torch.Generator().manual_seed(top_k)))
+            notes.append(f"sparse attention keeps the best {top_k} tokens: prompt {len(prompts) - 1} ({top_k + 64} tokens) makes its indexer choose")
     dtype = DTYPES[request.dtype]
     seconds = {}
     started = time.perf_counter()

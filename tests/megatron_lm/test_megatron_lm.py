@@ -65,6 +65,11 @@ MODELS = {
     "qwen3.5-tp2pp2": ("qwen3.5-0.8b", 4, {}, Parallelism(tp=2, pp=2)),
     # TP above the 2 query groups (megatron-core splits the fused QKV's rows evenly still; 4 linear key heads).
     "qwen3-next-tp4": ("qwen3-next-80b-a3b-instruct", 4, {"linear_num_key_heads": 4, "linear_num_value_heads": 8}, Parallelism(tp=4)),
+    # DeepSeek Sparse Attention beside multi-latent attention: the indexer's halves rope (DeepSeek-V3.2), its
+    # interleaved rope (GLM-5.1, its norms at the latent norms' epsilon: tests/megatron_lm/test_sparse_attention.py
+    # measures the difference); top-k 8 of the 12-token prompts.
+    "deepseek-v3.2-tp2ep2": ("deepseek-v3.2", 2, {"index_topk": 8}, Parallelism(tp=2, ep=2)),
+    "glm-5.1-tp2pp2": ("glm-5.1", 4, {"index_topk": 8, "rms_norm_eps": 1e-6}, Parallelism(tp=2, pp=2)),
     # Multi-latent attention without a query bottleneck (q_lora_rank null), softmax routing.
     "deepseek-v2-lite-ep2": ("deepseek-v2-lite", 2, {}, Parallelism(ep=2)),
     # Layer counts that no pipeline size divides: Megatron-LM's uneven splits (DeepSeek-V3 has 61 layers).
@@ -194,14 +199,32 @@ def test_gated_delta_net_reaches_megatron_lms_model_builder(name, converted):
     assert "get_transformer_block_with_experimental_attention_variant_spec(config=transformer_cfg" in source
 
 
-def test_megatron_lm_builds_no_mtp_block_beside_gated_delta_net(converted):
-    """Why hf-to-mcore leaves Qwen3-Next's and Qwen3.5's multi-token prediction layer out (and says so): Megatron-LM
-    0.19.2's mtp_block_spec asks get_gpt_decoder_layer_specs for the decoder's last layer, which refuses the
-    attention variant."""
+@pytest.mark.parametrize("name", ["deepseek-v3.2-tp2ep2", "glm-5.1-tp2pp2"])
+def test_sparse_attention_reaches_megatron_lms_model_builder(name, converted):
+    """pretrain_gpt.py's path from the printed flags to its model: gpt_config_from_args gives the TransformerConfig
+    of the stored args' indexer, with sequence parallelism (absorbed MLA needs it at TP > 1)."""
+    from megatron.training.argument_utils import gpt_config_from_args
+
+    _, ckpt = converted(name)
+    argv = script_arrays(ckpt, "MODEL_ARGS", "LOAD_ARGS") + RUN_FLAGS + CPU_FLAGS
+    config = gpt_config_from_args(parse_megatron_lm_args(argv, world_size(MODELS[name][3]))).transformer
+    stored = read_args(iteration_dir(ckpt))
+    fields = ("experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
+              "dsa_indexer_rope_interleaved", "dsa_indexer_rotate_activation", "dsa_indexer_k_norm_epsilon", "sequence_parallel")
+    assert {f: getattr(config, f) for f in fields} == {f: getattr(stored, f) for f in fields}
+    assert config.experimental_attention_variant == "dsa" and config.sequence_parallel and not config.dsa_indexer_rotate_activation
+    assert config.dsa_indexer_rope_interleaved == name.startswith("glm")
+
+
+@pytest.mark.parametrize("name", ["qwen3-next-tp2ep2", "deepseek-v3.2-tp2ep2"])
+def test_megatron_lm_builds_no_mtp_block_beside_an_attention_variant(name, converted):
+    """Why hf-to-mcore leaves the multi-token prediction layers of Qwen3-Next, Qwen3.5, DeepSeek-V3.2 and GLM-5.1
+    out (and says so): Megatron-LM 0.19.2's mtp_block_spec asks get_gpt_decoder_layer_specs for the decoder's last
+    layer, which refuses gated delta-net and sparse attention alike."""
     from megatron.training.argument_utils import gpt_config_from_args
     from megatron.training.models import gpt as gpt_builder
 
-    _, ckpt = converted("qwen3-next-tp2ep2")
+    _, ckpt = converted(name)
     argv = script_arrays(ckpt, "MODEL_ARGS", "LOAD_ARGS") + RUN_FLAGS + CPU_FLAGS + ["--mtp-num-layers", "1"]
     config = gpt_config_from_args(parse_megatron_lm_args(argv, 4))
     with pytest.raises(AssertionError, match="Experimental attention variant is not supported"):
@@ -278,7 +301,8 @@ def run_megatron_lm(name: str, argv: list[str]) -> torch.Tensor:
 # DotProductAttention does not take; megatron-core's judge (tests/test_deepseek_megatron.py) shims that.
 @pytest.mark.parametrize(
     "name", ["llama3.1-tp2", "mistral-window-tp2", "gpt-oss-tp2ep2etp1", "qwen3-pp2", "qwen2moe-ep2", "qwen3moe-dense-first-tp2ep2etp1", "glm4.5-air-pp2",
-             "qwen3-pp2-first-stage-1", "llama3.1-pp2-embedding-counts", "qwen2.5-pp2-layout", "qwen3-next-tp2ep2", "qwen3.5-tp2pp2", "qwen3-next-tp4"]
+             "qwen3-pp2-first-stage-1", "llama3.1-pp2-embedding-counts", "qwen2.5-pp2-layout", "qwen3-next-tp2ep2", "qwen3.5-tp2pp2", "qwen3-next-tp4",
+             "deepseek-v3.2-tp2ep2", "glm-5.1-tp2pp2"]
 )
 def test_megatron_lm_load_checkpoint_gives_transformers_logits(name, converted):
     hf, ckpt = converted(name)
@@ -320,7 +344,7 @@ def megatron_lm_save(argv: list[str], iteration: int) -> None:
     save_checkpoint(iteration, model, None, None, 0)
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-tp2", "qwen2moe-ep2", "qwen3-pp2-first-stage-1", "qwen3-next-tp2ep2"])
+@pytest.mark.parametrize("name", ["qwen2.5-tp2", "qwen2moe-ep2", "qwen3-pp2-first-stage-1", "qwen3-next-tp2ep2", "glm-5.1-tp2pp2"])
 def test_a_megatron_lm_training_save_exports_bit_identically(name, converted, tmp_path):
     """Megatron-LM's own save (iteration directory, common state in the DCP files, args with its enums and
     0.19 names; with its layers split unevenly over the pipeline stages) of the loaded checkpoint exports to
