@@ -33,6 +33,9 @@
 #   qwen-gdn-verify  on one GPU: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (gated delta-net) cut to 4 layers at real width:
 #               verify --spec te at TP 1 as written and from TP 2 x EP 2 and PP 2 saves (carry .whl: fla's wheels)
 #   qwen-gdn-train  the same families' Megatron-LM training steps on one GPU
+#   dsa-verify  on one GPU: DeepSeek-V3.2 and GLM-5.1 (sparse attention) cut to a dense and an MoE layer at real
+#               width: verify --spec te at TP 1 as written and from TP 2 x EP 2 and TP 2 x PP 2 saves
+#   dsa-train   their Megatron-LM training steps on one GPU (hidden 2048, 32 experts, top-k 64)
 #   train-distopt  on one GPU: Megatron-LM training steps with --use-distributed-optimizer (Qwen2.5-0.5B's shape and
 #               Qwen3-30B-A3B's first 2 layers), whose saves hold that optimizer's state beside the weights
 #   verify-v2lite  DeepSeek-V2-Lite whole, with megatron-core 0.18.0 (carry .whl018: 0.19 cannot build it)
@@ -99,7 +102,12 @@ note() { echo "[$(date -u +%H:%M:%S) +$(($(date +%s) - start))s] $*" | tee -a "$
 QWEN3_NEXT='qwen3-next-80b-a3b-instruct@4+num_experts=64'
 QWEN3_5='qwen3.5-0.8b@4'
 QWEN3_5_MOE='qwen3.5-35b-a3b@4+text_config.num_experts=64'
+DEEPSEEK_V32='deepseek-v3.2@2+first_k_dense_replace=1+n_routed_experts=16'
+GLM_51='glm-5.1@2+first_k_dense_replace=1+n_routed_experts=16'
 install_fla() {
+  # fla's kernels with one autotune config each (scripts/gpu/fla_one_config/sitecustomize.py): no compiling and
+  # timing of every config on a machine that keeps no Triton cache.
+  export PYTHONPATH=$PWD/scripts/gpu/fla_one_config:$PYTHONPATH
   python3 -c "import fla" 2>/dev/null && return
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fla_core-*.whl \
     .whl/flash_linear_attention-*.whl .whl/einops-*.whl >> "$OUT/session.log" 2>&1
@@ -218,7 +226,7 @@ for stage in "$@"; do
     install_fla
     # No job starts in the last ${GDN_TRAIN_S:-0} s: the training stage's, when it follows in the same call.
     python3 scripts/gpu/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) - ${GDN_TRAIN_S:-0}))" \
-      "$QWEN3_NEXT:tp2ep2>tp1" "$QWEN3_5_MOE:tp2ep2>tp1" "$QWEN3_5:tp2pp2>tp1" "$QWEN3_NEXT:pp2>tp1" "$QWEN3_NEXT:tp1" \
+      "$QWEN3_5:tp2pp2>tp1" "$QWEN3_NEXT:tp2ep2>tp1" "$QWEN3_5_MOE:tp2ep2>tp1" "$QWEN3_NEXT:pp2>tp1" \
       > "$OUT/qwen-gdn-verify.log" 2>&1
     note "qwen-gdn-verify: exit $?"
     mark "$stage"
@@ -233,6 +241,25 @@ for stage in "$@"; do
       > "$OUT/qwen-gdn-train.log" 2>&1
     code=$?
     note "qwen-gdn-train: exit $code"
+    [ "$code" = 3 ] || mark "$stage"
+    ;;
+  dsa-verify)
+    # DeepSeek-V3.2 and GLM-5.1 (sparse attention) cut to their first dense and first MoE layer at real width with 16
+    # of their experts, verified under Transformer Engine at TP 1 as written and from TP 2 x EP 2 and TP 2 x PP 2
+    # saves; verify adds a prompt longer than the indexer's top-k (2048), so that it chooses.
+    python3 scripts/gpu/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) - ${DSA_TRAIN_S:-0}))" \
+      "$DEEPSEEK_V32:tp2ep2>tp1" "$DEEPSEEK_V32:tp1" "$GLM_51:tp2pp2>tp1" > "$OUT/dsa-verify.log" 2>&1
+    note "dsa-verify: exit $?"
+    mark "$stage"
+    ;;
+  dsa-train)
+    # Their Megatron-LM training steps at hidden 2048 with 32 experts and a top-k of 64 (the training sequences are 256
+    # tokens: the indexer chooses).
+    python3 scripts/gpu/gpu_train.py --nproc 1 --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" \
+      "${DEEPSEEK_V32/=16/=32}+hidden_size=2048+index_topk=64:tp1" "${GLM_51/=16/=32}+hidden_size=2048+index_topk=64:tp1" \
+      > "$OUT/dsa-train.log" 2>&1
+    code=$?
+    note "dsa-train: exit $code"
     [ "$code" = 3 ] || mark "$stage"
     ;;
   train-distopt)
