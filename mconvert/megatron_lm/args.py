@@ -59,6 +59,7 @@ MEGATRON_LM_DEFAULTS: dict[str, Any] = {
     "dsa_indexer_n_heads": None, "dsa_indexer_head_dim": None, "dsa_indexer_topk": None, "dsa_indexer_topk_freq": 1,
     "dsa_indexer_skip_topk_offset": 0, "dsa_indexer_rope_interleaved": False, "dsa_indexer_rotate_activation": True,
     "dsa_indexer_scoring_relu": True, "dsa_indexer_k_norm_epsilon": None, "sequence_parallel": False,
+    "apply_rope_fusion": True,
 }
 # Args whose name in Megatron-LM 0.19 (its parser's dest, after TransformerConfig's field) differs from the
 # flag's, and from the name earlier Megatron-LM versions store: both names are written, either is read.
@@ -66,7 +67,7 @@ RENAMED_ARGS = {"layernorm_epsilon": "norm_epsilon", "layernorm_zero_centered_ga
 FLAG_OF_ARG = {
     "layernorm_epsilon": "--norm-epsilon", "layernorm_zero_centered_gamma": "--apply-layernorm-1p", "add_bias_linear": "--disable-bias-linear",
     "bias_dropout_fusion": "--no-bias-dropout-fusion", "dsa_indexer_rotate_activation": "--no-dsa-indexer-rotate-activation",
-    "dsa_indexer_scoring_relu": "--no-dsa-indexer-scoring-relu",
+    "dsa_indexer_scoring_relu": "--no-dsa-indexer-scoring-relu", "apply_rope_fusion": "--no-rope-fusion",
 }
 # Files that make an HF directory usable as Megatron-LM's `--tokenizer-model` for HuggingFaceTokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -208,6 +209,7 @@ def _sparse_attention_args(spec: ModelSpec, par: Parallelism, transformer_impl: 
     return dict(
         experimental_attention_variant="dsa",
         sequence_parallel=par.tp > 1,
+        apply_rope_fusion=False,  # megatron-core refuses fused rope beside DSAttention
         dsa_indexer_n_heads=sparse.index_heads,
         dsa_indexer_head_dim=sparse.index_head_dim,
         dsa_indexer_topk=sparse.topk,

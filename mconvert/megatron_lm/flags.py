@@ -57,6 +57,8 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
     ]
     if getattr(a, "sequence_parallel", False):
         flags.append("--sequence-parallel")
+    if not getattr(a, "apply_rope_fusion", True):
+        flags.append("--no-rope-fusion")
     if a.rotary_percent != 1.0:
         flags.append(f"--rotary-percent {a.rotary_percent:g}")
     if a.group_query_attention:

@@ -226,7 +226,7 @@ for stage in "$@"; do
     install_fla
     # No job starts in the last ${GDN_TRAIN_S:-0} s: the training stage's, when it follows in the same call.
     python3 scripts/gpu/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) - ${GDN_TRAIN_S:-0}))" \
-      "$QWEN3_5:tp2pp2>tp1" "$QWEN3_NEXT:tp2ep2>tp1" "$QWEN3_5_MOE:tp2ep2>tp1" "$QWEN3_NEXT:pp2>tp1" \
+      ${GDN_JOBS:-"$QWEN3_5:tp2pp2>tp1" "$QWEN3_NEXT:tp2ep2>tp1" "$QWEN3_5_MOE:tp2ep2>tp1" "$QWEN3_NEXT:pp2>tp1"} \
       > "$OUT/qwen-gdn-verify.log" 2>&1
     note "qwen-gdn-verify: exit $?"
     mark "$stage"
@@ -248,7 +248,7 @@ for stage in "$@"; do
     # of their experts, verified under Transformer Engine at TP 1 as written and from TP 2 x EP 2 and TP 2 x PP 2
     # saves; verify adds a prompt longer than the indexer's top-k (2048), so that it chooses.
     python3 scripts/gpu/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) - ${DSA_TRAIN_S:-0}))" \
-      "$DEEPSEEK_V32:tp2ep2>tp1" "$DEEPSEEK_V32:tp1" "$GLM_51:tp2pp2>tp1" > "$OUT/dsa-verify.log" 2>&1
+      ${DSA_JOBS:-"$DEEPSEEK_V32:tp2ep2>tp1" "$DEEPSEEK_V32:tp1" "$GLM_51:tp2pp2>tp1"} > "$OUT/dsa-verify.log" 2>&1
     note "dsa-verify: exit $?"
     mark "$stage"
     ;;

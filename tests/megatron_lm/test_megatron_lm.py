@@ -154,6 +154,21 @@ def test_megatron_lm_parses_the_printed_flags_as_the_stored_model(name, converte
     assert (parsed.no_load_optim, parsed.no_load_rng, parsed.ckpt_format) == (True, True, "torch_dist")
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_the_printed_flags_alone_make_a_config_megatron_core_accepts(name, converted):
+    """MODEL_ARGS as printed (Transformer Engine, Megatron-LM's fused defaults), with no CPU flags: megatron-core's
+    TransformerConfig objects to nothing but this CPU box's missing Transformer Engine (it refused Megatron-LM's
+    default rope fusion beside sparse attention, which a GPU training run found: --no-rope-fusion is printed)."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    _, ckpt = converted(name)
+    argv = script_arrays(ckpt, "MODEL_ARGS", "LOAD_ARGS") + RUN_FLAGS
+    try:
+        core_transformer_config_from_args(parse_megatron_lm_args(argv, world_size(MODELS[name][3])))
+    except ValueError as error:
+        assert "install TE" in str(error), error
+
+
 def test_mla_yarn_settings_reach_megatron_lms_config_as_megatron_args_sh_says(converted):
     """Kimi-K2's YaRN betas have no Megatron-LM flag under multi-latent attention: the printed flags alone build
     MLATransformerConfig's defaults, and the assignments megatron_args.sh states, made on the parsed args before
