@@ -191,6 +191,8 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
         f"{str(plan.dtype).removeprefix('torch.')}, "
         + _summary(started, iteration_dir(Path(options.load_dir), options.iteration), save_dir)
     )
+    if "quantization_config" in plan.spec.hf_config:
+        print(f"wrote the weights unquantized: config.json leaves out the quantization_config of {options.hf_config}")
     print("next:")
     print(f"  mconvert verify --hf {save_dir} --mcore {options.load_dir} --device cuda  # --device cpu without GPUs")
     print(f"  mconvert inspect --check {save_dir}")

@@ -106,7 +106,9 @@ def test_random_fp8_checkpoints_are_the_hubs_layout(tmp_path):
 def test_the_way_back_writes_no_quantization_config(checkpoints, tmp_path, capsys):
     fp8, _ = checkpoints
     assert main(["hf-to-mcore", "--load-dir", str(fp8), "--save-dir", str(tmp_path / "mcore"), "--dtype", "bf16"]) == 0
+    capsys.readouterr()
     assert main(["mcore-to-hf", "--load-dir", str(tmp_path / "mcore"), "--save-dir", str(tmp_path / "back"), "--hf-config", str(fp8)]) == 0
+    assert f"wrote the weights unquantized: config.json leaves out the quantization_config of {fp8}" in capsys.readouterr().out
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert "quantization_config" not in config and config["torch_dtype"] == "bfloat16"
 
