@@ -113,8 +113,8 @@ def _per_expert(parameters: list[tuple[str, Any]], config: dict[str, Any]) -> li
 
     family, spec = get_mapping(config)
     table, fused = family.table, dict(parameters)
-    if not table.experts:
-        return parameters  # the hub stores this family's experts fused too (gpt-oss)
+    if not table.experts or table.hub_experts_fused:
+        return parameters  # the hub stores this family's experts fused too (gpt-oss, Qwen3.5-MoE)
     replaced: dict[str, list[tuple[str, Any]]] = {}
     for layer in range(spec.num_layers):
         prefix = table.layer_prefix.format(layer=layer)

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from mconvert import mappings
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+from mconvert.formats.dcp import DCPCheckpoint
 from mconvert.mappings import qwen3_next
 from mconvert.mappings.transforms import Rename, Section
 from mconvert.mcore.checkpoint import iteration_dir
@@ -203,3 +204,22 @@ def test_local_transformer_impl_is_refused_in_one_line(made, tmp_path):
     out = run_cli("hf-to-mcore", "--load-dir", made("qwen3.5-0.8b"), "--save-dir", tmp_path / "mcore", "--transformer-impl", "local")
     assert_one_line_error(out, "--transformer-impl local", "transformer_engine", code=1)
     assert not (tmp_path / "mcore").exists()
+
+
+def test_qwen35_moe_experts_saved_one_by_one_convert_as_the_hubs_fused_ones_and_go_back_fused(made, tmp_path):
+    """Qwen3.5-MoE's hub checkpoints hold each layer's experts fused; transformers' save_pretrained writes them one by
+    one. Both layouts of the same weights make the same torch_dist checkpoint, and the way back writes the hub's."""
+    fused = made("qwen3.5-35b-a3b")
+    one_by_one = make_hf_checkpoint(shrink(real_config("qwen3.5-35b-a3b"), layers=4), tmp_path / "hf-one-by-one")
+    tensors = hf_tensors(one_by_one)
+    save_file({k: v * 2.0 if v.dim() > 1 else v for k, v in tensors.items()}, one_by_one / "model.safetensors", metadata={"format": "pt"})
+    assert "model.language_model.layers.0.mlp.experts.0.gate_proj.weight" in tensors
+    for name, source in (("fused", fused), ("one-by-one", one_by_one)):
+        convert_hf_to_mcore(source, tmp_path / name, parallelism=Parallelism(ep=2))
+    stored = {name: DCPCheckpoint(iteration_dir(tmp_path / name)) for name in ("fused", "one-by-one")}
+    keys = sorted(stored["fused"].shapes)
+    assert keys == sorted(stored["one-by-one"].shapes)
+    region = lambda dcp, key: dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key])  # noqa: E731
+    assert all(torch.equal(region(stored["fused"], key), region(stored["one-by-one"], key)) for key in keys)
+    convert_mcore_to_hf(tmp_path / "one-by-one", tmp_path / "back", hf_config_dir=fused)
+    assert hf_tensors(tmp_path / "back").keys() == hf_tensors(fused).keys()

@@ -150,9 +150,10 @@ def build_plan(
     spec: ModelSpec,
     parallelism: Parallelism,
     dtype: torch.dtype | None = None,
-    fused_expert_layers: frozenset[int] = frozenset(),
+    fused_expert_layers: frozenset[int] | None = None,
 ) -> Plan:
-    """`fused_expert_layers`: layers whose HF experts are stored fused (3-D tensors) rather than per expert."""
+    """`fused_expert_layers`: layers whose HF experts are stored fused (3-D tensors) rather than per expert, as an
+    HF source has them; None for HF tensors to write, laid out as the family's hub checkpoints are."""
     parallelism.validate(spec)
     table = family.table
     shapes: dict[str, tuple[int, ...]] = {}
@@ -184,7 +185,7 @@ def build_plan(
                 layout = tensor_layout(entry.mcore, spec, parallelism)
                 add((entry.mcore,), (), (), layout, entry, [prefix + n for n in entry.hf_names], copy=True)
         # A family whose HF models hold their experts only fused (gpt-oss) has no per-expert layout.
-        fused = layer in fused_expert_layers or not table.experts
+        fused = not table.experts or (table.hub_experts_fused if fused_expert_layers is None else layer in fused_expert_layers)
         moe_mlp = table.fused_moe_mlp if fused and table.fused_moe_mlp is not None else table.moe_mlp
         decoder_layer = min(layer, spec.num_layers - 1)
         attention = table.linear_attention if spec.layer_is_linear(decoder_layer) else table.attention

@@ -30,6 +30,9 @@ class Table:
     experts: tuple[Entry, ...] = ()
     fused_experts: tuple[Entry, ...] = ()
     fused_moe_mlp: tuple[Entry, ...] | None = None
+    # Whether the family's hub checkpoints store their experts fused, as the way back then writes them (both
+    # layouts are read).
+    hub_experts_fused: bool = False
     layer_prefix: str = "model.layers.{layer}."
     # Multi-token prediction layers (the HF layers after the decoder's, named as layers are): their own
     # tensors beside a whole decoder layer, and `mtp_copies`, HF tensors of theirs that are copies of

@@ -1,7 +1,8 @@
 """Qwen3.5 and Qwen3.6, dense and MoE: Qwen3-Next's layers (gated delta-net beside gated full attention,
 zero-centred norms, partial rope), with the delta-net's input projections stored one by one (`in_proj_qkv`
-flat [q; k; v], `in_proj_z`, `in_proj_b`, `in_proj_a`) and every MoE layer's routed experts fused
-(`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]), top k always renormalised.
+flat [q; k; v], `in_proj_z`, `in_proj_b`, `in_proj_a`) and every MoE layer's routed experts fused on the hub
+(`mlp.experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]; transformers' save_pretrained writes them one by
+one), top k always renormalised.
 
 They ship as image-text checkpoints (`Qwen3_5ForConditionalGeneration`): the language model under
 `model.language_model.` and its config under `text_config`, beside a vision tower (`model.visual.`) that a
@@ -27,11 +28,12 @@ LINEAR_ATTENTION = qwen3_next.DELTA_NET_REST + (
     Rename("self_attention.in_proj.weight.alpha", "linear_attn.in_proj_a.weight"),
 )
 
-# Qwen3-Next's table with the delta-net's projections one by one, and the experts only fused (as the hub has them).
+# Qwen3-Next's table with the delta-net's projections one by one; the experts are read fused (as the hub has them)
+# or one by one (as transformers' save_pretrained writes them), and written fused.
 TEXT_TABLE = dataclasses.replace(
     qwen3_next.TABLE,
     linear_attention=LINEAR_ATTENTION,
-    experts=(),
+    hub_experts_fused=True,
     left_out=(("mtp.", qwen3_next.MTP_LEFT_OUT), ("model.visual.", "the vision tower")),
 )
 
