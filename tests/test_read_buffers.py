@@ -19,3 +19,24 @@ def test_free_buffers_beyond_what_is_kept_are_let_go_largest_first():
     buffers.give_back([small, large])
     assert buffers.take(2000).data_ptr() != large.data_ptr()
     assert buffers.take(1000).data_ptr() == small.data_ptr()
+
+
+def test_some_rows_of_a_tensor_are_read_where_they_lie(tmp_path):
+    """A section of a fused projection (`Rows`: rows [start, stop) of each of G groups) is read run by run into one
+    buffer, and equals those rows of the whole tensor, into a reused buffer too."""
+    import torch
+    from safetensors.torch import save_file
+
+    from mconvert.formats.hf_checkpoint import HFCheckpoint
+    from mconvert.formats.safetensors import Rows
+
+    fused = torch.arange(12 * 5, dtype=torch.bfloat16).reshape(12, 5)
+    save_file({"before": torch.ones(3), "fused": fused}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text("{}")
+    hf = HFCheckpoint(tmp_path)
+    rows = Rows(groups=3, start=1, stop=3)
+    expected = fused.reshape(3, 4, 5)[:, 1:3].reshape(6, 5)
+    assert torch.equal(hf.read("fused", rows), expected)
+    assert hf.nbytes("fused", rows) == expected.numel() * 2
+    buffer = torch.empty(1000, dtype=torch.uint8)
+    assert torch.equal(hf.read("fused", rows, into=buffer), expected)

@@ -128,21 +128,31 @@ class HFCheckpoint:
     def read(self, name: str, index: Part = None, into: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor `name`, or its slice `index` along the first axis (one expert of a fused expert tensor),
         read into the start of `into` (a uint8 tensor of at least its bytes, to reuse memory) or fresh memory;
-        or some of its rows (`Rows`: a section of a fused projection), read whole and copied out."""
-        if isinstance(index, Rows):
+        or some of its rows (`Rows`: a section of a fused projection), each group's run of them read where it lies
+        (an FP8 weight's whole, its scales being per block)."""
+        if isinstance(index, Rows) and name in self.scales:
             return index.select(self.read(name)).contiguous()
-        stored, begin, shape, length = self._region(name, index)
+        if isinstance(index, Rows):
+            stored = self.tensors[name]
+            shape = index.shape(stored.shape)
+            runs = [(stored.begin + first, count) for first, count in index.runs(stored.shape, stored.dtype.itemsize)]
+        else:
+            stored, begin, shape, length = self._region(name, index)
+            runs = [(begin, length)]
+        length = sum(count for _, count in runs)
         # torch.empty, unlike bytearray, does not spend a pass zero-filling what the read overwrites.
         buffer = (torch.empty(length, dtype=torch.uint8) if into is None else into)[:length]
         view = memoryview(buffer.numpy())
         with open(stored.file, "rb", buffering=0) as f:
-            f.seek(begin)
             done = 0
-            while done < length:  # one read() returns at most 2 GiB
-                count = f.readinto(view[done:])
-                if not count:
-                    raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
-                done += count
+            for begin, count in runs:
+                f.seek(begin)
+                end = done + count
+                while done < end:  # one read() returns at most 2 GiB
+                    got = f.readinto(view[done:end])
+                    if not got:
+                        raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
+                    done += got
         tensor = buffer.view(stored.dtype).reshape(shape)
         if name in self.scales:
             tensor = self._dequantize(name, index, tensor)
@@ -170,7 +180,7 @@ class HFCheckpoint:
             raise self._nonfinite(name, index)
 
     def _nonfinite(self, name: str, index: int | None) -> ConversionError:
-        which = name if index is None else f"{name}[{index}]"
+        which = f"{name}[{index}]" if isinstance(index, int) else name
         return ConversionError(
             f"{self.tensors[name].file}: tensor '{which}' holds NaN or Inf values (pass --allow-nonfinite to convert it as is)"
         )
