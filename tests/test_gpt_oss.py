@@ -143,3 +143,42 @@ def test_the_printed_verify_command_runs_as_printed_and_a_wrong_etp_is_one_line(
     assert passed.returncode == 0 and passed.stdout.strip().endswith("PASS"), passed.stdout + passed.stderr
     wrong = run_cli("verify", "--hf", hf, "--mcore", tmp_path / "mcore", "--tp", "2", "--ep", "2", "--device", "cpu")
     assert_one_line_error(wrong, "--etp 2", "--etp 1", code=2)
+
+
+def test_mxfp4_hub_weights_convert_as_transformers_dequantizes_them(hf, tmp_path):
+    """gpt-oss as released: each layer's experts stored as MXFP4 (`gate_up_proj_blocks` [E, 2I, H/32, 16] bytes of two
+    4-bit floats, `gate_up_proj_scales` [E, 2I, H/32] exponents; `down_proj` alike), `quant_method: mxfp4`. They
+    convert as the bf16 weights transformers' own dequantization makes of them; the way back writes those, without
+    the quantization_config, and says so."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from mconvert.cli import main
+    from mconvert.formats.dcp import DCPCheckpoint
+
+    config = {**json.loads((hf / "config.json").read_text()), "torch_dtype": "bfloat16"}
+    generator = torch.Generator().manual_seed(0)
+    packed, plain = {}, {}
+    for name, tensor in load_file(hf / "model.safetensors").items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            packed[name] = plain[name] = tensor.to(torch.bfloat16)
+            continue
+        experts, inputs, outputs = tensor.shape  # transformers' [in, out]; MXFP4 groups 32 inputs of each output
+        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), dtype=torch.uint8, generator=generator)
+        scales = torch.randint(122, 130, (experts, outputs, inputs // 32), dtype=torch.uint8, generator=generator)
+        packed[name + "_blocks"], packed[name + "_scales"] = blocks, scales
+        plain[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+        assert plain[name].shape == tensor.shape
+    quantization = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    for directory, tensors, extra in ((tmp_path / "mxfp4", packed, {"quantization_config": quantization}), (tmp_path / "bf16", plain, {})):
+        directory.mkdir()
+        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+        (directory / "config.json").write_text(json.dumps({**config, **extra}))
+        convert_hf_to_mcore(directory, tmp_path / f"{directory.name}-mcore", parallelism=Parallelism(tp=2, ep=2, etp=1))
+    stored = [DCPCheckpoint(iteration_dir(tmp_path / f"{name}-mcore")) for name in ("mxfp4", "bf16")]
+    assert sorted(stored[0].shapes) == sorted(stored[1].shapes)
+    for key, shape in stored[1].shapes.items():
+        assert torch.equal(*(dcp.read_region(key, (0,) * len(shape), shape) for dcp in stored)), key
+    assert main(["mcore-to-hf", "--load-dir", str(tmp_path / "mxfp4-mcore"), "--save-dir", str(tmp_path / "back"), "--hf-config", str(tmp_path / "mxfp4")]) == 0
+    back = {k: v for path in (tmp_path / "back").glob("*.safetensors") for k, v in load_file(path).items()}
+    assert back.keys() == plain.keys() and all(torch.equal(back[k], plain[k]) for k in plain)
+    assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())

@@ -22,7 +22,7 @@ from mconvert.converters.progress import NoProgress, Progress
 from mconvert.formats import dcp_metadata, dcp_writer
 from mconvert.formats.dcp_metadata import MetadataMaker
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
-from mconvert.formats.quantized import fp8_block_size
+from mconvert.formats.quantized import fp8_block_size, is_mxfp4
 from mconvert.formats.safetensors import Rows
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family
@@ -150,7 +150,7 @@ class FileCopies:
         if layout.split_axis not in (None, 0) and layout.fragments > 1 or any(isinstance(ref.index, Rows) for ref in piece.sources):
             return None  # a row-parallel cut, or sections of a fused projection (interleaved by group)
         places = [self.hf.place(ref.name, ref.index) for ref in piece.sources]
-        if any(stored_dtype != dtype for _, _, _, stored_dtype in places) or any(ref.name in self.hf.scales for ref in piece.sources):
+        if any(stored_dtype != dtype for _, _, _, stored_dtype in places) or any(self.hf.quantized(ref.name) for ref in piece.sources):
             return None
         for path, _, _, _ in places:
             if path not in self._same_device:
@@ -263,7 +263,7 @@ def convert_hf_to_mcore(
     config = read_hf_config(load_dir, "--load-dir")
     family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
     check_target(save_dir, overwrite)
-    hf = HFCheckpoint(load_dir, fp8_block_size(config), check_finite=not allow_nonfinite)
+    hf = HFCheckpoint(load_dir, fp8_block_size(config), check_finite=not allow_nonfinite, mxfp4=is_mxfp4(config))
     held = mtp_layers_held(family, spec, hf.tensors)
     mtp = mtp and not family.table.mtp_left_out
     spec = dataclasses.replace(spec, mtp_layers=held if mtp else 0)

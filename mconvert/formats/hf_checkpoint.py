@@ -1,8 +1,8 @@
 """An HF model directory's weights, read lazily: `model.safetensors`, or the shards its index lists, one tensor
 (or one slice of its first axis) at a time. Reading with plain file reads into a fresh buffer, rather than
 through a memory map, keeps the process's resident memory at the tensors in hand, whatever the checkpoint's
-size. FP8 block-quantized weights read dequantized (mconvert.formats.quantized); with `check_finite`, a
-floating-point tensor holding NaN or Inf is an error naming it."""
+size. FP8 block-quantized and MXFP4 weights read dequantized (mconvert.formats.quantized); with `check_finite`,
+a floating-point tensor holding NaN or Inf is an error naming it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from mconvert.errors import ConversionError
-from mconvert.formats.quantized import FP8_DTYPES, SCALE_SUFFIX, dequantize_fp8_blocks
+from mconvert.formats.quantized import FP8_DTYPES, MXFP4_BLOCKS, MXFP4_SCALES, SCALE_SUFFIX, dequantize_fp8_blocks, dequantize_mxfp4
 from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, Part, Rows, StoredTensor, read_header, read_weight_map
 
 # Floating-point dtypes whose values are checked to be finite as they are read (float8 has no min/max kernels).
@@ -47,10 +47,12 @@ class HFCheckpoint:
     """The tensors of an HF checkpoint directory: `model.safetensors`, or shards listed by the index.
     With `check_finite`, reading a floating-point tensor that holds NaN or Inf is an error naming it."""
 
-    def __init__(self, directory: str | os.PathLike, fp8_block: tuple[int, int] | None = None, check_finite: bool = True):
+    def __init__(
+        self, directory: str | os.PathLike, fp8_block: tuple[int, int] | None = None, check_finite: bool = True, mxfp4: bool = False
+    ):
         """`fp8_block`: the block size of FP8 weights' scales (config.json's quantization_config, see
-        fp8_block_size); FP8 weights are read dequantized. `check_finite`: a weight holding NaN or Inf is an
-        error."""
+        fp8_block_size); FP8 weights are read dequantized. `mxfp4`: the config names MXFP4 weights (is_mxfp4),
+        read dequantized under their own names. `check_finite`: a weight holding NaN or Inf is an error."""
         self.directory = Path(directory)
         self.check_finite = check_finite
         index = self.directory / INDEX_FILE
@@ -78,6 +80,7 @@ class HFCheckpoint:
             if name not in self.tensors or self.tensors[name].file.name != file:
                 raise ConversionError(f"{self.directory / file}: tensor '{name}' listed in {INDEX_FILE} is not there")
         self.scales = self._take_block_scales(fp8_block)
+        self.mxfp4 = self._take_mxfp4() if mxfp4 else {}
 
     def _take_block_scales(self, block: tuple[int, int] | None) -> dict[str, tuple[StoredTensor, tuple[int, int]]]:
         """FP8 weights' block scales, by weight name, with the block size, taken out of `tensors`: FP8 weights
@@ -101,6 +104,26 @@ class HFCheckpoint:
             scales[name] = (scale, block)
             del self.tensors[name + SCALE_SUFFIX]
         return scales
+
+    def _take_mxfp4(self) -> dict[str, tuple[StoredTensor, StoredTensor]]:
+        """MXFP4 weights' blocks and scales, by weight name, taken out of `tensors`, where each weight stands as what
+        transformers dequantizes them into: bf16, its last two axes swapped (gpt-oss's [in, out] experts)."""
+        packed = {}
+        for name in [n.removesuffix(MXFP4_BLOCKS) for n in self.tensors if n.endswith(MXFP4_BLOCKS)]:
+            blocks, scales = self.tensors.pop(name + MXFP4_BLOCKS), self.tensors.pop(name + MXFP4_SCALES, None)
+            if scales is None or blocks.dtype != torch.uint8 or scales.shape != blocks.shape[:-1] or blocks.shape[-1] != 16:
+                raise ConversionError(
+                    f"tensor '{name + MXFP4_BLOCKS}' in {blocks.file} is not MXFP4 ([..., groups, 16] bytes with a "
+                    f"{name + MXFP4_SCALES} of one exponent per group)"
+                )
+            *lead, rows, groups, _ = blocks.shape
+            self.tensors[name] = StoredTensor(blocks.file, torch.bfloat16, (*lead, groups * 32, rows), blocks.begin, blocks.end)
+            packed[name] = (blocks, scales)
+        return packed
+
+    def quantized(self, name: str) -> bool:
+        """Whether the tensor `name` is stored quantized (read dequantized, never copied as its bytes)."""
+        return name in self.scales or name in self.mxfp4
 
     def where(self, name: str) -> str:
         return f"tensor '{name}' in {self.tensors[name].file}"
@@ -130,8 +153,14 @@ class HFCheckpoint:
         read into the start of `into` (a uint8 tensor of at least its bytes, to reuse memory) or fresh memory;
         or some of its rows (`Rows`: a section of a fused projection), each group's run of them read where it lies
         (an FP8 weight's whole, its scales being per block)."""
-        if isinstance(index, Rows) and name in self.scales:
+        if isinstance(index, Rows) and self.quantized(name):
             return index.select(self.read(name)).contiguous()
+        if name in self.mxfp4:
+            blocks, scales = (self._read_stored(stored, name, index) for stored in self.mxfp4[name])
+            tensor = dequantize_mxfp4(blocks, scales).transpose(-1, -2).contiguous()
+            if self.check_finite and not _finite(tensor):
+                raise self._nonfinite(name, index)
+            return tensor
         if isinstance(index, Rows):
             stored = self.tensors[name]
             shape = index.shape(stored.shape)
@@ -178,6 +207,19 @@ class HFCheckpoint:
                 finite = _finite(torch.frombuffer(window, dtype=stored.dtype, count=length // stored.dtype.itemsize, offset=begin - base))
         if not finite:
             raise self._nonfinite(name, index)
+
+    def _read_stored(self, stored: StoredTensor, name: str, index: int | None) -> torch.Tensor:
+        """A quantized weight's stored part (blocks or scales, or their slice `index`), as stored."""
+        shape, begin = stored.shape, stored.begin
+        if index is not None:
+            begin, shape = begin + index * math.prod(shape[1:]) * stored.dtype.itemsize, shape[1:]
+        length = math.prod(shape) * stored.dtype.itemsize
+        with open(stored.file, "rb") as f:
+            f.seek(begin)
+            data = f.read(length)
+        if len(data) != length:
+            raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
+        return torch.frombuffer(bytearray(data), dtype=stored.dtype).reshape(shape)
 
     def _nonfinite(self, name: str, index: int | None) -> ConversionError:
         which = f"{name}[{index}]" if isinstance(index, int) else name
