@@ -15,7 +15,14 @@ from pathlib import Path
 import torch
 
 from mconvert.errors import ConversionError
-from mconvert.formats.quantized import FP8_DTYPES, MXFP4_BLOCKS, MXFP4_SCALES, SCALE_SUFFIX, dequantize_fp8_blocks, dequantize_mxfp4
+from mconvert.formats.quantized import (
+    FP8_DTYPES,
+    MXFP4_BLOCKS,
+    MXFP4_SCALES,
+    SCALE_SUFFIX,
+    dequantize_fp8_blocks,
+    dequantize_mxfp4,
+)
 from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, Part, Rows, StoredTensor, read_header, read_weight_map
 
 # Floating-point dtypes whose values are checked to be finite as they are read (float8 has no min/max kernels).
