@@ -147,3 +147,36 @@ def test_ue8m0_block_scales_convert_as_their_values(tmp_path):
     from_e8m0, from_fp32 = stored(tmp_path / "e8m0-mcore"), stored(tmp_path / "fp32-mcore")
     assert load_file(tmp_path / "e8m0" / "model.safetensors")["model.layers.1.self_attn.o_proj.weight_scale_inv"].dtype == torch.float8_e8m0fnu
     assert from_e8m0.keys() == from_fp32.keys() and all(torch.equal(from_e8m0[k], from_fp32[k]) for k in from_fp32)
+
+
+def test_qwen35_moe_fp8_converts_as_its_dequantized_values(tmp_path):
+    """Qwen3.5's FP8 checkpoints: block-quantized weights with their `_scale_inv` as DeepSeek-V3's, among them the
+    fused 3-D experts (one grid of scales per expert) and the delta-net's fused in_proj_qkv, whose sections are cut
+    from the dequantized tensor. Converted, they equal the conversion of the same weights dequantized by this test."""
+    from mconvert.mcore.checkpoint import iteration_dir
+
+    source = make_hf_checkpoint(shrink(real_config("qwen3.5-35b-a3b"), layers=4), tmp_path / "source", fused_experts=True)
+    tensors = load_file(source / "model.safetensors")
+    fp8_tensors, plain_tensors = dict(tensors), dict(tensors)
+    quantized = 0
+    for name, tensor in tensors.items():
+        if not name.startswith("model.language_model.") or tensor.dim() < 2 or "norm" in name or "embed" in name or name.endswith("mlp.gate.weight"):
+            continue
+        pairs = [quantize(matrix) for matrix in tensor.reshape(-1, *tensor.shape[-2:])]
+        q = torch.stack([p[0] for p in pairs]).reshape(tensor.shape)
+        scale_inv = torch.stack([p[1] for p in pairs]).reshape(*tensor.shape[:-2], *pairs[0][1].shape)
+        fp8_tensors[name], fp8_tensors[name + "_scale_inv"] = q, scale_inv
+        plain_tensors[name] = torch.stack([dequantize(*p) for p in pairs]).reshape(tensor.shape)
+        quantized += 1
+    assert quantized > 20 and any("experts.gate_up_proj" in name for name in fp8_tensors if name.endswith("_scale_inv"))
+    config = json.loads((source / "config.json").read_text())
+    fp8_config = {**config, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}}
+    for name, content, written in (("fp8", fp8_tensors, fp8_config), ("plain", plain_tensors, config)):
+        (tmp_path / name).mkdir()
+        save_file(content, tmp_path / name / "model.safetensors", metadata={"format": "pt"})
+        (tmp_path / name / "config.json").write_text(json.dumps(written))
+        convert_hf_to_mcore(tmp_path / name, tmp_path / f"{name}-mcore", parallelism=Parallelism(tp=2, ep=2), dtype=torch.float32)
+    stores = [DCPCheckpoint(iteration_dir(tmp_path / f"{name}-mcore")) for name in ("fp8", "plain")]
+    assert sorted(stores[0].shapes) == sorted(stores[1].shapes)
+    for key, shape in stores[1].shapes.items():
+        assert torch.equal(*(store.read_region(key, (0,) * len(shape), shape) for store in stores)), key
