@@ -8,7 +8,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float8_e4m3fn": "F8_E4M3"}
+from mconvert.formats.quantized import MXFP4_BLOCKS, MXFP4_SCALES
+
+SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float8_e4m3fn": "F8_E4M3", "uint8": "U8"}
 # Elements generated at a time while writing a random tensor: bounds memory for the largest embeddings.
 RANDOM_BLOCK = 1 << 24
 
@@ -48,6 +50,24 @@ def _shards(parameters: list[tuple[str, Any]], max_shard_bytes: int) -> list[lis
     return shards
 
 
+def _mxfp4_blocks(parameters: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """gpt-oss's hub layout: each layer's fused experts (transformers' [E, in, out]) as MXFP4, `_blocks` [E, out,
+    in / 32, 16] bytes of two 4-bit values and `_scales` [E, out, in / 32] exponents; the rest as it is."""
+    import torch
+
+    out = []
+    for name, parameter in parameters:
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out.append((name, parameter))
+            continue
+        experts, inputs, outputs = parameter.shape
+        out += [
+            (name + MXFP4_BLOCKS, torch.empty((experts, outputs, inputs // 32, 16), dtype=torch.uint8, device="meta")),
+            (name + MXFP4_SCALES, torch.empty((experts, outputs, inputs // 32), dtype=torch.uint8, device="meta")),
+        ]
+    return out
+
+
 def _write_random_safetensors(path: Path, parameters: list[tuple[str, Any]], generator) -> None:
     """One safetensors file of random tensors, generated and written a block at a time."""
     import torch
@@ -71,10 +91,13 @@ def _write_random_safetensors(path: Path, parameters: list[tuple[str, Any]], gen
             remaining = parameter.numel()
             while remaining:
                 values = block[: min(remaining, RANDOM_BLOCK)]
-                # Norm weights of ones and zero biases would hide mistakes in their mapping.
-                values.normal_(0.0, 0.05 if matrix else 0.5, generator=generator)
-                if not matrix:
-                    values.add_(1.0)
+                if parameter.dtype == torch.uint8:  # MXFP4: any bytes of values; exponents near 2^0
+                    values.uniform_(*((120, 128) if name.endswith(MXFP4_SCALES) else (0, 256)), generator=generator).floor_()
+                else:
+                    # Norm weights of ones and zero biases would hide mistakes in their mapping.
+                    values.normal_(0.0, 0.05 if matrix else 0.5, generator=generator)
+                    if not matrix:
+                        values.add_(1.0)
                 f.write(values.to(parameter.dtype).cpu().view(torch.uint8).numpy().data)
                 remaining -= len(values)
 
@@ -146,20 +169,21 @@ def write_random_hf_checkpoint(
     max_shard_bytes: int = 5 * 10**9,
     device: str = "cpu",
     fused_experts: bool = False,
-    fp8: bool = False,
+    quantized: bool = False,
 ) -> Path:
     """A random-init checkpoint of `config` at full size, written tensor by tensor without ever building the
     model: names, shapes and dtypes come from transformers' model built on the meta device, the files are
     sharded as the hub's are (`max_shard_bytes` each, with an index when there are several). MoE experts are
-    stored one tensor per expert as on the hub, or fused in 3-D tensors with `fused_experts`. With `fp8`, the
-    weights the hub quantizes are random FP8 values with random block scales, in the block size of the
-    config's quantization_config, which config.json keeps; otherwise everything is unquantized and config.json
-    has no quantization_config."""
+    stored one tensor per expert as on the hub, or fused in 3-D tensors with `fused_experts`. With `quantized`, the
+    weights the hub quantizes are stored as the config's quantization_config says, which config.json keeps: random
+    FP8 values with random block scales (DeepSeek-V3's fp8), or random MXFP4 blocks and exponents (gpt-oss's
+    mxfp4); otherwise everything is unquantized and config.json has no quantization_config."""
     import torch
     import transformers
 
-    quantization = config.get("quantization_config")
-    block = tuple(quantization["weight_block_size"]) if fp8 and quantization else None
+    quantization = config.get("quantization_config") if quantized else None
+    mxfp4 = quantization is not None and quantization.get("quant_method") == "mxfp4"
+    block = tuple(quantization["weight_block_size"]) if quantization is not None and not mxfp4 else None
     # transformers' model is built unquantized (a quantization_config would have it quantize the model).
     config = {k: v for k, v in config.items() if k != "quantization_config"}
     hf_config = transformers.AutoConfig.for_model(**as_transformers_builds(config))
@@ -177,12 +201,16 @@ def write_random_hf_checkpoint(
     parameters = [(n, p.to(dtype)) for n, p in model.named_parameters()]
     parameters += [(n, b) for n, b in model.named_buffers() if n in stored]
     parameters = parameters if fused_experts else _per_expert(parameters, config)
-    shards = _shards(_fp8_blocks(parameters, block) if block else parameters, max_shard_bytes)
+    if block:
+        parameters = _fp8_blocks(parameters, block)
+    elif mxfp4:
+        parameters = _mxfp4_blocks(parameters)
+    shards = _shards(parameters, max_shard_bytes)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     hf_config.save_pretrained(out_dir)
     keep_remote_code_identity(config, out_dir)
-    if block:
+    if quantization is not None:
         written = json.loads((out_dir / "config.json").read_text())
         (out_dir / "config.json").write_text(json.dumps({**written, "quantization_config": quantization}, indent=2) + "\n")
     # On a GPU the random numbers of an 8B model take seconds instead of minutes.

@@ -92,7 +92,7 @@ def test_random_fp8_checkpoints_are_the_hubs_layout(tmp_path):
     values."""
     config = {**shrink(real_config("deepseek-v3")), "torch_dtype": "bfloat16",
               "quantization_config": {**real_config("deepseek-v3")["quantization_config"], "weight_block_size": list(BLOCK)}}
-    hf = write_random_hf_checkpoint(config, tmp_path / "hf", fp8=True)
+    hf = write_random_hf_checkpoint(config, tmp_path / "hf", quantized=True)
     assert json.loads((hf / "config.json").read_text())["quantization_config"]["weight_block_size"] == list(BLOCK)
     tensors = load_file(hf / "model.safetensors")
     name = "model.layers.1.mlp.experts.3.down_proj.weight"

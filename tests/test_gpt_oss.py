@@ -182,3 +182,25 @@ def test_mxfp4_hub_weights_convert_as_transformers_dequantizes_them(hf, tmp_path
     back = {k: v for path in (tmp_path / "back").glob("*.safetensors") for k, v in load_file(path).items()}
     assert back.keys() == plain.keys() and all(torch.equal(back[k], plain[k]) for k in plain)
     assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
+
+
+def test_random_mxfp4_checkpoints_are_the_hubs_layout(tmp_path):
+    """What the conversion benchmark reads as gpt-oss as released: its experts as MXFP4 blocks and exponents, the
+    quantization_config kept; converting as transformers' dequantization of them."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from mconvert.formats.dcp import DCPCheckpoint
+    from mconvert.full_size import write_random_hf_checkpoint
+
+    config = {**shrink(real_config("gpt-oss-20b"), layers=2), "torch_dtype": "bfloat16", "quantization_config": real_config("gpt-oss-20b")["quantization_config"]}
+    hf = write_random_hf_checkpoint(config, tmp_path / "hf", quantized=True)
+    assert json.loads((hf / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+    tensors = load_file(hf / "model.safetensors")
+    name = "model.layers.1.mlp.experts.down_proj"
+    assert tensors[name + "_blocks"].dtype == torch.uint8 and name not in tensors
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(ep=2, etp=1))
+    dcp = DCPCheckpoint(iteration_dir(tmp_path / "mcore"))
+    key = "decoder.layers.mlp.experts.experts.linear_fc2.weight"  # [layer, expert, out, in]: gpt-oss's layers alike
+    converted = dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key])[1, 3]
+    expected = convert_moe_packed_tensors(tensors[name + "_blocks"], tensors[name + "_scales"])[3].T
+    assert torch.equal(converted, expected)

@@ -16,7 +16,7 @@ a fixed cost of each conversion, which weighs on small models.
 Targets: conversion / cp <= 1.3, and peak RSS < 1 GiB + 2 x the largest tensor.
 
     python scripts/bench/bench_convert.py --models qwen2.5-0.5b qwen2.5-7b-instruct --work-dir /work/bench-data
-    python scripts/bench/bench_convert.py --models 'deepseek-v3@2+first_k_dense_replace=1' --fp8 --ep 8 --work-dir ...
+    python scripts/bench/bench_convert.py --models 'deepseek-v3@2+first_k_dense_replace=1' --quantized --ep 8 --work-dir ...
 """
 
 from __future__ import annotations
@@ -78,23 +78,23 @@ def remove(path: Path) -> None:
     os.sync()  # freeing the blocks should not be charged to the next timed command
 
 
-def make_source(model: str, work_dir: Path, fp8: bool = False) -> Path:
+def make_source(model: str, work_dir: Path, quantized: bool = False) -> Path:
     """MODEL[@LAYERS][+FIELD=VALUE...] (mconvert.synthetic.model_config): the real config, cut to its first
     LAYERS layers when given (a MoE model's thousands of small expert tensors are measured well by a few layers);
-    with `fp8`, in the hub's block-quantized FP8 where the config says so (DeepSeek-V3)."""
+    with `quantized`, in the hub's quantized layout where the config names one (DeepSeek-V3's FP8, gpt-oss's MXFP4)."""
     import torch
 
     from mconvert.full_size import write_random_hf_checkpoint
     from mconvert.synthetic import model_config
 
-    source = work_dir / (model + ("-fp8" if fp8 else ""))
+    source = work_dir / (model + ("-quantized" if quantized else ""))
     if not (source / COMPLETE_MARK).exists():
         if source.exists():
             shutil.rmtree(source)
         print(f"writing random {model} to {source} ...", flush=True)
         # The random numbers on a GPU where there is one: minutes on one core for a 15 GB model.
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        write_random_hf_checkpoint(model_config(model), source, fp8=fp8, device=device)
+        write_random_hf_checkpoint(model_config(model), source, quantized=quantized, device=device)
         (source / COMPLETE_MARK).touch()
     return source
 
@@ -105,7 +105,7 @@ def human_bytes(n: float) -> str:
 
 def main() -> int:
     from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
-    from mconvert.formats.quantized import fp8_block_size
+    from mconvert.formats.quantized import fp8_block_size, is_mxfp4
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b"], help="configs from mconvert/configs as NAME[@LAYERS][+FIELD=VALUE...]")
@@ -114,7 +114,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--fp8", action="store_true", help="FP8 sources where the config names block quantization")
+    parser.add_argument("--quantized", action="store_true", help="quantized sources where the config names a quantization (FP8, MXFP4)")
     options = parser.parse_args()
     if "cold" in options.conditions and not os.access(DROP_CACHES, os.W_OK):
         raise SystemExit(f"{DROP_CACHES} is not writable here: run as root or pass --conditions warm")
@@ -122,8 +122,9 @@ def main() -> int:
 
     rows = []
     for model in options.models:
-        source = make_source(model, options.work_dir, options.fp8)
-        tensors = HFCheckpoint(source, fp8_block_size(read_hf_config(source, "--models"))).tensors
+        source = make_source(model, options.work_dir, options.quantized)
+        config = read_hf_config(source, "--models")
+        tensors = HFCheckpoint(source, fp8_block_size(config), mxfp4=is_mxfp4(config)).tensors
         largest = max(stored.end - stored.begin for stored in tensors.values())
         total = sum(stored.end - stored.begin for stored in tensors.values())
         rss_limit = GiB + 2 * largest
