@@ -176,6 +176,17 @@ def test_a_config_that_is_not_json(hf, tmp_path):
     refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "config.json", "not valid JSON")
 
 
+def test_a_config_nested_deeper_than_pythons_stack(hf, tmp_path):
+    """200,000 brackets deep: json's decoder recurses once a level and runs out of stack (RecursionError)."""
+    (hf / "config.json").write_text("[" * 200_000 + "]" * 200_000)
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "config.json", "not valid JSON")
+
+
+def test_an_index_nested_deeper_than_pythons_stack(hf, tmp_path):
+    (hf / "model.safetensors.index.json").write_text('{"weight_map": ' + "[" * 200_000 + "]" * 200_000 + "}")
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "model.safetensors.index.json")
+
+
 def test_a_config_field_of_the_wrong_type(hf, tmp_path):
     write_config(hf, num_hidden_layers="2")
     refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "config.json", "'num_hidden_layers' is '2'")

@@ -43,7 +43,7 @@ def read_hf_config(directory: Path, flag: str) -> dict:
         raise ConversionError(f"{flag} {directory}: no config.json (not an HF model directory)")
     try:
         config = json.loads(path.read_text())
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than Python's stack allows
         raise ConversionError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ConversionError(f"{path}: holds a JSON {type(config).__name__}, not an object of settings")

@@ -85,7 +85,7 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
             raise ConversionError(f"{path}: truncated (header of {header_len} bytes, file of {size})")
         try:
             header = json.loads(f.read(header_len))
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise ConversionError(f"{path}: unreadable safetensors header ({e})") from None
     base = 8 + header_len
     tensors = {}
@@ -111,7 +111,7 @@ def read_weight_map(index: Path) -> dict[str, str]:
     """The index's tensor -> shard file map; every shard a plain file name in the index's directory."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise ConversionError(f"{index}: not a safetensors index (no readable 'weight_map': {e!r})") from None
     if not isinstance(weight_map, dict):
         raise ConversionError(f"{index}: 'weight_map' is not an object of tensor names to files")
