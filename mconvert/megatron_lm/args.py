@@ -95,6 +95,7 @@ def megatron_args(
     """The Megatron-LM arguments that describe the model, as `--use-checkpoint-args` reads them from common.pt.
     `tokenizer_dir`: the HF directory, recorded as the tokenizer when it has tokenizer files."""
     rope: RopeScaling | None = spec.rope_scaling
+    position_embedding_type = "yarn" if rope is not None and rope.kind == "yarn" and spec.mla is None else "rope"
     linear_factor = None
     if rope is not None and rope.kind == "linear":
         linear_factor = _integral(rope.factor, "--rotary-seq-len-interpolation-factor", "rope_scaling factor")
@@ -110,7 +111,10 @@ def megatron_args(
         max_position_embeddings=spec.max_position_embeddings,
         seq_length=min(spec.max_position_embeddings, 4096),
         # YaRN is GPTModel's position embedding of its own; under multi-latent attention, MLA's rope type.
-        position_embedding_type="yarn" if rope is not None and rope.kind == "yarn" and spec.mla is None else "rope",
+        position_embedding_type=position_embedding_type,
+        # What Megatron-LM's validation leaves of its default: off beside another position embedding than rope, and
+        # off beside sparse attention, where megatron-core refuses it.
+        apply_rope_fusion=position_embedding_type == "rope" and spec.sparse_attention is None,
         add_position_embedding=False,
         use_rotary_position_embeddings=True,
         rotary_base=_integral(spec.rope_theta, "--rotary-base", "rope_theta"),
@@ -199,7 +203,7 @@ def megatron_args(
 
 def _sparse_attention_args(spec: ModelSpec, par: Parallelism, transformer_impl: str) -> dict[str, Any]:
     """DeepSeek Sparse Attention, which megatron-core builds only under the Transformer Engine spec, with sequence
-    parallelism at TP > 1 (its absorbed MLA requires it). No Hadamard rotation before scoring (see
+    parallelism at TP > 1 (its absorbed MLA requires it) and without rope fusion (see megatron_args). No Hadamard rotation before scoring (see
     mconvert.mappings.deepseek_v32); the key norm's own epsilon where it differs from the model's; the top-k
     shared as the layers without an indexer say."""
     sparse = spec.sparse_attention
@@ -209,7 +213,6 @@ def _sparse_attention_args(spec: ModelSpec, par: Parallelism, transformer_impl: 
     return dict(
         experimental_attention_variant="dsa",
         sequence_parallel=par.tp > 1,
-        apply_rope_fusion=False,  # megatron-core refuses fused rope beside DSAttention
         dsa_indexer_n_heads=sparse.index_heads,
         dsa_indexer_head_dim=sparse.index_head_dim,
         dsa_indexer_topk=sparse.topk,

@@ -57,8 +57,8 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
     ]
     if getattr(a, "sequence_parallel", False):
         flags.append("--sequence-parallel")
-    if not getattr(a, "apply_rope_fusion", True):
-        flags.append("--no-rope-fusion")
+    if not getattr(a, "apply_rope_fusion", True) and stored_arg(a, "position_embedding_type", "rope") == "rope":
+        flags.append("--no-rope-fusion")  # Megatron-LM turns it off by itself beside other position embeddings
     if a.rotary_percent != 1.0:
         flags.append(f"--rotary-percent {a.rotary_percent:g}")
     if a.group_query_attention:
@@ -209,12 +209,14 @@ def load_flags(checkpoint_dir: Path) -> list[str]:
 
 
 def not_restored_by_checkpoint_args(args: argparse.Namespace) -> list[str]:
-    """The flags of this model whose args Megatron-LM's `--use-checkpoint-args` would leave at defaults other
-    than the model's values: what a run relying on it alone would silently get wrong."""
+    """The flags of this model's MODEL_ARGS whose args Megatron-LM's `--use-checkpoint-args` would leave at defaults
+    other than the model's values: what a run relying on it alone would silently get wrong."""
+    printed = {flag.split(" ")[0] for flag in megatron_flags(args)}
     return [
-        FLAG_OF_ARG.get(name, "--" + name.replace("_", "-"))
+        flag
         for name, default in MEGATRON_LM_DEFAULTS.items()
         if name not in RESTORED_BY_CHECKPOINT_ARGS and getattr(args, name, default) != default
+        and (flag := FLAG_OF_ARG.get(name, "--" + name.replace("_", "-"))) in printed
     ]
 
 
