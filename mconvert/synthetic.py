@@ -116,10 +116,12 @@ def make_hf_checkpoint(
     max_shard_size: str | None = None,
     dtype: str = "float32",
     fused_experts: bool = False,
+    weight_std: float = 0.05,
 ) -> Path:
     """A random-init model of `config` saved by transformers' `save_pretrained` (several shards when
-    `max_shard_size` is small). MoE experts are saved one tensor per expert as on the hub, or with
-    `fused_experts` in the layout transformers v5 holds in memory (3-D tensors of all experts)."""
+    `max_shard_size` is small), its matrices at `weight_std` (0.1 for attention far from uniform over a test's
+    prompts). MoE experts are saved one tensor per expert as on the hub, or with `fused_experts` in the layout
+    transformers v5 holds in memory (3-D tensors of all experts)."""
     import torch
     import transformers
 
@@ -131,7 +133,7 @@ def make_hf_checkpoint(
     with torch.no_grad():
         for parameter in model.parameters():
             # Norm weights of ones and zero biases would hide mistakes in their mapping.
-            parameter.normal_(0.0, 0.05 if parameter.dim() > 1 else 0.5).add_(1.0 if parameter.dim() == 1 else 0.0)
+            parameter.normal_(0.0, weight_std if parameter.dim() > 1 else 0.5).add_(1.0 if parameter.dim() == 1 else 0.0)
             # The hub stores every weight in the model's dtype; transformers 5.24 holds a router's gate in fp32,
             # and save_pretrained would write it so.
             parameter.data = parameter.data.to(getattr(torch, dtype))

@@ -9,16 +9,23 @@ from mconvert.synthetic import add_mtp_layers, make_hf_checkpoint, real_config, 
 
 @pytest.fixture(scope="session")
 def hf_model_factory(tmp_path_factory):
-    """make(name, layers, max_shard_size, seed, mtp, **config overrides) -> directory of a shrunk random-init HF
-    checkpoint (cached per args); mtp: with the multi-token prediction layers its config names (add_mtp_layers),
-    in a directory of its own, so that the checkpoint without them stays as made."""
+    """make(name, layers, max_shard_size, seed, mtp, weight_std, fused_experts, **config overrides) -> directory of a
+    shrunk random-init HF checkpoint (cached per args; make_hf_checkpoint says what weight_std and fused_experts do);
+    mtp: with the multi-token prediction layers its config names (add_mtp_layers), in a directory of its own, so
+    that the checkpoint without them stays as made."""
     made = {}
 
-    def make(config_name: str, layers: int = 2, max_shard_size: str | None = None, seed: int = 0, mtp: bool = False, **overrides):
-        key = (config_name, layers, max_shard_size, seed, mtp, repr(sorted(overrides.items())))  # values may be lists
+    def make(
+        config_name: str, layers: int = 2, max_shard_size: str | None = None, seed: int = 0, mtp: bool = False,
+        weight_std: float = 0.05, fused_experts: bool = False, **overrides,
+    ):
+        key = (config_name, layers, max_shard_size, seed, mtp, weight_std, fused_experts, repr(sorted(overrides.items())))  # values may be lists
         if key not in made:
             out = tmp_path_factory.mktemp(config_name.replace(".", "_"))
-            made[key] = make_hf_checkpoint(shrink(real_config(config_name), layers=layers, **overrides), out / "hf", seed=seed, max_shard_size=max_shard_size)
+            made[key] = make_hf_checkpoint(
+                shrink(real_config(config_name), layers=layers, **overrides), out / "hf", seed=seed, max_shard_size=max_shard_size,
+                weight_std=weight_std, fused_experts=fused_experts,
+            )
             if mtp:
                 add_mtp_layers(made[key])
         return made[key]

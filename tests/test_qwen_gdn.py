@@ -41,20 +41,10 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory):
-    """config name -> its random-init HF checkpoint (4 layers), at std 0.1 so that attention is far from uniform."""
-    done = {}
-
-    def make(name: str):
-        if name not in done:
-            fused = name == "qwen3.5-35b-a3b"
-            hf = make_hf_checkpoint(shrink(real_config(name), layers=4), tmp_path_factory.mktemp(name.replace(".", "_")) / "hf", fused_experts=fused)
-            tensors = load_file(hf / "model.safetensors")
-            save_file({k: v * 2.0 if v.dim() > 1 else v for k, v in tensors.items()}, hf / "model.safetensors", metadata={"format": "pt"})
-            done[name] = hf
-        return done[name]
-
-    return make
+def made(hf_model_factory):
+    """config name -> its random-init HF checkpoint (4 layers), at std 0.1 so that attention is far from uniform;
+    Qwen3.5-MoE's experts fused, as its hub checkpoints store them."""
+    return lambda name: hf_model_factory(name, layers=4, weight_std=0.1, fused_experts=name == "qwen3.5-35b-a3b")
 
 
 def hf_logits(hf_dir) -> torch.Tensor:
@@ -210,10 +200,8 @@ def test_qwen35_moe_experts_saved_one_by_one_convert_as_the_hubs_fused_ones_and_
     """Qwen3.5-MoE's hub checkpoints hold each layer's experts fused; transformers' save_pretrained writes them one by
     one. Both layouts of the same weights make the same torch_dist checkpoint, and the way back writes the hub's."""
     fused = made("qwen3.5-35b-a3b")
-    one_by_one = make_hf_checkpoint(shrink(real_config("qwen3.5-35b-a3b"), layers=4), tmp_path / "hf-one-by-one")
-    tensors = hf_tensors(one_by_one)
-    save_file({k: v * 2.0 if v.dim() > 1 else v for k, v in tensors.items()}, one_by_one / "model.safetensors", metadata={"format": "pt"})
-    assert "model.language_model.layers.0.mlp.experts.0.gate_proj.weight" in tensors
+    one_by_one = make_hf_checkpoint(shrink(real_config("qwen3.5-35b-a3b"), layers=4), tmp_path / "hf-one-by-one", weight_std=0.1)
+    assert "model.language_model.layers.0.mlp.experts.0.gate_proj.weight" in hf_tensors(one_by_one)
     for name, source in (("fused", fused), ("one-by-one", one_by_one)):
         convert_hf_to_mcore(source, tmp_path / name, parallelism=Parallelism(ep=2))
     stored = {name: DCPCheckpoint(iteration_dir(tmp_path / name)) for name in ("fused", "one-by-one")}

@@ -19,7 +19,7 @@ if os.environ.get("MCONVERT_REQUIRE_MEGATRON_LM") != "1":
     pytest.importorskip("megatron.training", reason="megatron-core 0.19's sparse attention: the Python 3.12 environment")
 
 import transformers  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from mconvert import mappings  # noqa: E402
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
@@ -34,7 +34,7 @@ from mconvert.mcore.checkpoint import iteration_dir  # noqa: E402
 from mconvert.mcore.parallelism import Parallelism  # noqa: E402
 from mconvert.megatron_lm.args import megatron_args  # noqa: E402
 from mconvert.megatron_lm.flags import megatron_flags  # noqa: E402
-from mconvert.synthetic import add_mtp_layers, make_hf_checkpoint, real_config, shrink  # noqa: E402
+from mconvert.synthetic import add_mtp_layers, real_config  # noqa: E402
 from mconvert.verify.distributed import run_ranks  # noqa: E402
 from tests.cli_runner import run_cli  # noqa: E402
 from tests.test_moe_megatron import megatron_view, stored_keys  # noqa: E402
@@ -50,20 +50,9 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def made(tmp_path_factory):
+def made(hf_model_factory):
     """(config name, overrides) -> its random-init HF checkpoint (4 layers: a dense one, then experts), at std 0.1."""
-    done = {}
-
-    def make(name: str, **overrides):
-        key = (name, repr(sorted(overrides.items())))
-        if key not in done:
-            hf = make_hf_checkpoint(shrink(real_config(name), layers=4, **overrides), tmp_path_factory.mktemp(name.replace(".", "_")) / "hf")
-            tensors = load_file(hf / "model.safetensors")
-            save_file({k: v * 2.0 if v.dim() > 1 else v for k, v in tensors.items()}, hf / "model.safetensors", metadata={"format": "pt"})
-            done[key] = hf
-        return done[key]
-
-    return make
+    return lambda name, **overrides: hf_model_factory(name, layers=4, weight_std=0.1, **overrides)
 
 
 def hf_logits(hf_dir) -> torch.Tensor:
