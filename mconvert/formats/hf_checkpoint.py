@@ -50,6 +50,15 @@ def read_hf_config(directory: Path, flag: str) -> dict:
     return config
 
 
+def _region_of(stored: StoredTensor, index: int | None) -> tuple[StoredTensor, int, tuple[int, ...], int]:
+    """Where a stored tensor (or its slice `index` along the first axis) is: its entry, first byte, shape, length."""
+    begin, shape = stored.begin, stored.shape
+    if index is not None:
+        row_bytes = math.prod(shape[1:]) * stored.dtype.itemsize
+        begin, shape = begin + index * row_bytes, shape[1:]
+    return stored, begin, tuple(shape), math.prod(shape) * stored.dtype.itemsize
+
+
 class HFCheckpoint:
     """The tensors of an HF checkpoint directory: `model.safetensors`, or shards listed by the index.
     With `check_finite`, reading a floating-point tensor that holds NaN or Inf is an error naming it."""
@@ -137,12 +146,7 @@ class HFCheckpoint:
 
     def _region(self, name: str, index: int | None) -> tuple[StoredTensor, int, tuple[int, ...], int]:
         """Where the tensor `name` (or its slice `index`) is: its file's entry, first byte, shape and length."""
-        stored = self.tensors[name]
-        begin, shape = stored.begin, stored.shape
-        if index is not None:
-            row_bytes = math.prod(shape[1:]) * stored.dtype.itemsize
-            begin, shape = begin + index * row_bytes, shape[1:]
-        return stored, begin, shape, math.prod(shape) * stored.dtype.itemsize
+        return _region_of(self.tensors[name], index)
 
     def nbytes(self, name: str, index: Part = None) -> int:
         if isinstance(index, Rows):
@@ -175,6 +179,43 @@ class HFCheckpoint:
         else:
             stored, begin, shape, length = self._region(name, index)
             runs = [(begin, length)]
+        tensor = self._read_runs(stored, name, runs, shape, into)
+        if name in self.scales:
+            tensor = self._dequantize(name, index, tensor)
+        if self.check_finite and not _finite(tensor):
+            raise self._nonfinite(name, index)
+        return tensor
+
+    def check(self, name: str, index: int | None = None) -> None:
+        """What `read` checks of the tensor `name` (or its slice `index`), unless the checkpoint is not checked,
+        without reading it into memory: through a map of the page cache, for a tensor copied file to file. Read
+        into memory, each byte cost one more copy, which with the copy itself made about as much work as the
+        copy (hf-to-mcore at one worker on a 16-core host). Not for quantized weights, checked once dequantized."""
+        stored, begin, _, length = self._region(name, index)
+        if not self.check_finite or self.quantized(name) or stored.dtype not in _CHECKED_DTYPES or not length:
+            return
+        base = begin - begin % mmap.ALLOCATIONGRANULARITY
+        with open(stored.file, "rb", buffering=0) as f:
+            if os.fstat(f.fileno()).st_size < begin + length:
+                raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
+            # Private and writable, as torch's tensors over a buffer are, but never written: nothing is copied.
+            # A file cut short by another process while mapped ends this one (SIGBUS) instead of this error.
+            with mmap.mmap(f.fileno(), begin + length - base, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base) as window:
+                finite = _finite(torch.frombuffer(window, dtype=stored.dtype, count=length // stored.dtype.itemsize, offset=begin - base))
+        if not finite:
+            raise self._nonfinite(name, index)
+
+    def _read_stored(self, stored: StoredTensor, name: str, index: int | None) -> torch.Tensor:
+        """A quantized weight's stored part (FP8 scales, MXFP4 blocks or exponents, or their slice `index`), as
+        stored."""
+        _, begin, shape, length = _region_of(stored, index)
+        return self._read_runs(stored, name, [(begin, length)], shape)
+
+    def _read_runs(
+        self, stored: StoredTensor, name: str, runs: list[tuple[int, int]], shape: tuple[int, ...], into: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The bytes of `runs` ((first byte, length) in `stored`'s file) one after another, as a `shape` tensor of
+        `stored`'s dtype, in the start of `into` (uint8, to reuse memory) or fresh memory."""
         length = sum(count for _, count in runs)
         # torch.empty, unlike bytearray, does not spend a pass zero-filling what the read overwrites.
         buffer = (torch.empty(length, dtype=torch.uint8) if into is None else into)[:length]
@@ -189,44 +230,7 @@ class HFCheckpoint:
                     if not got:
                         raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
                     done += got
-        tensor = buffer.view(stored.dtype).reshape(shape)
-        if name in self.scales:
-            tensor = self._dequantize(name, index, tensor)
-        if self.check_finite and not _finite(tensor):
-            raise self._nonfinite(name, index)
-        return tensor
-
-    def check(self, name: str, index: int | None = None) -> None:
-        """What `read` checks of the tensor `name` (or its slice `index`), unless the checkpoint is not checked,
-        without reading it into memory: through a map of the page cache, for a tensor copied file to file. Read
-        into memory, each byte cost one more copy, which with the copy itself made about as much work as the
-        copy (hf-to-mcore at one worker on a 16-core host). Not for FP8 weights, checked once dequantized."""
-        stored, begin, _, length = self._region(name, index)
-        if not self.check_finite or name in self.scales or stored.dtype not in _CHECKED_DTYPES or not length:
-            return
-        base = begin - begin % mmap.ALLOCATIONGRANULARITY
-        with open(stored.file, "rb", buffering=0) as f:
-            if os.fstat(f.fileno()).st_size < begin + length:
-                raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
-            # Private and writable, as torch's tensors over a buffer are, but never written: nothing is copied.
-            # A file cut short by another process while mapped ends this one (SIGBUS) instead of this error.
-            with mmap.mmap(f.fileno(), begin + length - base, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base) as window:
-                finite = _finite(torch.frombuffer(window, dtype=stored.dtype, count=length // stored.dtype.itemsize, offset=begin - base))
-        if not finite:
-            raise self._nonfinite(name, index)
-
-    def _read_stored(self, stored: StoredTensor, name: str, index: int | None) -> torch.Tensor:
-        """A quantized weight's stored part (blocks or scales, or their slice `index`), as stored."""
-        shape, begin = stored.shape, stored.begin
-        if index is not None:
-            begin, shape = begin + index * math.prod(shape[1:]) * stored.dtype.itemsize, shape[1:]
-        length = math.prod(shape) * stored.dtype.itemsize
-        with open(stored.file, "rb") as f:
-            f.seek(begin)
-            data = f.read(length)
-        if len(data) != length:
-            raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
-        return torch.frombuffer(bytearray(data), dtype=stored.dtype).reshape(shape)
+        return buffer.view(stored.dtype).reshape(shape)
 
     def _nonfinite(self, name: str, index: int | None) -> ConversionError:
         which = f"{name}[{index}]" if isinstance(index, int) else name
@@ -238,9 +242,5 @@ class HFCheckpoint:
         """An FP8 weight (or its slice `index`) times its blocks' scales, in fp32: a tensor at a time, so that
         memory stays at the tensors in hand."""
         scale, block = self.scales[name]
-        with open(scale.file, "rb") as f:
-            f.seek(scale.begin)
-            scales = torch.frombuffer(bytearray(f.read(scale.end - scale.begin)), dtype=scale.dtype).reshape(scale.shape)
-        if index is not None:
-            scales = scales[index]
+        scales = self._read_stored(scale, name + SCALE_SUFFIX, index)
         return dequantize_fp8_blocks(tensor, scales, block)

@@ -18,7 +18,7 @@ from typing import Any
 from mconvert.errors import ConversionError
 from mconvert.mappings import deepseek
 from mconvert.mappings.family import Family
-from mconvert.mappings.spec import ModelSpec, SparseAttentionSpec, require
+from mconvert.mappings.spec import ModelSpec, SparseAttentionSpec, require, shared_top_k_schedule
 from mconvert.mappings.transforms import Rename
 
 INDEXER = tuple(
@@ -39,18 +39,6 @@ MTP_LEFT_OUT = "Megatron-LM 0.19.2 builds no multi-token prediction layer beside
 TABLE = dataclasses.replace(deepseek.TABLE, indexer=INDEXER, mtp_left_out=MTP_LEFT_OUT)
 
 MODEL_TYPES = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
-
-
-def shared_top_k_schedule(indexer_layers: tuple[bool, ...]) -> tuple[int, int] | None:
-    """megatron-core's (dsa_indexer_topk_freq, dsa_indexer_skip_topk_offset) that run an indexer on exactly the
-    layers `indexer_layers` marks; None where no pair does. Its 1-numbered layer n runs one unless
-    (max(n - max(offset, 1), 0) % freq) != 0."""
-    layers = len(indexer_layers)
-    for freq in range(1, layers + 1):
-        for offset in range(1, layers + 1):
-            if all(runs == ((max(n - offset, 0) % freq) == 0) for n, runs in enumerate(indexer_layers, 1)):
-                return freq, offset
-    return None
 
 
 def read_indexer_layers(config: dict[str, Any], num_layers: int, source: str) -> tuple[bool, ...]:

@@ -100,6 +100,25 @@ class SparseAttentionSpec:
     key_norm_eps: float = 1e-6
 
 
+def dsa_indexer_layers(topk_freq: int, skip_topk_offset: int, num_layers: int) -> tuple[bool, ...]:
+    """Which layers run their own sparse-attention indexer under megatron-core's dsa_indexer_topk_freq and
+    dsa_indexer_skip_topk_offset (its is_dsa_skip_topk_layer: 1-numbered layer n runs one where
+    max(n - max(offset, 1), 0) % freq == 0)."""
+    offset = max(skip_topk_offset, 1)
+    return tuple(max(n - offset, 0) % topk_freq == 0 for n in range(1, num_layers + 1))
+
+
+def shared_top_k_schedule(indexer_layers: tuple[bool, ...]) -> tuple[int, int] | None:
+    """megatron-core's (dsa_indexer_topk_freq, dsa_indexer_skip_topk_offset) that run an indexer on exactly the
+    layers `indexer_layers` marks; None where no pair does."""
+    layers = len(indexer_layers)
+    return next(
+        ((freq, offset) for freq in range(1, layers + 1) for offset in range(1, layers + 1)
+         if dsa_indexer_layers(freq, offset, layers) == tuple(indexer_layers)),
+        None,
+    )
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     family: str

@@ -11,9 +11,8 @@ from typing import Any
 import torch
 
 from mconvert.errors import ConversionError
-from mconvert.mappings.deepseek_v32 import shared_top_k_schedule
 from mconvert.mappings.rope import RopeScaling
-from mconvert.mappings.spec import ModelSpec, MoESpec
+from mconvert.mappings.spec import ModelSpec, MoESpec, shared_top_k_schedule
 from mconvert.mcore.parallelism import Parallelism, PipelineSplit, padded_vocab_size
 
 # Args that Megatron-LM's `--use-checkpoint-args` copies from a checkpoint's stored args

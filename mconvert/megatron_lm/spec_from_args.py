@@ -10,7 +10,14 @@ import torch
 
 from mconvert.errors import ConversionError
 from mconvert.mappings.rope import RopeScaling
-from mconvert.mappings.spec import LinearAttentionSpec, MLASpec, ModelSpec, MoESpec, SparseAttentionSpec
+from mconvert.mappings.spec import (
+    LinearAttentionSpec,
+    MLASpec,
+    ModelSpec,
+    MoESpec,
+    SparseAttentionSpec,
+    dsa_indexer_layers,
+)
 from mconvert.megatron_lm.args import MLA_YARN_DEFAULTS, stored_arg
 
 
@@ -135,14 +142,12 @@ def spec_from_args(
     sparse_attention: SparseAttentionSpec | None = None
     if arg("experimental_attention_variant") == "dsa":
         norm_eps = arg("dsa_indexer_k_norm_epsilon")
-        freq, offset = arg("dsa_indexer_topk_freq", 1) or 1, arg("dsa_indexer_skip_topk_offset", 0) or 0
         sparse_attention = SparseAttentionSpec(
             index_heads=args.dsa_indexer_n_heads,
             index_head_dim=args.dsa_indexer_head_dim,
             topk=args.dsa_indexer_topk,
             rope_interleaved=bool(arg("dsa_indexer_rope_interleaved", False)),
-            # megatron-core's rule for the 1-numbered layers that run an indexer (its is_dsa_skip_topk_layer).
-            indexer_layers=tuple(max(n - max(offset, 1), 0) % freq == 0 for n in range(1, args.num_layers + 1)),
+            indexer_layers=dsa_indexer_layers(arg("dsa_indexer_topk_freq", 1) or 1, arg("dsa_indexer_skip_topk_offset", 0) or 0, args.num_layers),
             key_norm_eps=float(norm_eps if norm_eps is not None else arg("layernorm_epsilon", 1e-5)),
         )
     linear_bias = bool(arg("add_bias_linear", True))

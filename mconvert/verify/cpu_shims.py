@@ -199,7 +199,6 @@ def linear_attention_block_without_te(config: object, args: argparse.Namespace) 
     unfuses), run by its PyTorch path (`deterministic_mode`: its convolution and chunked delta rule in torch,
     see gated_delta_net_without_fla); every norm is zero-centred where the args say."""
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -208,17 +207,11 @@ def linear_attention_block_without_te(config: object, args: argparse.Namespace) 
     gated_delta_net_without_fla()
     config.deterministic_mode = True
     norm = rms_norm(config.layernorm_zero_centered_gamma)
-    # The local layers of this stage, as for a model without the variant (megatron-core 0.19 refuses it there).
-    plain = copy.copy(config)
-    plain.experimental_attention_variant = None
-    block = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, normalization=args.normalization)
+    block = _local_block_of_this_stage(config, args, norm)
     linear = get_linear_attention_pattern(config)  # 1 where a layer has linear attention
     offset = get_transformer_layer_offset(config)
-    # The local spec repeats one spec object for alike layers: each is changed on a copy of its own.
-    block.layer_specs = [copy.deepcopy(layer) for layer in block.layer_specs]
     for number, layer in enumerate(block.layer_specs, offset):
         layer = layer.submodules
-        layer.input_layernorm = layer.pre_mlp_layernorm = norm
         keys = dict(layer.sharded_state_dict_keys_map or {})
         if linear[number]:
             layer.self_attention = ModuleSpec(
@@ -229,6 +222,21 @@ def linear_attention_block_without_te(config: object, args: argparse.Namespace) 
         else:
             layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = norm
         layer.sharded_state_dict_keys_map = keys
+    return block
+
+
+def _local_block_of_this_stage(config: object, args: argparse.Namespace, norm: type) -> object:
+    """The local spec's layers of this pipeline stage (dense and MoE as the args mix them), as for a model without
+    the attention variant (megatron-core 0.19 refuses it there), each a copy of its own (the local spec repeats one
+    spec object for alike layers), with every norm `norm`."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    plain = copy.copy(config)
+    plain.experimental_attention_variant = None
+    block = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, normalization=args.normalization)
+    block.layer_specs = [copy.deepcopy(layer) for layer in block.layer_specs]
+    for layer in block.layer_specs:
+        layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
     block.layer_norm = norm
     return block
 
@@ -265,7 +273,6 @@ def sparse_attention_block_without_te(config: object, args: argparse.Namespace) 
     linears (duplicated_linear) and the down projections as the local MLA has them (column-parallel, gathered)."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_dsa_module_spec_for_backend
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
     class LocalWithDuplicatedLinear(LocalSpecProvider):
@@ -277,14 +284,9 @@ def sparse_attention_block_without_te(config: object, args: argparse.Namespace) 
     attention.submodules.linear_q_down_proj = attention.submodules.linear_kv_down_proj = ColumnParallelLinear
     attention.submodules.q_layernorm = attention.submodules.kv_layernorm = norm
     attention.submodules.core_attention.submodules.indexer.submodules.k_norm = norm
-    plain = copy.copy(config)
-    plain.experimental_attention_variant = None
-    block = get_gpt_decoder_block_spec(plain, use_transformer_engine=False, normalization=args.normalization)
-    block.layer_specs = [copy.deepcopy(layer) for layer in block.layer_specs]
+    block = _local_block_of_this_stage(config, args, norm)
     for layer in block.layer_specs:
         layer.submodules.self_attention = attention
-        layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = norm
-    block.layer_norm = norm
     return block
 
 
