@@ -72,6 +72,13 @@ def hf_tensors(directory) -> dict[str, torch.Tensor]:
     return {k: v for path in directory.glob("*.safetensors") for k, v in load_file(path).items()}
 
 
+def report(what: str, megatron_logits: torch.Tensor, reference: torch.Tensor) -> None:
+    """The figures docs/verification.md quotes (`pytest -s` shows them): the largest difference at each position."""
+    per_position = (megatron_logits - reference).abs().amax(-1).flatten().sort(descending=True).values
+    print(f"\n{what}: largest per-position differences {[f'{d:.2g}' for d in per_position[:3].tolist()]}, "
+          f"positions over 1e-4: {int((per_position > 1e-4).sum())} of {per_position.numel()}")
+
+
 def positions_off(megatron_logits: torch.Tensor, reference: torch.Tensor, by: float = 1e-4) -> float:
     """The fraction of positions whose logits differ by more than `by` (1e-4: more than fp32's other summation
     orders give).
@@ -88,6 +95,7 @@ def test_megatron_core_gives_transformers_logits_and_the_way_back_is_bit_exact(c
     logits, strict = megatron(tmp_path / "mcore", parallelism)
     assert strict
     # At most 1 of the 320 positions may keep another token at the top-k's edge (seen: 1 at TP 2 with EP 2).
+    report(case, logits, hf_logits(hf))
     assert positions_off(logits, hf_logits(hf)) <= 1 / 320
     convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back")
     original, back = (hf_tensors(d) for d in (hf, tmp_path / "back"))
@@ -137,6 +145,7 @@ def test_a_planted_fault_moves_megatrons_logits(fault, name, made, tmp_path, mon
     if fault == "indexer rope layout flipped":
         flip_indexer_rope(tmp_path / "mcore")
     logits, _ = megatron(tmp_path / "mcore", Parallelism(tp=2))
+    report(f"{name}, {fault}", logits, hf_logits(hf))
     assert positions_off(logits, hf_logits(hf)) > 0.2
 
 
@@ -153,8 +162,10 @@ def test_glm_51s_norm_epsilons_differ_from_megatrons_and_the_conversion_says_so(
     convert_hf_to_mcore(every_token, tmp_path / "every", parallelism=Parallelism(tp=2))
     logits, _ = megatron(tmp_path / "every", Parallelism(tp=2))
     moved = (logits - hf_logits(every_token)).abs().max().item()
+    report("glm-5.1 at its own epsilons, every token kept", logits, hf_logits(every_token))
     assert 2e-5 < moved < 1e-3
     logits, _ = megatron(tmp_path / "mcore", Parallelism(tp=2))
+    report("glm-5.1 at its own epsilons, top-k 32", logits, hf_logits(hf))
     assert positions_off(logits, hf_logits(hf), by=1e-3) <= 0.02
 
 
