@@ -103,9 +103,10 @@ def _write_random_safetensors(path: Path, parameters: list[tuple[str, Any]], gen
 
 
 def is_fp8_on_the_hub(name: str) -> bool:
-    """Which weights DeepSeek-V3's hub checkpoints store block-quantized in FP8: the linear layers of attention
-    and MLPs (experts included); not embeddings, norms, routers or the output layer."""
-    return name.endswith(("proj.weight", "proj_with_mqa.weight"))
+    """Which weights DeepSeek-V3's and MiniMax-M2's hub checkpoints store block-quantized in FP8: the linear layers of
+    attention and MLPs (experts included, MiniMax-M2's named w1, w2, w3); not embeddings, norms, routers or the output
+    layer."""
+    return name.endswith(("proj.weight", "proj_with_mqa.weight", ".w1.weight", ".w2.weight", ".w3.weight"))
 
 
 def _fp8_blocks(parameters: list[tuple[str, Any]], block: tuple[int, int]) -> list[tuple[str, Any]]:

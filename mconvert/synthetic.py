@@ -100,6 +100,10 @@ def shrink(config: dict[str, Any], layers: int = 2, **overrides: Any) -> dict[st
     if "linear_num_key_heads" in config:
         # Gated delta-net: 2 key heads each read by 2 of the 4 value heads, key and value widths apart.
         small.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24)
+    if "rotary_dim" in config:  # MiniMax-M2's rope on part of each head, as its config says it
+        small["rotary_dim"] = small.get("head_dim", 16) // 2
+    if "attn_type_list" in config:
+        small["attn_type_list"] = config["attn_type_list"][:layers]
     if config.get("layer_types"):
         # Per-layer kinds (gpt-oss's sliding and full attention) follow the layers, repeating their pattern.
         small["layer_types"] = [config["layer_types"][i % len(config["layer_types"])] for i in range(layers)]

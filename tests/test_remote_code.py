@@ -8,7 +8,6 @@ transformers' logits."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -113,14 +112,3 @@ def test_a_class_the_code_does_not_define_is_not_taken_from_architectures(kimi, 
     hf = with_config(kimi, tmp_path / "hf", auto_map={**auto_map, "AutoModelForCausalLM": "modeling_deepseek.DeepseekV4ForCausalLM"})
     result = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "out")
     assert_one_line_error(result, "config.json", "kimi_k2", "auto_map: modeling_deepseek.DeepseekV4ForCausalLM")
-
-
-def test_minimax_m2_is_refused_for_its_per_layer_qk_norm(tmp_path):
-    """MiniMax-M2 (transformers' own minimax_m2; its config.json also carries an auto_map) normalises q and k
-    over all heads; megatron-core's attention normalises per head."""
-    hf = make_hf_checkpoint(shrink(real_config("minimax-m2.7"), layers=1, rotary_dim=16), tmp_path / "hf")
-    assert json.loads((hf / "config.json").read_text())["qk_norm_type"] == "per_layer"
-    result = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "out")
-    message = assert_one_line_error(result, "config.json", "qk_norm_type 'per_layer'", "per head")
-    assert re.search(r"megatron-core", message)
-    assert_nothing_left(tmp_path / "out")

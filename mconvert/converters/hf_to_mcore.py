@@ -49,12 +49,18 @@ class Conversion:
 
 def mtp_layers_held(family: Family, spec: ModelSpec, names) -> int:
     """How many multi-token prediction layers (HF layers num_hidden_layers, num_hidden_layers + 1, ...) the
-    checkpoint holds, told by their first own tensor. transformers drops them when it saves a model."""
-    if not family.table.mtp:
+    checkpoint holds, told by their first own tensor, or by any tensor where the family leaves them out without
+    mapping them. transformers drops them when it saves a model."""
+    table = family.table
+    if not table.mtp and not table.mtp_left_out:
         return 0
-    first = family.table.mtp[0].hf_names[0]
+
+    def held(layer: int) -> bool:
+        prefix = table.layer_prefix.format(layer=layer)
+        return prefix + table.mtp[0].hf_names[0] in names if table.mtp else any(name.startswith(prefix) for name in names)
+
     count = 0
-    while family.table.layer_prefix.format(layer=spec.num_layers + count) + first in names:
+    while held(spec.num_layers + count):
         count += 1
     return count
 

@@ -16,6 +16,7 @@ from mconvert.mappings import (
     glm4_moe,
     gpt_oss,
     llama,
+    minimax_m2,
     mixtral,
     qwen2,
     qwen2_moe,
@@ -32,19 +33,8 @@ FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (
         llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, deepseek.FAMILY, glm4_moe.FAMILY,
-        deepseek_v32.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY, qwen3_5.FAMILY, qwen3_5.TEXT_FAMILY,
+        deepseek_v32.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY, qwen3_5.FAMILY, qwen3_5.TEXT_FAMILY, minimax_m2.FAMILY,
     )
-}
-
-
-# Architectures transformers builds that megatron-core cannot express, each with why: refused in one line, where
-# an unknown model_type would only be called unsupported.
-INEXPRESSIBLE = {
-    "minimax_m2": (
-        "MiniMax-M2 normalises q and k over all heads of a layer (qk_norm_type 'per_layer'), which megatron-core's "
-        "attention cannot express: it normalises them per head (its q_layernorm spans one head), in every release "
-        "up to 0.19.2"
-    ),
 }
 
 
@@ -69,8 +59,6 @@ def family_for_config(config: dict[str, Any], source: str = "config.json") -> Fa
             return family
     if (taken := remote_code_architecture(config)) is not None:
         return taken[0]
-    if model_type in INEXPRESSIBLE:
-        raise ConversionError(f"{source}: {INEXPRESSIBLE[model_type]}")
     known = sorted(t for family in FAMILIES.values() for t in family.model_types)
     if "auto_map" in config:  # the model's code ships with the checkpoint (transformers' trust_remote_code)
         code = config["auto_map"].get("AutoModelForCausalLM", "none") if isinstance(config["auto_map"], dict) else "none"
@@ -82,13 +70,23 @@ def family_for_config(config: dict[str, Any], source: str = "config.json") -> Fa
 
 
 def how_read(config: dict[str, Any]) -> str | None:
-    """What a summary says of a checkpoint read as another architecture than its model_type's: None for the rest."""
-    taken = remote_code_architecture(config)
-    if taken is None:
+    """What a summary says of a checkpoint that ships its own model code (`auto_map`), which is never run: the
+    class it was read as, and why. None for the rest."""
+    if "auto_map" not in config:
+        return None
+    model_type = config.get("model_type")
+    family = next((family for family in FAMILIES.values() if model_type in family.model_types), None)
+    if family is not None:
+        architecture = next(name for name, of_type in family.architectures if of_type == model_type)
+        return (
+            f"model_type '{model_type}' ships its own code (auto_map), which was not run: read as transformers' "
+            f"built-in {architecture} (the {family.name} family), the class of that model_type"
+        )
+    if (taken := remote_code_architecture(config)) is None:
         return None
     family, architecture = taken
     return (
-        f"model_type '{config.get('model_type')}' ships its own code (auto_map), which was not run: read as "
+        f"model_type '{model_type}' ships its own code (auto_map), which was not run: read as "
         f"{architecture} (the {family.name} family), the class its auto_map and architectures name"
     )
 
@@ -122,11 +120,13 @@ def family_for_spec(spec: ModelSpec) -> Family:
     Megatron args describe it, naming no family). Gated delta-net layers: Qwen3-Next with experts, Qwen3.5's
     text model without (Qwen3.5's image-text checkpoints and its MoE models are told by their config, as
     `--hf-config` gives it); sparse attention: DeepSeek-V3.2 (GLM-5.1 where its indexer rotates pairs or
-    shares top-k); multi-latent attention: DeepSeek; experts routed by sigmoid
+    shares top-k); multi-latent attention: DeepSeek; q/k norms across heads: MiniMax-M2; experts routed by sigmoid
     scores: GLM-4.5; attention sinks: gpt-oss; experts with a shared expert: Qwen2-MoE; experts with q/k norms: Qwen3-MoE; other
     experts: Mixtral. Dense with q/k norms: Qwen3; with biases on q, k and v only:
     Qwen2; else Llama. Whether the family can express every feature is `write_hf_config`'s check."""
-    if spec.linear_attention is not None:
+    if spec.qk_norm_across_heads:
+        name = "minimax_m2"
+    elif spec.linear_attention is not None:
         name = "qwen3_next" if spec.moe is not None else "qwen3_5_text"
     elif spec.softmax_type == "learnable":
         name = "gpt_oss"
@@ -169,6 +169,6 @@ def write_hf_config(family: Family, spec: ModelSpec) -> dict[str, Any]:
 
 
 __all__ = [
-    "FAMILIES", "INEXPRESSIBLE", "Family", "ModelSpec", "MoESpec", "RopeScaling", "Table", "family_for_config", "family_for_model_size",
+    "FAMILIES", "Family", "ModelSpec", "MoESpec", "RopeScaling", "Table", "family_for_config", "family_for_model_size",
     "family_for_spec", "get_mapping", "how_read", "remote_code_architecture", "write_hf_config",
 ]

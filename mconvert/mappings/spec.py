@@ -163,6 +163,9 @@ class ModelSpec:
     # Full attention's output multiplied by sigmoid of a gate that the query projection also makes, one per
     # head dimension (Qwen3-Next's q_proj holds each head's query and gate side by side).
     attention_output_gate: bool = False
+    # The q/k norms normalise each token's query (key) over all heads of the layer together, one weight per channel
+    # of them (MiniMax-M2's qk_norm_type 'per_layer'), not each head alone.
+    qk_norm_across_heads: bool = False
     # Every RMSNorm multiplies by 1 + w (Megatron's layernorm_zero_centered_gamma, `--apply-layernorm-1p`).
     zero_centered_norms: bool = False
     # Dropout on attention probabilities in training (HF `attention_dropout`); no effect on the weights.

@@ -89,6 +89,10 @@ def tensor_layout(name: str, spec: ModelSpec, par: Parallelism, expert: bool = F
         return TensorLayout((moe.num_experts,))
     if name == "mlp.router.expert_bias":
         return TensorLayout((moe.num_experts,), dtype=torch.float32)
+    if spec.qk_norm_across_heads and name in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
+        # One weight per channel of the layer's query (key) heads, split across TP ranks as the heads are.
+        heads = spec.num_attention_heads if name.startswith("self_attention.q_") else spec.num_query_groups
+        return TensorLayout((heads * d,), 0, par.tp)
     if name.endswith("norm.weight") or name.endswith("layer_norm_weight"):
         norm_size = d if name.startswith("self_attention.q_") or name.startswith("self_attention.k_") else H
         return TensorLayout((norm_size,))

@@ -155,6 +155,12 @@ class Parallelism:
         checks = [("--tp", self.tp, "num_attention_heads", spec.num_attention_heads)]
         if self.tp <= spec.num_query_groups:
             checks.append(("--tp", self.tp, "num_key_value_heads (query groups)", spec.num_query_groups))
+        elif spec.qk_norm_across_heads:
+            # Above the query groups, ranks share a group's key, which the key norm across heads would have to split.
+            raise ConversionError(
+                f"--tp {self.tp}: above num_key_value_heads ({spec.num_query_groups}), which bounds the tensor "
+                "parallelism of q/k norms across heads"
+            )
         elif self.tp % spec.num_query_groups:
             raise ConversionError(
                 f"--tp {self.tp}: neither divides nor is a multiple of num_key_value_heads ({spec.num_query_groups}), as "

@@ -14,6 +14,7 @@ from mconvert.errors import ConversionError
 from mconvert.mappings.rope import RopeScaling
 from mconvert.mappings.spec import ModelSpec, MoESpec, shared_top_k_schedule
 from mconvert.mcore.parallelism import Parallelism, PipelineSplit, padded_vocab_size
+from mconvert.megatron_lm.layer_specs import QK_NORM_ACROSS_HEADS
 
 # Args that Megatron-LM's `--use-checkpoint-args` copies from a checkpoint's stored args
 # (megatron.training.checkpointing.load_args_from_checkpoint, Megatron-LM 0.19.2; tests/megatron_lm reads
@@ -138,6 +139,8 @@ def megatron_args(
         add_bias_linear=spec.linear_bias,
         add_qkv_bias=spec.qkv_bias,
         qk_layernorm=spec.qk_norm,
+        # Megatron-LM's --spec: the layer spec function its model builder calls instead of its default one.
+        spec=list(QK_NORM_ACROSS_HEADS) if spec.qk_norm_across_heads else None,
         untie_embeddings_and_output_weights=spec.untie_embeddings,
         # Megatron-LM's (left, right) window excludes the position itself; HF's `sliding_window` counts it.
         window_size=(spec.sliding_window - 1, 0) if spec.sliding_window is not None else None,

@@ -95,6 +95,8 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--add-qkv-bias")
     if a.qk_layernorm:
         flags.append("--qk-layernorm")
+    if getattr(a, "spec", None):
+        flags.append("--spec " + " ".join(a.spec))
     if stored_arg(a, "layernorm_zero_centered_gamma", False):
         flags.append("--apply-layernorm-1p")
     if getattr(a, "attention_output_gate", False):
@@ -257,6 +259,11 @@ def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
             "(--dsa-indexer-loss-coeff), else it keeps its converted weights; its Hadamard rotation is off "
             "(--no-dsa-indexer-rotate-activation: orthogonal, no score changes; drop the flag to rotate, in bf16 with "
             "fast-hadamard-transform)"
+        )
+    if getattr(args, "spec", None):
+        caveats.append(
+            f"the layers' q/k norms across heads are built by mconvert's {args.spec[0]} (--spec): install mconvert "
+            "where Megatron-LM runs"
         )
     if unnormalized_mla_query(args):
         caveats.append(

@@ -19,6 +19,7 @@ from mconvert.mappings.spec import (
     dsa_indexer_layers,
 )
 from mconvert.megatron_lm.args import MLA_YARN_DEFAULTS, stored_arg
+from mconvert.megatron_lm.layer_specs import QK_NORM_ACROSS_HEADS
 
 
 def _moe_layers(freq: int | list[int], num_layers: int) -> tuple[bool, ...]:
@@ -150,6 +151,9 @@ def spec_from_args(
             indexer_layers=dsa_indexer_layers(arg("dsa_indexer_topk_freq", 1) or 1, arg("dsa_indexer_skip_topk_offset", 0) or 0, args.num_layers),
             key_norm_eps=float(norm_eps if norm_eps is not None else arg("layernorm_epsilon", 1e-5)),
         )
+    layer_spec = tuple(arg("spec") or ())
+    if layer_spec not in ((), QK_NORM_ACROSS_HEADS) and layer_spec[0] != "local":
+        raise ConversionError(f"args: spec {' '.join(layer_spec)}: a layer spec of its own, whose layers mconvert does not know")
     linear_bias = bool(arg("add_bias_linear", True))
     window, skip = arg("window_size"), arg("window_attn_skip_freq")
     if window is not None and window[1] != 0:
@@ -178,6 +182,7 @@ def spec_from_args(
         linear_bias=linear_bias,
         # MLA's qk_layernorm is its latent norms, not q/k norms.
         qk_norm=bool(arg("qk_layernorm", False)) and mla is None,
+        qk_norm_across_heads=layer_spec == QK_NORM_ACROSS_HEADS,
         dtype=params_dtype,
         moe=moe,
         mla=mla,

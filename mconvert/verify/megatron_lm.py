@@ -91,7 +91,13 @@ def build_model_as_pretrain_gpt(args: argparse.Namespace, pre_process: bool, pos
 
     config = core_transformer_config_from_args(args)
     use_te = args.transformer_impl == "transformer_engine"
-    if config.experimental_attention_variant is not None:
+    if args.spec is not None and args.spec[0] != "local":
+        # --spec MODULE FUNCTION: its builder calls the function with gpt_config_from_args's model config.
+        from megatron.core.transformer.spec_utils import import_module
+        from megatron.training.argument_utils import gpt_config_from_args
+
+        spec = import_module(args.spec)(gpt_config_from_args(args), vp_stage=None)
+    elif config.experimental_attention_variant is not None:
         # Megatron-LM's builder takes megatron-core's experimental block spec, which builds gated delta-net and
         # sparse attention only under Transformer Engine; on CPU ranks, the same layers from its local modules.
         if use_te:

@@ -30,6 +30,9 @@
 #               Megatron-LM training steps (hidden 2048) with the YaRN setting its flags cannot carry
 #   gpt-oss     on one GPU: gpt-oss-20b's first two layers: verify --spec te at real width, and Megatron-LM training
 #               steps with 8 of its experts
+#   minimax     on one GPU: MiniMax-M2.7's first two layers (q/k norms across heads from mconvert's --spec layer spec)
+#               with 32 of its 256 experts: verify --spec te at real width at TP 1 from a TP 2 x EP 2 save, and
+#               Megatron-LM training steps (hidden 2048, 16 experts)
 #   qwen-gdn-verify  on one GPU: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (gated delta-net) cut to 4 layers at real width:
 #               verify --spec te at TP 1 as written and from TP 2 x EP 2 and PP 2 saves (carry .whl: fla's wheels)
 #   qwen-gdn-train  the same families' Megatron-LM training steps on one GPU
@@ -218,6 +221,9 @@ for stage in "$@"; do
   gpt-oss)
     # gpt-oss-20b's first two layers (sliding, then full attention); trained with 8 of its 32 experts.
     verify_and_train gpt-oss 'gpt-oss-20b@2:tp1' 'gpt-oss-20b@2+num_local_experts=8:tp1'
+    ;;
+  minimax)
+    verify_and_train minimax 'minimax-m2.7@2+num_local_experts=32:tp2ep2>tp1' 'minimax-m2.7@2+num_local_experts=16+hidden_size=2048:tp1'
     ;;
   qwen-gdn-verify)
     # Qwen3-Next, Qwen3.5 (image-text, dense) and Qwen3.5-MoE, cut to one full-attention period (3 gated delta-net

@@ -98,6 +98,8 @@ CASES = {
     "qwen2-tp2": ("qwen2.5-0.5b", Parallelism(tp=2), False),
     "qwen3_moe-ep2": ("qwen3-30b-a3b", Parallelism(ep=2), False),
     "glm4_moe-mtp-ep2": ("glm-4.5-air", Parallelism(ep=2), True),
+    # Its q/k norms across heads from mconvert's layer spec, which Megatron-LM's builder loads by --spec.
+    "minimax_m2-tp2ep2": ("minimax-m2.7", Parallelism(tp=2, ep=2), False),
 }
 
 
