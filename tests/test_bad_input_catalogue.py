@@ -11,6 +11,7 @@ import pickle
 import shutil
 import struct
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -353,6 +354,69 @@ def test_a_legacy_rank_file_that_is_not_torch_save(tmp_path):
     path = legacy_checkpoint(tmp_path / "legacy", {})
     path.write_bytes(os.urandom(64))
     refused(to_hf(tmp_path / "legacy", tmp_path / "out"), tmp_path / "out", path, "not a torch.save file")
+
+
+# Found by scripts/fuzz/fuzz_readers.py (atheris), each now a fixed case.
+
+
+def test_a_config_a_familys_rules_read_unchecked(hf, tmp_path):
+    """A DeepSeek config without num_attention_heads, which its rules indexed directly (KeyError)."""
+    from mconvert.synthetic import real_config, shrink
+
+    config = shrink(real_config("deepseek-v3"))
+    del config["num_attention_heads"]
+    (hf / "config.json").write_text(json.dumps(config))
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "config.json", "num_attention_heads")
+
+
+def test_a_config_field_a_familys_rules_cannot_take(hf, tmp_path):
+    """A field of another type than transformers writes, where a family's rule computes with it (ValueError)."""
+    write_config(hf, rms_norm_eps="small")
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "config.json", "'small'")
+
+
+def test_metadata_claiming_a_huge_memo_is_read_in_bounded_memory(private_checkpoint, tmp_path):
+    """A pickle whose LONG_BINPUT names memo slot 100,000,000: Python's C unpickler allocates a memo of twice that
+    many slots (1.6 GB) before storing one value; the reader's does not."""
+    metadata = private_checkpoint / RELEASE / ".metadata"
+    metadata.write_bytes(b"\x80\x02N" + b"r" + struct.pack("<I", 100_000_000) + b".")
+    probe = (
+        "import resource, sys; from pathlib import Path; from mconvert.errors import ConversionError\n"
+        "from mconvert.formats.dcp import DCPCheckpoint\n"
+        "try: DCPCheckpoint(Path(sys.argv[1]))\nexcept ConversionError as e: print(e)\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)"
+    )
+    done = subprocess.run([sys.executable, "-c", probe, str(metadata.parent)], capture_output=True, text=True, check=True)
+    message, peak_mb = done.stdout.splitlines()
+    assert "holds a NoneType, not DCP metadata" in message and int(peak_mb) < 1000, done.stdout
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", metadata, "not DCP metadata")
+
+
+def test_metadata_naming_a_data_file_outside_the_checkpoint(private_checkpoint, tmp_path):
+    metadata = private_checkpoint / RELEASE / ".metadata"
+    stored = FileSystemReader(str(metadata.parent)).read_metadata()
+    for info in stored.storage_data.values():
+        info.relative_path = "../" + info.relative_path
+    metadata.write_bytes(pickle.dumps(stored))
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", metadata, "not a file beside it")
+
+
+@pytest.mark.parametrize("where", ["common.pt", "legacy"])
+def test_a_torch_save_file_whose_zip_records_are_garbled(private_checkpoint, tmp_path, where):
+    """torch.load fails inside its archive reader in ways of its own (UnicodeDecodeError, ValueError: an endianness
+    record it cannot read): the same one line as any unreadable torch.save file."""
+    path = private_checkpoint / RELEASE / "common.pt" if where == "common.pt" else legacy_checkpoint(tmp_path / "legacy", {"model": {}})
+    data = bytearray(path.read_bytes())
+    at = data.index(b"little", data.index(b"byteorder"))
+    data[at : at + 6] = b"\xd0" * 6  # the byteorder record's text, no longer UTF-8
+    path.write_bytes(bytes(data))
+    checkpoint_dir = private_checkpoint if where == "common.pt" else tmp_path / "legacy"
+    refused(to_hf(checkpoint_dir, tmp_path / "out"), tmp_path / "out", path, "torch.save file")
+
+
+def test_a_legacy_rank_file_holding_no_dict(tmp_path):
+    path = legacy_checkpoint(tmp_path / "legacy", "model")
+    refused(to_hf(tmp_path / "legacy", tmp_path / "out"), tmp_path / "out", path, "holds a str")
 
 
 def test_the_troubleshooting_table_names_these_tests():

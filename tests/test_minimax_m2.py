@@ -196,3 +196,22 @@ def test_fp8_hub_weights_convert_as_their_dequantized_values(tmp_path):
     key = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
     converted = dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key])[0, 3]
     assert torch.equal(converted, dequantize(tensors[name], tensors[name + "_scale_inv"]))
+
+
+def test_verify_passes_and_names_a_transformers_that_ignores_rotary_dim(hf, tmp_path):
+    """`mconvert verify` passes at TP 2 x EP 2. A transformers that runs rope on every dim while config.json says
+    rotary_dim (5.17 ignores that field; here rope_parameters' partial_rotary_factor 1 makes 5.24 do the same) is named in
+    one line, instead of a FAIL that would blame the conversion."""
+    assert run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "mcore", "--tp", "2", "--ep", "2").returncode == 0
+    verify = ("verify", "--mcore", tmp_path / "mcore", "--device", "cpu", "--tp", "2", "--ep", "2")
+    passed = run_cli(*verify, "--hf", hf)
+    assert passed.returncode == 0 and passed.stdout.strip().endswith("PASS"), passed.stdout + passed.stderr
+    misread = tmp_path / "misread"
+    misread.mkdir()
+    for file in hf.iterdir():
+        if file.name != "config.json":
+            (misread / file.name).symlink_to(file)
+    config = json.loads((hf / "config.json").read_text())
+    assert config["rope_parameters"]["partial_rotary_factor"] == 0.5  # as transformers saves it
+    (misread / "config.json").write_text(json.dumps({**config, "rope_parameters": {**config["rope_parameters"], "partial_rotary_factor": 1.0}}))
+    assert_one_line_error(run_cli(*verify, "--hf", misread), "config.json", "rotary_dim says 16", "upgrade transformers", code=2)

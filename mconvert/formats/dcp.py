@@ -75,7 +75,11 @@ class _BytesEntry(_Record):
 _RECORDS = {"Metadata": _Metadata, "TensorStorageMetadata": _TensorEntry, "BytesStorageMetadata": _BytesEntry}
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(pickle._Unpickler):
+    """Python's own unpickler, not its C one: that one sizes its memo by the largest index a pickle names (a
+    mutated LONG_BINPUT asked it for 13 GB); this one keeps its memo in a dict, bounded by the pickle's length. It
+    takes about twice as long (10.7 s against 5.0 s for a 13 MB .metadata of 80,000 chunks, on 2 vCPUs)."""
+
     def find_class(self, module: str, name: str) -> Any:
         if module in _DCP_MODULES:
             return _RECORDS.get(name, _Record)
@@ -101,8 +105,8 @@ class DCPCheckpoint:
         if not path.exists():
             raise ConversionError(f"{directory}: no .metadata (not a torch_dist checkpoint)")
         try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
+            # From memory: a length the pickle claims is then bounded by the file's, not allocated as claimed.
+            metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
             if not isinstance(metadata, _Metadata):
                 raise ConversionError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
             tensors = {key: meta for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, _TensorEntry)}
@@ -112,14 +116,17 @@ class DCPCheckpoint:
             # A MetadataIndex of an object has no offset (torch's __init__ sets none).
             self._stored = {_stored_at(index.fqn, getattr(index, "offset", None)): info for index, info in metadata.storage_data.items()}
             data_files = sorted({info.relative_path for info in self._stored.values()})
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError) as e:
-            # A record without the fields torch's class has (AttributeError, TypeError) is not DCP metadata either.
+        except ConversionError:
+            raise
+        except Exception as e:  # noqa: BLE001 (corrupt bytes fail the unpickler in many ways, records lacking torch's fields too)
             raise ConversionError(f"{path}: unreadable DCP metadata ({e})") from None
         self.metadata = metadata
         self._chunk_index: dict[str, RegionIndex] = {}  # per key: its chunks' numbers, by their regions
         self._records: dict[tuple[str, int], int | None] = {}
         self._threads = threading.local()
         for data_file in data_files:
+            if not isinstance(data_file, str) or Path(data_file).name != data_file or data_file in ("", ".", ".."):
+                raise ConversionError(f"{path}: names data file {data_file!r}, not a file beside it")
             if not (directory / data_file).is_file():
                 raise ConversionError(f"{directory / data_file}: data file named in {path.name} is missing")
 

@@ -28,7 +28,10 @@ def is_legacy_checkpoint(directory: Path) -> bool:
 
 def load_rank_file(path: Path) -> dict:
     """One rank's file, memory-mapped (tensors are read only when touched), running nothing it names."""
-    return load_megatron_file(path, str(path), mmap=True)
+    state = load_megatron_file(path, str(path), mmap=True)
+    if not isinstance(state, dict):
+        raise ConversionError(f"{path}: holds a {type(state).__name__}, not a rank's dict of model state")
+    return state
 
 
 def read_rank_files(directory: Path) -> tuple[argparse.Namespace | None, dict[tuple[int, int, int], dict[str, torch.Tensor]]]:
@@ -55,5 +58,7 @@ def read_rank_files(directory: Path) -> tuple[argparse.Namespace | None, dict[tu
         tp, rest = suffix[0], list(suffix[1:])
         pp = rest.pop(0) if rest and (len(rest) == 2 or not expert_only) else 0
         ep = rest.pop(0) if rest else 0
+        if not isinstance(state["model"], dict):
+            raise ConversionError(f"{ranks[suffix]}: its 'model' state is a {type(state['model']).__name__}, not a dict of tensors")
         files[(tp, pp, ep)] = state["model"]
     return args, files

@@ -112,7 +112,11 @@ def get_mapping(config: dict[str, Any], model_size: str | None = None, source: s
                 f"--model-size '{model_size}' names family '{named.name}' but {source} has model_type "
                 f"'{config.get('model_type')}' (family '{family.name}')"
             )
-    return family, family.read_config(config)
+    try:
+        return family, family.read_config(config)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError, OverflowError, MemoryError) as e:
+        # A field of another type or range than transformers writes, where a family's rules read it unchecked.
+        raise ConversionError(f"{source}: a field holds what {family.name}'s config cannot have ({type(e).__name__}: {e})") from None
 
 
 def family_for_spec(spec: ModelSpec) -> Family:

@@ -149,7 +149,7 @@ def read_mla_model(config: dict[str, Any], family: str, sigmoid: bool, source: s
         family,
         source,
         head_dim=mla.qk_head_dim + mla.qk_pos_emb_head_dim,
-        num_query_groups=config["num_attention_heads"],
+        num_query_groups=require(config, "num_attention_heads", source),
         mla=mla,
     )
     computed_differently = ()

@@ -80,8 +80,9 @@ def write_config(spec: ModelSpec) -> dict[str, Any]:
             f"bias, no shared expert, no biases and q/k norms across heads: this model differs ({moe})"
         )
     config = write_dense_config(spec, "minimax_m2", "MiniMaxM2ForCausalLM")
-    config.pop("partial_rotary_factor", None)
     config.update(
+        # Both: MiniMax's own code and transformers 5.24 read rotary_dim; transformers 5.17 reads only the factor.
+        partial_rotary_factor=spec.rotary_percent,
         num_local_experts=moe.num_experts,
         num_experts_per_tok=moe.top_k,
         router_aux_loss_coef=moe.aux_loss_coeff,

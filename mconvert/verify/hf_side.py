@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from mconvert.errors import ConversionError
 from mconvert.mappings import remote_code_architecture
 
 
@@ -35,11 +36,27 @@ def load_hf_model(hf_dir: str | Path, dtype: torch.dtype):
     return getattr(transformers, architecture).from_pretrained(hf_dir, config=hf_config, dtype=dtype, local_files_only=True)
 
 
+def check_rotary_dim_read(model, hf_dir: str | Path) -> None:
+    """MiniMax-M2's released configs say their partial rope as `rotary_dim`, which transformers 5.17 ignores (5.24
+    reads it): such a transformers runs rope on every dim of a head, another model than the checkpoint's."""
+    import transformers
+
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    inv_freq = getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "inv_freq", None)
+    if "rotary_dim" in config and inv_freq is not None and 2 * inv_freq.numel() != config["rotary_dim"]:
+        raise ConversionError(
+            f"{Path(hf_dir) / 'config.json'}: transformers {transformers.__version__} runs rope on {2 * inv_freq.numel()} "
+            f"dims of each head, where its rotary_dim says {config['rotary_dim']}: upgrade transformers (5.24 reads "
+            f"rotary_dim), or add partial_rotary_factor {config['rotary_dim'] / config['head_dim']:g} to config.json"
+        )
+
+
 def hf_outputs(hf_dir: str | Path, prompts: list[torch.Tensor], dtype: torch.dtype, device: str) -> Outputs:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     model = load_hf_model(hf_dir, dtype)
+    check_rotary_dim_read(model, hf_dir)
     model = model.to(device).eval()
     layer_outputs: dict[int, torch.Tensor] = {}
 

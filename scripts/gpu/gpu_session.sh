@@ -223,7 +223,10 @@ for stage in "$@"; do
     verify_and_train gpt-oss 'gpt-oss-20b@2:tp1' 'gpt-oss-20b@2+num_local_experts=8:tp1'
     ;;
   minimax)
-    verify_and_train minimax 'minimax-m2.7@2+num_local_experts=32:tp2ep2>tp1' 'minimax-m2.7@2+num_local_experts=16+hidden_size=2048:tp1'
+    # partial_rotary_factor beside the released rotary_dim: this machine's transformers (5.17) reads only the former
+    # (5.24 reads rotary_dim too), and would run the HF side with rope on every dim of a head.
+    verify_and_train minimax 'minimax-m2.7@2+num_local_experts=32+partial_rotary_factor=0.5:tp2ep2>tp1' \
+      'minimax-m2.7@2+num_local_experts=16+hidden_size=2048+partial_rotary_factor=0.5:tp1'
     ;;
   qwen-gdn-verify)
     # Qwen3-Next, Qwen3.5 (image-text, dense) and Qwen3.5-MoE, cut to one full-attention period (3 gated delta-net
