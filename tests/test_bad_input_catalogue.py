@@ -375,6 +375,13 @@ def test_a_config_field_a_familys_rules_cannot_take(hf, tmp_path):
     refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "config.json", "'small'")
 
 
+def test_a_config_claiming_more_layers_than_any_model(hf, tmp_path):
+    """10^12 layers: the conversion walks layers one by one (a DeepSeek config's first dense layers took the fuzzer
+    past its time limit)."""
+    write_config(hf, num_hidden_layers=10**12)
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "config.json", "'num_hidden_layers' is 1000000000000", "at most 10000")
+
+
 def test_metadata_claiming_a_huge_memo_is_read_in_bounded_memory(private_checkpoint, tmp_path):
     """A pickle whose LONG_BINPUT names memo slot 100,000,000: Python's C unpickler allocates a memo of twice that
     many slots (1.6 GB) before storing one value; the reader's does not."""

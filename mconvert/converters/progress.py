@@ -111,8 +111,10 @@ class BarProgress:
             self.bar.close()
 
 
-def progress_for(label: str, quiet: bool, stream: TextIO = sys.stderr) -> Progress:
-    """What the command line reports progress with: nothing when `quiet`, a bar on a terminal, lines otherwise."""
+def progress_for(label: str, quiet: bool, stream: TextIO | None = None) -> Progress:
+    """What the command line reports progress with: nothing when `quiet`, a bar on a terminal, lines otherwise.
+    `stream`: standard error as it is when called (not as it was when this module was imported)."""
+    stream = stream or sys.stderr
     if quiet:
         return NoProgress()
     from mconvert.converters.parallel import torchrun_rank

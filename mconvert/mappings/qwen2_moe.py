@@ -50,7 +50,7 @@ TABLE = Table(
 def num_experts(config: dict[str, Any], source: str) -> int:
     # transformers v5 writes Qwen3-MoE's `num_experts` as `num_local_experts` (an attribute_map alias).
     if config.get("num_experts") is None and config.get("num_local_experts") is not None:
-        return config["num_local_experts"]
+        return require(config, "num_local_experts", source)
     return require(config, "num_experts", source)
 
 

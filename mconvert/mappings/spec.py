@@ -214,13 +214,20 @@ class ModelSpec:
         return self.softmax_type == "learnable"
 
 
+# Counts that the conversion walks one by one (layers, and experts in each): bounded far above any model's, so that
+# a corrupt config.json ends in an error rather than a loop over 10^12 layers (found by scripts/fuzz).
+MOST = {"num_hidden_layers": 10_000, "num_experts": 65_536, "num_local_experts": 65_536, "n_routed_experts": 65_536}
+
+
 def require(config: dict[str, Any], name: str, source: str) -> Any:
-    """A size or count the config must give: a positive integer."""
+    """A size or count the config must give: a positive integer (at most MOST's bound for the counts it names)."""
     value = config.get(name)
     if value is None:
         raise ConversionError(f"{source}: required field '{name}' is missing")
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConversionError(f"{source}: field '{name}' is {value!r}, not a positive integer")
+    if value > MOST.get(name, value):
+        raise ConversionError(f"{source}: field '{name}' is {value}, more than any model has (at most {MOST[name]})")
     return value
 
 
