@@ -342,6 +342,14 @@ def legacy_checkpoint(directory, state):
     return rank_dir / "model_optim_rng.pt"
 
 
+@pytest.mark.parametrize("content", [b"\xff\xfe\xd0", b"9" * 5000], ids=["not-text", "5000-digits"])
+def test_a_tracker_that_is_no_iteration(private_checkpoint, tmp_path, content):
+    """Bytes that are not text (UnicodeDecodeError), and a number past Python's 4300-digit conversion limit
+    (ValueError): both were tracebacks."""
+    (private_checkpoint / TRACKER_FILE).write_bytes(content)
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", TRACKER_FILE, "neither 'release' nor an iteration number")
+
+
 def test_a_legacy_checkpoint_carrying_an_unexpected_class(tmp_path):
     marker = tmp_path / "ran"
     path = legacy_checkpoint(tmp_path / "legacy", {"model": {}, "rng_state": _Marker(marker)})

@@ -73,11 +73,13 @@ def iteration_dir(load_dir: Path, iteration: int | None = None) -> Path:
         return directory
     tracker = load_dir / TRACKER_FILE
     if tracker.exists():
-        text = tracker.read_text().strip()
+        # Megatron-LM writes `release` or an iteration number: the first bytes tell; the rest is not read.
+        with open(tracker, "rb") as f:
+            text = f.read(64).decode("ascii", errors="replace").strip()
         if text == RELEASE:
             return load_dir / RELEASE
-        if not text.isdigit():
-            raise ConversionError(f"{tracker}: holds '{text}', neither 'release' nor an iteration number")
+        if not (text.isascii() and text.isdigit() and len(text) <= 18):
+            raise ConversionError(f"{tracker}: holds {text[:20]!r}, neither 'release' nor an iteration number")
         return load_dir / f"iter_{int(text):07d}"
     return load_dir
 

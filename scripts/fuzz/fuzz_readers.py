@@ -15,6 +15,7 @@ so that libFuzzer's limits hold per target):
   dcp-metadata        a torch_dist checkpoint's .metadata pickle (DCPCheckpoint)
   common-pt           its common.pt, a torch.save zip of a pickle (read_args), then the model its args describe
   legacy-rank         a legacy per-rank model_optim_rng.pt (read_rank_files)
+  tracker             latest_checkpointed_iteration.txt (iteration_dir)
 
 The contract: every input is read, or ends in a ConversionError (the command line's one-line `mconvert: error:`);
 any other exception is a crash, as is an input taking over --timeout-s seconds or the process growing past
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-TARGETS = ("safetensors-header", "safetensors-index", "config", "dcp-metadata", "common-pt", "legacy-rank")
+TARGETS = ("safetensors-header", "safetensors-index", "config", "dcp-metadata", "common-pt", "legacy-rank", "tracker")
 
 
 def judge(read, data: bytes) -> None:
@@ -61,7 +62,7 @@ def make_seeds(seeds: Path) -> None:
     work = seeds / "work"
     dense = make_hf_checkpoint(shrink(real_config("qwen2.5-0.5b"), layers=1), work / "dense", max_shard_size="200KB")
     moe = make_hf_checkpoint(shrink(real_config("qwen3-30b-a3b"), layers=1), work / "moe")
-    convert_hf_to_mcore(moe, work / "mcore", parallelism=Parallelism(ep=2))
+    convert_hf_to_mcore(moe, work / "mcore", parallelism=Parallelism(ep=2), overwrite=True)
     release = iteration_dir(work / "mcore")
     files = {
         "safetensors-header": [min(dense.glob("*.safetensors"), key=lambda p: p.stat().st_size)],
@@ -74,6 +75,9 @@ def make_seeds(seeds: Path) -> None:
         (seeds / target).mkdir(parents=True, exist_ok=True)
         for path in paths:
             (seeds / target / path.name).write_bytes(path.read_bytes())
+    (seeds / "tracker").mkdir(exist_ok=True)
+    (seeds / "tracker" / "release").write_text("release")
+    (seeds / "tracker" / "iteration").write_text("1000\n")
     legacy = seeds / "legacy-rank"
     legacy.mkdir(exist_ok=True)
     args = argparse_module.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, num_layers=1)
@@ -87,7 +91,7 @@ def readers(scratch: Path, seeds: Path):
     from mconvert.formats.legacy_torch import read_rank_files
     from mconvert.formats.safetensors import read_header, read_weight_map
     from mconvert.mappings import get_mapping
-    from mconvert.mcore.checkpoint import read_args
+    from mconvert.mcore.checkpoint import TRACKER_FILE, iteration_dir, read_args
     from mconvert.megatron_lm.spec_from_args import spec_from_args
 
     release = scratch / "release"
@@ -115,6 +119,7 @@ def readers(scratch: Path, seeds: Path):
         "dcp-metadata": lambda data: DCPCheckpoint(written(release / ".metadata", data).parent),
         "common-pt": common,
         "legacy-rank": lambda data: read_rank_files(written(rank_dir / "model_optim_rng.pt", data).parent.parent),
+        "tracker": lambda data: iteration_dir(written(scratch / TRACKER_FILE, data).parent),
     }
 
 
@@ -155,7 +160,7 @@ def main() -> int:
     parser.add_argument("--rss-limit-mb", type=int, default=2048, help="the most memory the process may grow to")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "mconvert-fuzz")
     options = parser.parse_args()
-    if not (options.out / "seeds" / "legacy-rank").exists():
+    if not all((options.out / "seeds" / target).exists() for target in TARGETS):
         make_seeds(options.out / "seeds")
     budget = [f"--seed={options.seed}", f"--timeout-s={options.timeout_s}", f"--rss-limit-mb={options.rss_limit_mb}"]
     budget += [f"--seconds={options.seconds}"] if options.seconds else []
