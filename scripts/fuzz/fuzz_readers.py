@@ -50,8 +50,6 @@ def judge(read, data: bytes) -> None:
 
 def make_seeds(seeds: Path) -> None:
     """One directory of seed files per target, from checkpoints made and converted here."""
-    import argparse as argparse_module
-
     import torch
 
     from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
@@ -80,7 +78,7 @@ def make_seeds(seeds: Path) -> None:
     (seeds / "tracker" / "iteration").write_text("1000\n")
     legacy = seeds / "legacy-rank"
     legacy.mkdir(exist_ok=True)
-    args = argparse_module.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, num_layers=1)
+    args = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, num_layers=1)
     torch.save({"args": args, "iteration": 10, "model": {"embedding.word_embeddings.weight": torch.ones(4, 2)}}, legacy / "model_optim_rng.pt")
 
 
