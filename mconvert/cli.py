@@ -118,6 +118,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
             overwrite=options.overwrite,
             mtp=not options.no_mtp,
             allow_nonfinite=options.allow_nonfinite,
+            ckpt_format=options.format,
             workers=_workers(options),
             progress=progress,
         )
@@ -262,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-mtp", action="store_true",
         help="leave out the multi-token prediction layers the checkpoint holds (DeepSeek-V3, GLM-4.5)",
     )
+    to_mcore.add_argument(
+        "--format", choices=("torch_dist", "fsdp_dtensor"), default="torch_dist",
+        help="torch_dist (default: what Megatron-LM's runs load, FSDP2 ones included), or fsdp_dtensor for a "
+        "Megatron-FSDP run (--use-megatron-fsdp), which loads nothing else",
+    )
     to_mcore.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
     _add_workers_flag(to_mcore)
     to_mcore.add_argument(
@@ -270,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--quiet", action="store_true", help="no progress, only the summary")
     to_mcore.set_defaults(run=_hf_to_mcore)
 
-    to_hf = commands.add_parser("mcore-to-hf", help="Megatron-Core torch_dist (or legacy torch) checkpoint -> HF safetensors")
+    to_hf = commands.add_parser("mcore-to-hf", help="Megatron-Core torch_dist (or legacy torch, fsdp_dtensor, torch_dcp) checkpoint -> HF safetensors")
     to_hf.add_argument("--load-dir", required=True, help="Megatron checkpoint directory (with latest_checkpointed_iteration.txt)")
     to_hf.add_argument("--save-dir", required=True, help="where to write the HF model directory")
     to_hf.add_argument("--iteration", type=int, default=None, help="the iter_NNNNNNN to convert (default: the tracker file's)")

@@ -1,4 +1,4 @@
-"""`mconvert inspect`: what a checkpoint holds (an HF directory, a torch_dist checkpoint or a legacy `torch` one),
+"""`mconvert inspect`: what a checkpoint holds (an HF directory, a torch_dist checkpoint, a legacy `torch` one or an FSDP save),
 read from its headers and metadata only: the family and model, the stored Megatron args, every tensor's
 shape, dtype and chunking, the vocabulary padding, the layout it was written for and the ones it suits."""
 
@@ -106,8 +106,7 @@ def inspect_hf(directory: Path) -> dict[str, Any]:
 
 
 def inspect_megatron(load_dir: Path) -> dict[str, Any]:
-    from mconvert.converters.legacy_source import LegacyCheckpoint
-    from mconvert.converters.mcore_sources import open_megatron_checkpoint
+    from mconvert.converters.mcore_sources import TorchDistTensors, open_megatron_checkpoint
     from mconvert.converters.mcore_to_hf import plan_export
 
     source = open_megatron_checkpoint(load_dir)
@@ -116,22 +115,22 @@ def inspect_megatron(load_dir: Path) -> dict[str, Any]:
     shapes = source.stored_shapes(plan)
     written_for = parallelism_from_args(args)
     embedding_rows = shapes["embedding.word_embeddings.weight"][0]
-    legacy = isinstance(source, LegacyCheckpoint)
     tensors = []
     for key, shape in sorted(shapes.items()):
         entry: dict[str, Any] = {"name": key, "shape": list(shape)}
-        if not legacy:
+        if isinstance(source, TorchDistTensors):
             meta = source.dcp.metadata.state_dict_metadata[key]
             entry |= {"dtype": _dtype_name(meta.properties.dtype), "chunks": len(meta.chunks), "chunk_shape": list(meta.chunks[0].sizes)}
         tensors.append(entry)
-    if legacy:
-        # The legacy format is per rank: Megatron-LM loads it only at the layout it was saved with.
+    if not isinstance(source, TorchDistTensors):
+        # Megatron-LM loads the legacy per-rank format only at the layout it was saved with; an FSDP save is not
+        # claimed for any layout but its own either.
         suits = {"tp": [written_for.tp], "pp": [written_for.pp], "ep": [written_for.ep]}
     else:
         suits = suitable_layouts(spec, embedding_rows, written_for.make_vocab_size_divisible_by)
     return {
         "path": str(load_dir),
-        "format": "torch (legacy)" if legacy else "torch_dist",
+        "format": source.format,
         "iteration_dir": source.location,
         "family": plan.family.name,
         "architecture": config["architectures"][0],

@@ -1,6 +1,7 @@
 """The Megatron checkpoints the way back reads, behind one protocol: a torch_dist directory (through its DCP
-metadata), Megatron-LM's legacy per-rank `torch` files (mconvert.converters.legacy_source), or a global state
-dict in memory; and where a plan piece lies in a stored tensor."""
+metadata), Megatron-LM's legacy per-rank `torch` files (mconvert.converters.legacy_source), its FSDP saves
+(fsdp_dtensor and torch_dcp: mconvert.converters.fsdp_saves), or a global state dict in memory; and where a plan
+piece lies in a stored tensor."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class MegatronTensors(Protocol):
 
     args: argparse.Namespace | None
     location: str  # for messages
+    format: str  # Megatron-LM's name for it (--ckpt-format)
 
     @property
     def weights_dtype(self) -> torch.dtype | None:
@@ -62,6 +64,7 @@ class TorchDistTensors:
 
     dcp: DCPCheckpoint
     args: argparse.Namespace | None
+    format = "torch_dist"
 
     @property
     def location(self) -> str:
@@ -87,6 +90,7 @@ class StateDictTensors:
     state_dict: dict[str, torch.Tensor]
     args: argparse.Namespace | None = None
     location: str = "the Megatron state dict"
+    format = "state dict"
 
     @property
     def weights_dtype(self) -> torch.dtype | None:
@@ -101,8 +105,9 @@ class StateDictTensors:
 
 
 def open_megatron_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None) -> MegatronTensors:
-    """The weights of a Megatron checkpoint directory, torch_dist or the legacy per-rank `torch` format, at
-    the iteration the tracker file names (or `iteration`)."""
+    """The weights of a Megatron checkpoint directory (torch_dist, the legacy per-rank `torch` format, or an FSDP
+    run's fsdp_dtensor or torch_dcp) at the iteration the tracker file names (or `iteration`)."""
+    from mconvert.converters.fsdp_saves import FsdpCheckpoint, is_fsdp_save
     from mconvert.converters.legacy_source import LegacyCheckpoint
     from mconvert.formats.legacy_torch import is_legacy_checkpoint
 
@@ -114,7 +119,9 @@ def open_megatron_checkpoint(load_dir: str | os.PathLike, iteration: int | None 
         return LegacyCheckpoint(directory)
     if not (directory / ".metadata").exists():
         raise ConversionError(
-            f"{directory}: not a Megatron checkpoint (no .metadata of torch_dist, no mp_rank_* of the torch format)"
+            f"{directory}: not a Megatron checkpoint (no .metadata of torch_dist or an FSDP save, no mp_rank_* of the torch format)"
         )
+    if is_fsdp_save(directory):
+        return FsdpCheckpoint(directory)
     dcp = DCPCheckpoint(directory)
     return TorchDistTensors(dcp, read_common_args(directory, dcp))

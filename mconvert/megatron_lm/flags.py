@@ -205,9 +205,11 @@ def _mla_flags(a: argparse.Namespace) -> list[str]:
     return flags
 
 
-def load_flags(checkpoint_dir: Path) -> list[str]:
-    """The flags that start training from a converted checkpoint: its weights only, no optimizer or RNG state."""
-    return [f"--load {shlex.quote(str(checkpoint_dir.absolute()))}", "--ckpt-format torch_dist", "--finetune", "--no-load-optim", "--no-load-rng"]
+def load_flags(checkpoint_dir: Path, ckpt_format: str = "torch_dist") -> list[str]:
+    """The flags that start training from a converted checkpoint: its weights only, no optimizer or RNG state. An
+    fsdp_dtensor checkpoint is loaded by a Megatron-FSDP run alone."""
+    run = ["--use-megatron-fsdp"] if ckpt_format == "fsdp_dtensor" else []
+    return [f"--load {shlex.quote(str(checkpoint_dir.absolute()))}", *run, f"--ckpt-format {ckpt_format}", "--finetune", "--no-load-optim", "--no-load-rng"]
 
 
 def not_restored_by_checkpoint_args(args: argparse.Namespace) -> list[str]:
@@ -308,7 +310,7 @@ def args_script(args: argparse.Namespace, checkpoint_dir: Path) -> str:
             + ", ".join(missed) + " from a checkpoint."
         )
     lines += ["MODEL_ARGS=("] + [f"    {flag}" for flag in megatron_flags(args)] + [")"]
-    lines += ["LOAD_ARGS=("] + [f"    {flag}" for flag in load_flags(checkpoint_dir)] + [")"]
+    lines += ["LOAD_ARGS=("] + [f"    {flag}" for flag in load_flags(checkpoint_dir, getattr(args, "ckpt_format", "torch_dist"))] + [")"]
     return "\n".join(lines) + "\n"
 
 

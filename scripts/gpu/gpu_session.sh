@@ -39,6 +39,9 @@
 #   dsa-verify  on one GPU: DeepSeek-V3.2 and GLM-5.1 (sparse attention) cut to a dense and an MoE layer at real
 #               width: verify --spec te at TP 1 as written and from TP 2 x EP 2 and TP 2 x PP 2 saves
 #   dsa-train   their Megatron-LM training steps on one GPU (hidden 2048, 32 experts, top-k 64)
+#   fsdp        on one GPU: Megatron-LM training steps under Megatron-FSDP (from fsdp_dtensor conversions) and FSDP2
+#               (from torch_dist ones, and from random init saving torch_dcp) of test-sized models (dense, tied, MoE,
+#               MLA with MTP); their HF models, tokens, losses and --lr 0 saves come back as fixtures
 #   train-distopt  on one GPU: Megatron-LM training steps with --use-distributed-optimizer (Qwen2.5-0.5B's shape and
 #               Qwen3-30B-A3B's first 2 layers), whose saves hold that optimizer's state beside the weights
 #   verify-v2lite  DeepSeek-V2-Lite whole, with megatron-core 0.18.0 (carry .whl018: 0.19 cannot build it)
@@ -107,6 +110,15 @@ QWEN3_5='qwen3.5-0.8b@4'
 QWEN3_5_MOE='qwen3.5-35b-a3b@4+text_config.num_experts=64'
 DEEPSEEK_V32='deepseek-v3.2@2+first_k_dense_replace=1+n_routed_experts=16'
 GLM_51='glm-5.1@2+first_k_dense_replace=1+n_routed_experts=16'
+# Test-sized models for the FSDP saves (fixtures): dense with GQA, tied embeddings with q/k/v biases, MoE, and
+# multi-latent attention with MoE and a multi-token prediction layer; vocabulary 256.
+TINY='+hidden_size=64+num_attention_heads=4+num_key_value_heads=2+intermediate_size=128+vocab_size=256'
+LLAMA_TINY="llama-3.1-8b@2$TINY"
+QWEN25_TINY="qwen2.5-0.5b@2$TINY"
+QWEN3_MOE_TINY="qwen3-30b-a3b@2$TINY+head_dim=16+num_experts=8+num_experts_per_tok=2+moe_intermediate_size=32"
+DEEPSEEK_TINY="deepseek-v3@2$TINY+num_key_value_heads=4+q_lora_rank=48+kv_lora_rank=32+qk_nope_head_dim=32+qk_rope_head_dim=16"
+DEEPSEEK_TINY+="+v_head_dim=32+n_routed_experts=8+n_group=4+topk_group=2+num_experts_per_tok=4+moe_intermediate_size=32"
+DEEPSEEK_TINY+="+first_k_dense_replace=1"
 install_fla() {
   # fla's kernels with one autotune config each (scripts/gpu/fla_one_config/sitecustomize.py): no compiling and
   # timing of every config on a machine that keeps no Triton cache.
@@ -270,6 +282,34 @@ for stage in "$@"; do
     code=$?
     note "dsa-train: exit $code"
     [ "$code" = 3 ] || mark "$stage"
+    ;;
+  fsdp)
+    # Megatron-LM's two FSDP wrappers on test-sized models (dense, tied, MoE, MLA with MTP), some converted at
+    # another TP or EP than the run's: Megatron-FSDP from conversions --format fsdp_dtensor (bf16: its save of a
+    # SwiGLU model needs the bf16 wrapper), FSDP2 from torch_dist checkpoints saving torch_dist, and FSDP2 from
+    # Megatron-LM's random init saving torch_dcp (no conversion writes it), its weights dumped to hold the save
+    # against. HF models, tokens, loss logs and --lr 0 saves come back in fsdp-saves-{megatron,torch}.tar.gz (the fixtures of
+    # tests/test_fsdp_saves.py). FSDP wants CUDA_DEVICE_MAX_CONNECTIONS unset.
+    one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1)
+    code=0
+    for run in "--fsdp megatron --format fsdp_dtensor --dtype bf16|$LLAMA_TINY:tp2 $QWEN25_TINY:tp1 $QWEN3_MOE_TINY:ep2" \
+               "--fsdp megatron --format fsdp_dtensor --dtype bf16 --mtp|$DEEPSEEK_TINY:tp1" \
+               "--fsdp torch|$LLAMA_TINY:tp2 $QWEN3_MOE_TINY:ep2" \
+               "--fsdp torch --ckpt-format torch_dcp --from-scratch|$LLAMA_TINY:tp1" \
+               "--fsdp torch --ckpt-format torch_dcp --from-scratch --mtp|$DEEPSEEK_TINY:tp1"; do
+      wrapper=${run#--fsdp }; wrapper=${wrapper%% *}  # megatron or torch: one archive each (16 MiB a file comes back)
+      env -u CUDA_DEVICE_MAX_CONNECTIONS python3 scripts/gpu/gpu_train.py --nproc 1 ${run%%|*} "${one_run[@]}" \
+        --keep-saves "$WORK/fsdp-saves-$wrapper" --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" \
+        ${run#*|} >> "$OUT/fsdp.log" 2>&1
+      last=$?
+      note "fsdp ${run%%|*}: exit $last"
+      [ "$last" = 3 ] && code=3
+    done
+    for wrapper in megatron torch; do
+      [ -d "$WORK/fsdp-saves-$wrapper" ] && tar -czf "$OUT/fsdp-saves-$wrapper.tar.gz" -C "$WORK" "fsdp-saves-$wrapper" \
+        && ls -l "$OUT/fsdp-saves-$wrapper.tar.gz" >> "$OUT/session.log"
+    done
+    [ "$code" = 3 ] || mark fsdp
     ;;
   train-distopt)
     python3 scripts/gpu/gpu_train.py --nproc 1 --distributed-optimizer --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" \

@@ -11,7 +11,9 @@ wrote, MEGATRON_LM naming a folder whose pretrain_gpt.py is that driver, the sch
 - --lr 0 for 2 steps with --save (and the expert bias's update off, where the model has one): its loss must
   equal transformers' and its training save must export to the HF input bit for bit;
 - --lr LR for --steps steps: its loss must fall at every step
-(with --distributed-optimizer, both add --use-distributed-optimizer: the save holds that optimizer's state);
+(with --distributed-optimizer, both add --use-distributed-optimizer: the save holds that optimizer's state; with
+--fsdp megatron, both run Megatron-FSDP (--use-megatron-fsdp) from a conversion --format fsdp_dtensor, with --fsdp
+torch PyTorch's FSDP2 (--use-torch-fsdp2), saving as --ckpt-format says; --from-scratch: see its help);
 then scripts/training/megatron_train_check.py judges. Without Transformer Engine (it does not import) MODEL_ARGS'
 `--transformer-impl transformer_engine` cannot run; the local spec is added then, with what Megatron-LM's
 defaults take from TE turned off, and the result says so. Dropout is off (--hidden-dropout 0
@@ -23,6 +25,7 @@ the model's function. Each result is appended to OUT/train.jsonl as it comes; jo
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -46,6 +49,12 @@ from megatron_train_check import write_tokens  # noqa: E402
 from mconvert.synthetic import add_mtp_layers  # noqa: E402
 from mconvert.verify.megatron_lm import script_arrays  # noqa: E402
 
+# Megatron-LM's FSDP wrappers: the flags of each run. Megatron-FSDP saves and loads fsdp_dtensor alone (the
+# conversion writes it: --format fsdp_dtensor); FSDP2 takes torch_dist or torch_dcp (--ckpt-format).
+FSDP = {
+    "megatron": ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"],
+    "torch": ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"],
+}
 # What Megatron-LM's defaults take from Transformer Engine, off for the local spec.
 WITHOUT_TE = ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion"]
 
@@ -71,7 +80,8 @@ def torchrun(options, ckpt: Path, have_te: bool, data: list[str], lr: float, ite
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(options.nproc),
         "scripts/training/megatron_train.py", *flags, *stated_settings(ckpt),
-        "--load", str(ckpt), "--finetune", "--no-load-optim", "--no-load-rng", "--ckpt-format", "torch_dist",
+        *([] if options.from_scratch else ["--load", str(ckpt), "--finetune", "--no-load-optim", "--no-load-rng"]),
+        "--ckpt-format", "torch_dist",
         "--micro-batch-size", str(options.micro_batch_size), "--global-batch-size", str(options.rows),
         "--lr", str(lr), "--train-iters", str(iters), "--loss-log", str(loss_log), *data,
     ]
@@ -133,6 +143,18 @@ def main() -> int:
     parser.add_argument("--distributed-optimizer", action="store_true",
                         help="train with --use-distributed-optimizer, as most Megatron-LM runs do: its saves hold the "
                              "optimizer state in that optimizer's sharded form")
+    parser.add_argument("--fsdp", choices=sorted(FSDP), help="train under Megatron-FSDP or FSDP2 (see above)")
+    parser.add_argument("--format", choices=("torch_dist", "fsdp_dtensor"), default="torch_dist",
+                        help="the conversion's --format (fsdp_dtensor for Megatron-FSDP runs)")
+    parser.add_argument("--ckpt-format", help="the runs' --ckpt-format, where not torch_dist (FSDP2's torch_dcp)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="the conversion's (and so the run's) dtype; Megatron-FSDP saves a SwiGLU model only in bf16")
+    parser.add_argument("--from-scratch", action="store_true",
+                        help="train from Megatron-LM's random init, not the converted checkpoint (for formats that no "
+                             "conversion writes): its save is exported and transformers' loss is that of the export (the "
+                             "--lr 0 run of this or of --fsdp dumps its weights: --dump-weights)")
+    parser.add_argument("--keep-saves", type=Path,
+                        help="copy each job's HF model and --lr 0 save here (JOB/hf, JOB/save) before they are removed")
     parser.add_argument("--launcher", choices=("torchrun", "train.sh"), default="torchrun",
                         help="the driver under torchrun with MODEL_ARGS, or the train.sh the conversion wrote")
     options = parser.parse_args()
@@ -146,8 +168,13 @@ def main() -> int:
     skipped = 0
     for job in options.jobs:
         variant = ("-mtp" if options.mtp else "") + ("-distopt" if options.distributed_optimizer else "")
+        variant += f"-{options.fsdp}-fsdp" if options.fsdp else ""
+        variant += ("-scratch" if options.from_scratch else "") + ("-bf16" if options.dtype == "bf16" else "")
+        variant += f"-{options.ckpt_format}" if options.ckpt_format else ""
         name = f"{options.launcher}{variant}-{job.replace(':', '-')}"
-        marker = options.done_dir / f"train-{name}" if options.done_dir else None
+        # A job's name may outgrow a file name: its marker is named by a digest.
+        digest = hashlib.sha1(name.encode()).hexdigest()[:16]
+        marker = options.done_dir / f"train-{digest}" if options.done_dir else None
         if marker and marker.exists():
             print(f"skipped {job}: done in an earlier run", flush=True)
             continue
@@ -156,21 +183,25 @@ def main() -> int:
             skipped += 1
             continue
         model, sizes, _ = parse_job(job)
-        tag = f"{model}{variant}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}"
+        tag = f"{model.split('+')[0]}{variant}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}-{digest[:8]}"
         work = options.work / tag
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        hf = options.work / (model + "+mtp" if options.mtp else model)
+        # One HF model per model (and MTP), shared by its jobs; named by a digest where its fields make it long.
+        hf_name = model + "+mtp" if options.mtp else model
+        hf = options.work / (hf_name if len(hf_name) < 100 else f"{model.split('+')[0]}-{hashlib.sha1(hf_name.encode()).hexdigest()[:16]}")
         result: dict = {"job": job, "launcher": options.launcher, "transformer_engine": have_te, "mtp": options.mtp,
                         "megatron_flags": options.megatron_flag,
-                        "distributed_optimizer": options.distributed_optimizer}
+                        "distributed_optimizer": options.distributed_optimizer, "fsdp": options.fsdp,
+                        "dtype": options.dtype, "from_scratch": options.from_scratch, "format": options.format,
+                        "ckpt_format": options.ckpt_format}
         result["make_hf_s"] = write_hf_model(model, hf, "cuda" if torch.cuda.is_available() else "cpu")
         if options.mtp and not (hf / "mtp.safetensors").exists():
             add_mtp_layers(hf)
         ckpt = work / "mcore"
         code, result["convert_s"] = run(
             [sys.executable, "-m", "mconvert.cli", "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(ckpt),
-             "--dtype", "fp32", *(f"--{k}={v}" for k, v in sizes.items())],
+             "--dtype", options.dtype, "--format", options.format, *(f"--{k}={v}" for k, v in sizes.items())],
             left(), work / "convert.log",
         )
         if code:
@@ -185,6 +216,8 @@ def main() -> int:
                 "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1", "--lr-decay-style", "constant",
                 "--dist-ckpt-strictness", "raise_unexpected",
                 *(["--use-distributed-optimizer"] if options.distributed_optimizer else []),
+                *(FSDP[options.fsdp] if options.fsdp else []),
+                *(["--ckpt-format", options.ckpt_format] if options.ckpt_format else []),
                 *options.megatron_flag,
             ]
             launch = train_sh if options.launcher == "train.sh" else torchrun
@@ -193,7 +226,10 @@ def main() -> int:
             # it is frozen too, so that the weights stay those converted (measured: step 2's loss moved by 3e-4 to
             # 9e-4 and the save's bias differed, with the update on).
             frozen = ["--moe-router-bias-update-rate", "0"] if "--moe-router-enable-expert-bias" in result["model_args"] else []
-            lr0 = launch(options, ckpt, have_te, data + frozen, lr=0.0, iters=2, save=work / "save0", loss_log=work / "log0")
+            # Under FSDP the weights the run starts from are dumped too: Megatron-FSDP's load skips, unsaid, any name
+            # it does not find in the checkpoint, which only they show.
+            dump = ["--dump-weights", str(work / "weights.pt")] if options.from_scratch or options.fsdp else []
+            lr0 = launch(options, ckpt, have_te, data + frozen + dump, lr=0.0, iters=2, save=work / "save0", loss_log=work / "log0")
             trained = launch(options, ckpt, have_te, data, lr=options.lr, iters=options.steps, save=None, loss_log=work / "log1")
             result["command_lr0"] = " ".join(f"{k}={shlex.quote(v)}" for k, v in lr0[1].items()) + " " + shlex.join(lr0[0])
             code0, result["lr0_s"] = run(lr0[0], min(left(), 300), work / "lr0.log", lr0[1])
@@ -201,11 +237,19 @@ def main() -> int:
             if left() > 45:
                 code1, result["trained_s"] = run(trained[0], min(left(), 300), work / "trained.log", trained[1])
             result.update(lr0_exit=code0, trained_exit=code1)
-            judge = [sys.executable, "scripts/training/megatron_train_check.py", "judge", "--hf", str(hf), "--tokens",
+            reference = hf
+            if options.from_scratch and code0 == 0:
+                # The run's own weights, as the way back reads them from its save: transformers' loss is theirs.
+                reference = work / "exported"
+                code, result["export_s"] = run(
+                    [sys.executable, "-m", "mconvert.cli", "mcore-to-hf", "--load-dir", str(work / "save0"), "--save-dir",
+                     str(reference), "--hf-config", str(hf), "--dtype", "fp32"], left(), work / "export.log")
+                result["export_exit"] = code
+            judge = [sys.executable, "scripts/training/megatron_train_check.py", "judge", "--hf", str(reference), "--tokens",
                      str(work / "tokens.npy"), "--out", str(work / "judge.json")]
             if (work / "log0").exists():
                 judge += ["--lr0-log", str(work / "log0")]
-            if code0 == 0:
+            if code0 == 0 and not options.from_scratch:
                 judge += ["--lr0-save", str(work / "save0")]
             if (work / "log1").exists():
                 judge += ["--trained-log", str(work / "log1")]
@@ -215,10 +259,20 @@ def main() -> int:
             result["passed"] = code == 0 and code0 == 0 and code1 == 0
             if not result["passed"]:
                 result.update(lr0_log=tail(work / "lr0.log"), trained_log=tail(work / "trained.log"),
-                              judge_log=tail(work / "judge.log"))
+                              judge_log=tail(work / "judge.log"), export_log=tail(work / "export.log"))
         print(json.dumps({k: v for k, v in result.items() if not k.endswith("_log")}, indent=1), flush=True)
         with open(options.out / "train.jsonl", "a") as f:
             f.write(json.dumps(result) + "\n")
+        if options.keep_saves and (work / "save0").exists():
+            kept = options.keep_saves / tag
+            shutil.rmtree(kept, ignore_errors=True)
+            shutil.copytree(hf, kept / "hf")
+            shutil.copytree(work / "save0", kept / "save")
+            for kept_file in ("tokens.npy", "weights.pt", "weights.pt.error", "judge.json"):
+                if (work / kept_file).exists():
+                    shutil.copy(work / kept_file, kept / kept_file)
+            shutil.copytree(work / "log0", kept / "log0", dirs_exist_ok=True)
+            (kept / "job.json").write_text(json.dumps({k: result.get(k) for k in ("job", "fsdp", "mtp", "model_args", "command_lr0")}))
         shutil.rmtree(work / "mcore", ignore_errors=True)
         shutil.rmtree(work / "save0", ignore_errors=True)
         shutil.rmtree(work / "log1-save", ignore_errors=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -39,6 +40,10 @@ def add_driver_args(parser):
         "--config-field", action="append", default=[], metavar="NAME=VALUE",
         help="set args.NAME (a float) after parsing, as megatron_args.sh's 'Not settable by Megatron-LM's flags' "
         "lines say to in pretrain_gpt.py: gpt_config_from_args copies it into the model's config",
+    )
+    group.add_argument(
+        "--dump-weights", help="torch.save the model's parameters and buffers, whole, here at the first forward step "
+        "(one data-parallel rank): what the run trains from, to hold its saves against",
     )
     return parser
 
@@ -117,7 +122,26 @@ def _log_micro_batch(args, loss: torch.Tensor, num_tokens: torch.Tensor) -> None
         log.write(json.dumps(record) + "\n")
 
 
+def _dump_weights(path: str, model) -> None:
+    """The model's tensors by their names in the wrapped model, whole (a sharded DTensor gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    try:
+        named = [*model.named_parameters(), *model.named_buffers()]
+        tensors = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone() for name, t in named}
+    except Exception as e:  # noqa: BLE001 (a wrapper whose tensors cannot be gathered so: said beside, the run goes on)
+        Path(path + ".error").write_text(f"{type(e).__name__}: {e}")
+        return
+    if torch.distributed.get_rank() == 0:
+        torch.save(tensors, path)
+
+
 def forward_step(data_iterator, model):
+    from megatron.training import get_args
+
+    args = get_args()
+    if args.dump_weights and not any(Path(args.dump_weights + end).exists() for end in ("", ".error")):
+        _dump_weights(args.dump_weights, model)
     tokens, labels, loss_mask, position_ids = get_batch(data_iterator)
     # No attention mask: the layer specs apply the causal mask themselves, as pretrain_gpt.py's default
     # data (create_attention_mask_in_dataloader off) leaves it to them.
@@ -148,5 +172,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron-LM's rule for TP>1 before Blackwell
+    # Megatron-LM's rule for TP>1 before Blackwell; its FSDPs require the opposite.
+    if not {"--use-megatron-fsdp", "--use-torch-fsdp2"} & set(sys.argv):
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     main()

@@ -1,0 +1,131 @@
+"""Megatron-LM's FSDP saves: read as the global regions the way back reads, and written for a Megatron-FSDP run to
+start from (`hf-to-mcore --format fsdp_dtensor`), since it cannot load torch_dist (measured with Megatron-LM
+0.19.2: its load of a torch_dist checkpoint stops at `state_dict['model']`, KeyError).
+
+Megatron-LM 0.19 saves a run under Megatron-FSDP (`--use-megatron-fsdp`) in its `fsdp_dtensor` format and one
+under PyTorch's FSDP2 (`--use-torch-fsdp2`) in `torch_dcp`: both are plain DCP folders (a `.metadata`, no
+torch_dist `metadata.json`) of the training state dict, flattened with dots. The model's tensors are keyed by
+the model's own names (mconvert.converters.model_keyed), each stored whole (its global shape; chunks are the
+data-parallel ranks' rows):
+
+- fsdp_dtensor: `model.module.<name>` (the Megatron-FSDP wrapper's level); a SwiGLU fc1's weight or bias split
+  into `<name>_w` (the gate half) and `<name>_v` (the up half), so that each is one tensor at any TP; experts by
+  their global number; no `_extra_state`.
+- torch_dcp: `model.<name>`, nothing split; Transformer Engine's `_extra_state` beside the weights.
+
+Beside them lie the optimizer's state (`optimizer.*`, never read), the RNG and scheduler states, and `args`,
+`iteration`, `checkpoint_version` as torch.save'd objects. A run with pipeline stages numbers each stage's layers
+from 0 under the same names, which no reader can tell apart: such saves are refused.
+
+Written, a conversion's plan is made at TP 1 (every tensor whole, as the DTensors of a run at any TP are) and each
+of its pieces stored under its model name with Megatron-FSDP's prefix, a SwiGLU fc1 as its two halves; beside
+them the run's `args`, `checkpoint_version` and `iteration`, which its load reads first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import torch
+
+from mconvert.converters.model_keyed import ModelKeyedCheckpoint, Where, model_name, piece_wheres, where_stored
+from mconvert.converters.plan import Piece
+from mconvert.errors import ConversionError
+from mconvert.formats.dcp import DCPCheckpoint
+
+Shape = tuple[int, ...]
+# Each format's prefix of the model's names; the longer first (fsdp_dtensor's keys also start with `model.`).
+MODEL_PREFIXES = {"fsdp_dtensor": "model.module.", "torch_dcp": "model."}
+# Megatron-FSDP's halves of a SwiGLU fc1 (dense, shared expert, or an expert's `weight<j>`).
+_HALF = re.compile(r"^(.*\.linear_fc1\.(?:weight|bias)\d*)_([wv])$")
+# The fc1 tensors Megatron-FSDP splits so (its fsdp_dtensor_checkpoint.is_swiglu_key).
+_SWIGLU_FC1 = re.compile(
+    r"\.mlp\.(?:shared_experts\.)?linear_fc1\.(?:weight|bias)$|\.mlp\.experts\.linear_fc1\.(?:weight|bias)\d+$"
+    r"|\.mlp\.experts\.local_experts\.\d+\.linear_fc1\.(?:weight|bias)$"
+)
+FSDP_DTENSOR = "fsdp_dtensor"
+# What Megatron-LM's saves say of themselves (generate_state_dict): their state dict's version.
+CHECKPOINT_VERSION = 3.0
+
+
+def written_places(piece: Piece, grouped_experts: bool, swiglu: bool) -> list[tuple[str, slice]]:
+    """Where an fsdp_dtensor checkpoint holds a piece of a TP 1 plan: (key, rows of the piece's tensor) for
+    each name of it, a SwiGLU fc1's gate and up halves under `<name>_w` and `<name>_v`. A piece's names under
+    both layer specs are all written (as torch_dist's keys are), each with the whole tensor."""
+    rows = piece.layout.shape[0]
+    places = []
+    # Under every name either layer spec gives the tensor's module: a run asks for its spec's, the rest are not read.
+    names = dict.fromkeys(MODEL_PREFIXES[FSDP_DTENSOR] + model_name(where, grouped_experts) for _, where in piece_wheres(piece))
+    for name in names:
+        if swiglu and _SWIGLU_FC1.search(name):
+            places += [(name + "_w", slice(0, rows // 2)), (name + "_v", slice(rows // 2, rows))]
+        else:
+            places.append((name, slice(None)))
+    return places
+
+
+def is_fsdp_save(directory: Path) -> bool:
+    """A DCP folder without torch_dist's metadata.json: how Megatron-LM tells its FSDP formats from torch_dist."""
+    return (directory / ".metadata").exists() and not (directory / "metadata.json").exists()
+
+
+class FsdpCheckpoint(ModelKeyedCheckpoint):
+    """One iteration of an fsdp_dtensor or torch_dcp save: an entry per region names the DCP key that holds it, or
+    the two (gate, up) that Megatron-FSDP split it into."""
+
+    def __init__(self, directory: Path):
+        self.dcp = DCPCheckpoint(directory)
+        self.location = str(directory)
+        self.format = "fsdp_dtensor" if any(k.startswith(MODEL_PREFIXES["fsdp_dtensor"]) for k in self.dcp.shapes) else "torch_dcp"
+        self.args = self._read_args()
+        stages = getattr(self.args, "pipeline_model_parallel_size", 1) or 1
+        if stages > 1:
+            raise ConversionError(
+                f"{directory}: a {self.format} save of {stages} pipeline stages: each stage names its layers from 0, "
+                "so the stages' layers cannot be told apart"
+            )
+        prefix = MODEL_PREFIXES[self.format]
+        halves: dict[str, dict[str, str]] = {}
+        self.entries: dict[Where, tuple[str, ...]] = {}
+        for key in self.dcp.shapes:
+            if not key.startswith(prefix) or key.endswith("_extra_state"):
+                continue
+            name = key.removeprefix(prefix)
+            if self.format == "fsdp_dtensor" and (half := _HALF.match(name)) is not None:
+                halves.setdefault(half[1], {})[half[2]] = key
+                continue
+            self.entries[where_stored(name)] = (key,)
+        for name, parts in halves.items():
+            if parts.keys() != {"w", "v"}:
+                raise ConversionError(f"{directory}: '{prefix}{name}' has its {'gate' if 'w' in parts else 'up'} half alone")
+            self.entries[where_stored(name)] = (parts["w"], parts["v"])
+        if not self.entries:
+            raise ConversionError(f"{directory}: a DCP folder without torch_dist's metadata.json and without model weights "
+                                  f"under {' or '.join(repr(p) for p in MODEL_PREFIXES.values())}: not a Megatron-LM save")
+
+    def _read_args(self) -> argparse.Namespace | None:
+        if "args" not in self.dcp.object_keys:
+            return None
+        args = self.dcp.read_object("args")
+        if not isinstance(args, argparse.Namespace):
+            raise ConversionError(f"{self.location}: its 'args' hold a {type(args).__name__}, not Megatron-LM's arguments")
+        return args
+
+    def entry_shape(self, piece: Piece | None, entry: tuple[str, ...]) -> Shape:
+        first, *rest = (self.dcp.shapes[key] for key in entry)
+        return (first[0] + sum(shape[0] for shape in rest), *first[1:])
+
+    @property
+    def weights_dtype(self) -> torch.dtype | None:
+        entry = self.entries.get(("embedding.word_embeddings.weight", None, None))
+        return self.dcp.dtypes[entry[0]] if entry else None
+
+    def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
+        located = self.find(piece)
+        assert located is not None, f"{piece.key} was checked present"
+        keys = located[2]
+        parts = [self.dcp.read_region(key, (0,) * len(shape), shape, into=into if len(keys) == 1 else None)
+                 for key, shape in ((key, self.dcp.shapes[key]) for key in keys)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
