@@ -149,7 +149,8 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     print("next:")
     etp = [f"--etp {parallelism.etp}"] if parallelism.etp is not None else []
     layout = " ".join([f"--tp {parallelism.tp} --pp {parallelism.pp} --ep {parallelism.ep}", *etp, *pipeline_split_flags(parallelism.pipeline)])
-    print(f"  mconvert verify --hf {options.load_dir} --mcore {save_dir} {layout} --device cuda  # --device cpu without GPUs")
+    if options.format == "torch_dist":  # megatron-core's models load nothing else outside an FSDP run
+        print(f"  mconvert verify --hf {options.load_dir} --mcore {save_dir} {layout} --device cuda  # --device cpu without GPUs")
     print(f"  MEGATRON_LM=/path/to/Megatron-LM bash {save_dir}/{TORCHRUN_SCRIPT}      # train on this node")
     print(f"  MEGATRON_LM=/path/to/Megatron-LM sbatch {save_dir}/{SBATCH_SCRIPT}  # or on a Slurm cluster")
     return 0
@@ -195,7 +196,8 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
     if "quantization_config" in plan.spec.hf_config:
         print(f"wrote the weights unquantized: config.json leaves out the quantization_config of {options.hf_config}")
     print("next:")
-    print(f"  mconvert verify --hf {save_dir} --mcore {options.load_dir} --device cuda  # --device cpu without GPUs")
+    if result.source_format not in ("fsdp_dtensor", "torch_dcp"):  # megatron-core's models load those only in FSDP runs
+        print(f"  mconvert verify --hf {save_dir} --mcore {options.load_dir} --device cuda  # --device cpu without GPUs")
     print(f"  mconvert inspect --check {save_dir}")
     return 0
 

@@ -130,3 +130,11 @@ def test_saves_the_way_back_cannot_read_end_in_one_line(model, args, expected, t
     done = run_cli("mcore-to-hf", "--load-dir", tmp_path / "save", "--save-dir", tmp_path / "out")
     assert_one_line_error(done, "iter_0000007", expected)
     assert_nothing_left(tmp_path / "out")
+
+
+def test_verify_says_it_cannot_run_an_fsdp_save(hf_model_factory, tmp_path):
+    hf, _ = make(hf_model_factory, "llama-tp2")
+    out = tmp_path / "fsdp"
+    assert run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", out, "--format", "fsdp_dtensor").returncode == 0
+    done = run_cli("verify", "--hf", hf, "--mcore", out, "--device", "cpu")
+    assert_one_line_error(done, f"--mcore {out}", "an FSDP save", "torch_dist conversion", code=2)

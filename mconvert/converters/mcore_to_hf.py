@@ -282,6 +282,7 @@ class HFExport:
     files: tuple[str, ...]
     # Tensors copied unchanged from the original checkpoint (`copied_back`: the vision tower).
     copied: int = 0
+    source_format: str = "torch_dist"  # the format read (MegatronTensors.format)
 
 
 def convert_mcore_to_hf(
@@ -344,4 +345,4 @@ def convert_mcore_to_hf(
                     for path in sorted(Path(hf_config_dir).glob(pattern)):
                         shutil.copy2(path, work / path.name)
     files = tuple(sorted(p.name for p in save_dir.iterdir()))
-    return HFExport(plan, config, files, copied=len(beside))
+    return HFExport(plan, config, files, copied=len(beside), source_format=source.format)

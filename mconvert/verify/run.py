@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mconvert.converters.fsdp_saves import is_fsdp_save
 from mconvert.dependencies import VERIFY, VERIFY_INSTALL, require
 from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import read_hf_config
@@ -161,6 +162,12 @@ def verify(request: VerifyRequest) -> Report:
             raise ConversionError(f"--tp/--pp/--ep need {world} GPUs, {torch.cuda.device_count()} visible")
     if not (request.hf_dir / "config.json").exists():
         raise ConversionError(f"--hf {request.hf_dir}: no config.json")
+    if is_fsdp_save(iteration_dir(request.mcore_dir)):
+        raise ConversionError(
+            f"--mcore {request.mcore_dir}: an FSDP save (fsdp_dtensor or torch_dcp), which megatron-core's models do not "
+            "load outside an FSDP run: verify a torch_dist conversion of the same HF model (the same tensors), or compare "
+            "mcore-to-hf's export of this one with the HF model"
+        )
     stored = read_args(iteration_dir(request.mcore_dir))
     hf_spec = check_architecture(request.hf_dir, stored)
     from mconvert.verify.megatron_model import require_output_gate_above_query_groups
