@@ -39,6 +39,7 @@
 #   dsa-verify  on one GPU: DeepSeek-V3.2 and GLM-5.1 (sparse attention) cut to a dense and an MoE layer at real
 #               width: verify --spec te at TP 1 as written and from TP 2 x EP 2 and TP 2 x PP 2 saves
 #   dsa-train   their Megatron-LM training steps on one GPU (hidden 2048, 32 experts, top-k 64)
+#   megatron-fsdp-fp32  the Megatron-FSDP runs of fsdp alone, in fp32
 #   fsdp        on one GPU: Megatron-LM training steps under Megatron-FSDP (from fsdp_dtensor conversions) and FSDP2
 #               (from torch_dist ones, and from random init saving torch_dcp) of test-sized models (dense, tied, MoE,
 #               MLA with MTP); their HF models, tokens, losses and --lr 0 saves come back as fixtures
@@ -283,33 +284,38 @@ for stage in "$@"; do
     note "dsa-train: exit $code"
     [ "$code" = 3 ] || mark "$stage"
     ;;
-  fsdp)
+  fsdp | megatron-fsdp-fp32)
     # Megatron-LM's two FSDP wrappers on test-sized models (dense, tied, MoE, MLA with MTP), some converted at
-    # another TP or EP than the run's: Megatron-FSDP from conversions --format fsdp_dtensor (bf16: its save of a
-    # SwiGLU model needs the bf16 wrapper), FSDP2 from torch_dist checkpoints saving torch_dist, and FSDP2 from
-    # Megatron-LM's random init saving torch_dcp (no conversion writes it), its weights dumped to hold the save
-    # against. HF models, tokens, loss logs and --lr 0 saves come back in fsdp-saves-{megatron,torch}.tar.gz (the fixtures of
-    # tests/test_fsdp_saves.py). FSDP wants CUDA_DEVICE_MAX_CONNECTIONS unset.
+    # another TP or EP than the run's: Megatron-FSDP from conversions --format fsdp_dtensor (fsdp: in bf16, which
+    # Megatron-LM 0.19.2 cannot start from weights without their optimizer state, NotImplementedError
+    # "model-to-main parameter update"; megatron-fsdp-fp32: in fp32), FSDP2 from torch_dist checkpoints saving
+    # torch_dist, and FSDP2 from Megatron-LM's random init saving torch_dcp (no conversion writes it), its weights
+    # dumped to hold the save against. HF models, tokens, loss logs and --lr 0 saves come back in
+    # fsdp-saves-{megatron,torch}.tar.gz (the fixtures of tests/test_fsdp_fixtures.py). FSDP wants
+    # CUDA_DEVICE_MAX_CONNECTIONS unset.
     one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1)
+    megatron_dtype=bf16
+    [ "$stage" = megatron-fsdp-fp32 ] && megatron_dtype=fp32
+    runs=("--fsdp megatron --format fsdp_dtensor --dtype $megatron_dtype|$LLAMA_TINY:tp2 $QWEN25_TINY:tp1 $QWEN3_MOE_TINY:ep2"
+          "--fsdp megatron --format fsdp_dtensor --dtype $megatron_dtype --mtp|$DEEPSEEK_TINY:tp1")
+    [ "$stage" = fsdp ] && runs+=("--fsdp torch|$LLAMA_TINY:tp2 $QWEN3_MOE_TINY:ep2"
+                                  "--fsdp torch --ckpt-format torch_dcp --from-scratch|$LLAMA_TINY:tp1"
+                                  "--fsdp torch --ckpt-format torch_dcp --from-scratch --mtp|$DEEPSEEK_TINY:tp1")
     code=0
-    for run in "--fsdp megatron --format fsdp_dtensor --dtype bf16|$LLAMA_TINY:tp2 $QWEN25_TINY:tp1 $QWEN3_MOE_TINY:ep2" \
-               "--fsdp megatron --format fsdp_dtensor --dtype bf16 --mtp|$DEEPSEEK_TINY:tp1" \
-               "--fsdp torch|$LLAMA_TINY:tp2 $QWEN3_MOE_TINY:ep2" \
-               "--fsdp torch --ckpt-format torch_dcp --from-scratch|$LLAMA_TINY:tp1" \
-               "--fsdp torch --ckpt-format torch_dcp --from-scratch --mtp|$DEEPSEEK_TINY:tp1"; do
+    for run in "${runs[@]}"; do
       wrapper=${run#--fsdp }; wrapper=${wrapper%% *}  # megatron or torch: one archive each (16 MiB a file comes back)
       env -u CUDA_DEVICE_MAX_CONNECTIONS python3 scripts/gpu/gpu_train.py --nproc 1 ${run%%|*} "${one_run[@]}" \
         --keep-saves "$WORK/fsdp-saves-$wrapper" --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" \
-        ${run#*|} >> "$OUT/fsdp.log" 2>&1
+        ${run#*|} >> "$OUT/$stage.log" 2>&1
       last=$?
-      note "fsdp ${run%%|*}: exit $last"
+      note "$stage ${run%%|*}: exit $last"
       [ "$last" = 3 ] && code=3
     done
     for wrapper in megatron torch; do
       [ -d "$WORK/fsdp-saves-$wrapper" ] && tar -czf "$OUT/fsdp-saves-$wrapper.tar.gz" -C "$WORK" "fsdp-saves-$wrapper" \
         && ls -l "$OUT/fsdp-saves-$wrapper.tar.gz" >> "$OUT/session.log"
     done
-    [ "$code" = 3 ] || mark fsdp
+    [ "$code" = 3 ] || mark "$stage"
     ;;
   train-distopt)
     python3 scripts/gpu/gpu_train.py --nproc 1 --distributed-optimizer --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" \
