@@ -19,7 +19,9 @@ from 0 under the same names, which no reader can tell apart: such saves are refu
 
 Written, a conversion's plan is made at TP 1 (every tensor whole, as the DTensors of a run at any TP are) and each
 of its pieces stored under its model name with Megatron-FSDP's prefix, a SwiGLU fc1 as its two halves; beside
-them the run's `args`, `checkpoint_version` and `iteration`, which its load reads first.
+them the run's `args`, `checkpoint_version` and `iteration`, which its load reads first. It is iteration 0's
+checkpoint, not a release: Megatron-LM 0.19.2 starts a Megatron-FSDP run from weights alone only as the resumption
+of a run (see mconvert.megatron_lm.flags.load_flags).
 """
 
 from __future__ import annotations
@@ -46,8 +48,6 @@ _SWIGLU_FC1 = re.compile(
     r"|\.mlp\.experts\.local_experts\.\d+\.linear_fc1\.(?:weight|bias)$"
 )
 FSDP_DTENSOR = "fsdp_dtensor"
-# What Megatron-LM's saves say of themselves (generate_state_dict): their state dict's version.
-CHECKPOINT_VERSION = 3.0
 
 
 def written_places(piece: Piece, grouped_experts: bool, swiglu: bool) -> list[tuple[str, slice]]:

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from mconvert.converters.fsdp_saves import CHECKPOINT_VERSION, FSDP_DTENSOR, written_places
+from mconvert.converters.fsdp_saves import FSDP_DTENSOR, written_places
 from mconvert.converters.manifest import hashed_while_written
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces, torchrun_rank
@@ -31,7 +31,14 @@ from mconvert.formats.safetensors import Rows
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
-from mconvert.mcore.checkpoint import EMPTY_EXTRA_STATE, RELEASE, write_common, write_tracker
+from mconvert.mcore.checkpoint import (
+    CHECKPOINT_VERSION,
+    EMPTY_EXTRA_STATE,
+    RELEASE,
+    iteration_name,
+    write_common,
+    write_tracker,
+)
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.megatron_lm import launch
 from mconvert.megatron_lm.args import megatron_args
@@ -309,7 +316,7 @@ def convert_hf_to_mcore(
     helper = dcp_metadata.helper_pays(sum(plan.nbytes(piece) for piece in plan.pieces if not piece.copy))
     maker = MetadataMaker(helper) if torchrun_rank()[0] == 0 else contextlib.nullcontext()
     with maker as metadata, Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
-        release = work / RELEASE
+        release = work / (RELEASE if places is None else iteration_name(0))
         if ranks.is_first:
             release.mkdir()
         ranks.barrier()
@@ -348,7 +355,7 @@ def convert_hf_to_mcore(
                 write_common(release, args)
             (work / ARGS_SCRIPT).write_text(args_script(args, save_dir))
             launch.write_launch(work, save_dir, parallelism, ckpt_format)
-            write_tracker(work)
+            write_tracker(work, None if places is None else 0)
     left_out: dict[str, int] = {}
     for name in hf.tensors:
         if (what := family.table.left_out_by(name)) is not None:

@@ -206,10 +206,16 @@ def _mla_flags(a: argparse.Namespace) -> list[str]:
 
 
 def load_flags(checkpoint_dir: Path, ckpt_format: str = "torch_dist") -> list[str]:
-    """The flags that start training from a converted checkpoint: its weights only, no optimizer or RNG state. An
-    fsdp_dtensor checkpoint is loaded by a Megatron-FSDP run alone."""
-    run = ["--use-megatron-fsdp"] if ckpt_format == "fsdp_dtensor" else []
-    return [f"--load {shlex.quote(str(checkpoint_dir.absolute()))}", *run, f"--ckpt-format {ckpt_format}", "--finetune", "--no-load-optim", "--no-load-rng"]
+    """The flags that start training from a converted checkpoint: its weights only, no optimizer or RNG state.
+
+    An fsdp_dtensor checkpoint is loaded by a Megatron-FSDP run alone, and as iteration 0 of a resumed run: with
+    --finetune or --no-load-optim, Megatron-LM 0.19.2 then copies the weights into the optimizer's main
+    parameters, which Megatron-FSDP does not implement (NotImplementedError), while its load leaves state the
+    checkpoint lacks (the optimizer's) as the run made it."""
+    load = f"--load {shlex.quote(str(checkpoint_dir.absolute()))}"
+    if ckpt_format == "fsdp_dtensor":
+        return [load, "--use-megatron-fsdp", "--ckpt-format fsdp_dtensor", "--no-load-rng"]
+    return [load, f"--ckpt-format {ckpt_format}", "--finetune", "--no-load-optim", "--no-load-rng"]
 
 
 def not_restored_by_checkpoint_args(args: argparse.Namespace) -> list[str]:

@@ -40,6 +40,7 @@
 #               width: verify --spec te at TP 1 as written and from TP 2 x EP 2 and TP 2 x PP 2 saves
 #   dsa-train   their Megatron-LM training steps on one GPU (hidden 2048, 32 experts, top-k 64)
 #   megatron-fsdp-fp32  the Megatron-FSDP runs of fsdp alone, in fp32
+#   megatron-fsdp  Megatron-FSDP in bf16 from conversions, loaded as megatron_args.sh says, and from random init
 #   fsdp        on one GPU: Megatron-LM training steps under Megatron-FSDP (from fsdp_dtensor conversions) and FSDP2
 #               (from torch_dist ones, and from random init saving torch_dcp) of test-sized models (dense, tied, MoE,
 #               MLA with MTP); their HF models, tokens, losses and --lr 0 saves come back as fixtures
@@ -284,7 +285,7 @@ for stage in "$@"; do
     note "dsa-train: exit $code"
     [ "$code" = 3 ] || mark "$stage"
     ;;
-  fsdp | megatron-fsdp-fp32)
+  fsdp | megatron-fsdp-fp32 | megatron-fsdp)
     # Megatron-LM's two FSDP wrappers on test-sized models (dense, tied, MoE, MLA with MTP), some converted at
     # another TP or EP than the run's: Megatron-FSDP from conversions --format fsdp_dtensor (fsdp: in bf16, which
     # Megatron-LM 0.19.2 cannot start from weights without their optimizer state, NotImplementedError
@@ -298,6 +299,11 @@ for stage in "$@"; do
     [ "$stage" = megatron-fsdp-fp32 ] && megatron_dtype=fp32
     runs=("--fsdp megatron --format fsdp_dtensor --dtype $megatron_dtype|$LLAMA_TINY:tp2 $QWEN25_TINY:tp1 $QWEN3_MOE_TINY:ep2"
           "--fsdp megatron --format fsdp_dtensor --dtype $megatron_dtype --mtp|$DEEPSEEK_TINY:tp1")
+    # megatron-fsdp: bf16 from conversions started as megatron_args.sh says, and from random init (a save to read back).
+    [ "$stage" = megatron-fsdp ] && runs=("--fsdp megatron --format fsdp_dtensor --dtype bf16|$LLAMA_TINY:tp2"
+                                          "--fsdp megatron --format fsdp_dtensor --dtype bf16 --mtp|$DEEPSEEK_TINY:tp1"
+                                          "--fsdp megatron --format fsdp_dtensor --dtype bf16|$QWEN3_MOE_TINY:ep2"
+                                          "--fsdp megatron --dtype bf16 --from-scratch --mtp|$DEEPSEEK_TINY:tp1")
     [ "$stage" = fsdp ] && runs+=("--fsdp torch|$LLAMA_TINY:tp2 $QWEN3_MOE_TINY:ep2"
                                   "--fsdp torch --ckpt-format torch_dcp --from-scratch|$LLAMA_TINY:tp1"
                                   "--fsdp torch --ckpt-format torch_dcp --from-scratch --mtp|$DEEPSEEK_TINY:tp1")

@@ -67,6 +67,14 @@ def stated_settings(ckpt: Path) -> list[str]:
     return [f"--config-field={name}={value}" for line in lines for name, value in re.findall(r"args\.(\w+) = ([0-9.e+-]+)", line)]
 
 
+def load_flags(options, ckpt: Path) -> list[str]:
+    """Weights only, as the README's commands start from a converted checkpoint; an fsdp_dtensor one as its
+    megatron_args.sh says (Megatron-FSDP starts from it as a resumption)."""
+    if options.format == "fsdp_dtensor":
+        return script_arrays(ckpt, "LOAD_ARGS")
+    return ["--load", str(ckpt), "--finetune", "--no-load-optim", "--no-load-rng"]
+
+
 def torchrun(options, ckpt: Path, have_te: bool, data: list[str], lr: float, iters: int, save: Path | None,
              loss_log: Path) -> tuple[list[str], dict[str, str]]:
     """The driver under torchrun with MODEL_ARGS and the load flags, as the README's commands run it."""
@@ -80,7 +88,7 @@ def torchrun(options, ckpt: Path, have_te: bool, data: list[str], lr: float, ite
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(options.nproc),
         "scripts/training/megatron_train.py", *flags, *stated_settings(ckpt),
-        *([] if options.from_scratch else ["--load", str(ckpt), "--finetune", "--no-load-optim", "--no-load-rng"]),
+        *([] if options.from_scratch else load_flags(options, ckpt)),
         "--ckpt-format", "torch_dist",
         "--micro-batch-size", str(options.micro_batch_size), "--global-batch-size", str(options.rows),
         "--lr", str(lr), "--train-iters", str(iters), "--loss-log", str(loss_log), *data,

@@ -16,7 +16,6 @@ pytest.importorskip("megatron.training")
 
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
 from mconvert.formats.dcp import DCPCheckpoint  # noqa: E402
-from mconvert.mcore.checkpoint import RELEASE  # noqa: E402
 from mconvert.synthetic import write_word_tokenizer  # noqa: E402
 from mconvert.verify.distributed import run_ranks  # noqa: E402
 from mconvert.verify.megatron_lm import CPU_FLAGS, RUN_FLAGS, load_as_megatron_lm, script_arrays  # noqa: E402
@@ -51,7 +50,7 @@ def test_every_tensor_of_megatron_lms_model_is_where_megatron_fsdp_reads_it(name
     # The local spec's experts are SequentialMLP's (local_experts.<j>); under TE, TEGroupedMLP's (weight<j>).
     convert_hf_to_mcore(hf, fsdp, ckpt_format="fsdp_dtensor", transformer_impl="local")
     expected = run_ranks(model_tensors, script_arrays(torch_dist, "MODEL_ARGS", "LOAD_ARGS") + RUN_FLAGS + CPU_FLAGS)
-    stored = DCPCheckpoint(fsdp / RELEASE)
+    stored = DCPCheckpoint(fsdp / "iter_0000000")
 
     def read(key: str) -> torch.Tensor:
         shape = stored.shapes[key]
