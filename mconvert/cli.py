@@ -118,7 +118,6 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
             overwrite=options.overwrite,
             mtp=not options.no_mtp,
             allow_nonfinite=options.allow_nonfinite,
-            ckpt_format=options.format,
             workers=_workers(options),
             progress=progress,
         )
@@ -149,8 +148,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     print("next:")
     etp = [f"--etp {parallelism.etp}"] if parallelism.etp is not None else []
     layout = " ".join([f"--tp {parallelism.tp} --pp {parallelism.pp} --ep {parallelism.ep}", *etp, *pipeline_split_flags(parallelism.pipeline)])
-    if options.format == "torch_dist":  # megatron-core's models load nothing else outside an FSDP run
-        print(f"  mconvert verify --hf {options.load_dir} --mcore {save_dir} {layout} --device cuda  # --device cpu without GPUs")
+    print(f"  mconvert verify --hf {options.load_dir} --mcore {save_dir} {layout} --device cuda  # --device cpu without GPUs")
     print(f"  MEGATRON_LM=/path/to/Megatron-LM bash {save_dir}/{TORCHRUN_SCRIPT}      # train on this node")
     print(f"  MEGATRON_LM=/path/to/Megatron-LM sbatch {save_dir}/{SBATCH_SCRIPT}  # or on a Slurm cluster")
     return 0
@@ -264,11 +262,6 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.add_argument(
         "--no-mtp", action="store_true",
         help="leave out the multi-token prediction layers the checkpoint holds (DeepSeek-V3, GLM-4.5)",
-    )
-    to_mcore.add_argument(
-        "--format", choices=("torch_dist", "fsdp_dtensor"), default="torch_dist",
-        help="torch_dist (default: what Megatron-LM's runs load, FSDP2 ones included), or fsdp_dtensor for a "
-        "Megatron-FSDP run (--use-megatron-fsdp), which loads nothing else",
     )
     to_mcore.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
     _add_workers_flag(to_mcore)

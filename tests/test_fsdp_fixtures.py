@@ -19,13 +19,25 @@ from cli_runner import run_cli
 from safetensors.torch import load_file, save_file
 
 from mconvert.converters.fsdp_saves import FsdpCheckpoint
-from mconvert.converters.model_keyed import model_name
+from mconvert.converters.model_keyed import Where
 from mconvert.mcore.checkpoint import iteration_dir
+from mconvert.mcore.layout import EXPERTS_PREFIX
 
 FIXTURES = Path(__file__).parent / "fixtures" / "fsdp"
 SAVES = sorted(path.name for path in FIXTURES.iterdir() if (path / "save").is_dir())
 # Buffers a model holds that no save does: rotary caches, the router's token counts.
 NEVER_SAVED = re.compile(r"rotary_pos_emb\.(cos|sin)_cached$|\.local_tokens_per_expert$")
+
+
+def model_name(where: Where, grouped_experts: bool) -> str:
+    """The model's own name of a region the way back found: an expert's as TEGroupedMLP (`grouped_experts`) or
+    SequentialMLP names it, an MTP layer's decoder layer as megatron-core 0.19's module (`mtp_model_layer`)."""
+    name, layer, expert = where
+    if expert is not None:
+        scope, _, sub = name.partition(EXPERTS_PREFIX)
+        name = scope + (f"mlp.experts.{sub}{expert}" if grouped_experts else f"mlp.experts.local_experts.{expert}.{sub}")
+    name = re.sub(r"^(mtp\.layers\.\d+)\.transformer_layer\.", r"\1.mtp_model_layer.", name)
+    return name if layer is None else f"decoder.layers.{layer}.{name}"
 
 
 def digest(tensor: torch.Tensor) -> str:

@@ -1,6 +1,4 @@
-"""Megatron-LM's FSDP saves: read as the global regions the way back reads, and written for a Megatron-FSDP run to
-start from (`hf-to-mcore --format fsdp_dtensor`), since it cannot load torch_dist (measured with Megatron-LM
-0.19.2: its load of a torch_dist checkpoint stops at `state_dict['model']`, KeyError).
+"""Megatron-LM's FSDP saves, read as the global regions the way back reads.
 
 Megatron-LM 0.19 saves a run under Megatron-FSDP (`--use-megatron-fsdp`) in its `fsdp_dtensor` format and one
 under PyTorch's FSDP2 (`--use-torch-fsdp2`) in `torch_dcp`: both are plain DCP folders (a `.metadata`, no
@@ -13,15 +11,11 @@ data-parallel ranks' rows):
   their global number; no `_extra_state`.
 - torch_dcp: `model.<name>`, nothing split; Transformer Engine's `_extra_state` beside the weights.
 
+Megatron-FSDP stores its fp32 main parameters, in a bf16 run too: the export keeps fp32 unless told a dtype.
+
 Beside them lie the optimizer's state (`optimizer.*`, never read), the RNG and scheduler states, and `args`,
 `iteration`, `checkpoint_version` as torch.save'd objects. A run with pipeline stages numbers each stage's layers
 from 0 under the same names, which no reader can tell apart: such saves are refused.
-
-Written, a conversion's plan is made at TP 1 (every tensor whole, as the DTensors of a run at any TP are) and each
-of its pieces stored under its model name with Megatron-FSDP's prefix, a SwiGLU fc1 as its two halves; beside
-them the run's `args`, `checkpoint_version` and `iteration`, which its load reads first. It is iteration 0's
-checkpoint, not a release: Megatron-LM 0.19.2 starts a Megatron-FSDP run from weights alone only as the resumption
-of a run (see mconvert.megatron_lm.flags.load_flags).
 """
 
 from __future__ import annotations
@@ -32,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from mconvert.converters.model_keyed import ModelKeyedCheckpoint, Where, model_name, piece_wheres, where_stored
+from mconvert.converters.model_keyed import ModelKeyedCheckpoint, Where, where_stored
 from mconvert.converters.plan import Piece
 from mconvert.errors import ConversionError
 from mconvert.formats.dcp import DCPCheckpoint
@@ -42,28 +36,6 @@ Shape = tuple[int, ...]
 MODEL_PREFIXES = {"fsdp_dtensor": "model.module.", "torch_dcp": "model."}
 # Megatron-FSDP's halves of a SwiGLU fc1 (dense, shared expert, or an expert's `weight<j>`).
 _HALF = re.compile(r"^(.*\.linear_fc1\.(?:weight|bias)\d*)_([wv])$")
-# The fc1 tensors Megatron-FSDP splits so (its fsdp_dtensor_checkpoint.is_swiglu_key).
-_SWIGLU_FC1 = re.compile(
-    r"\.mlp\.(?:shared_experts\.)?linear_fc1\.(?:weight|bias)$|\.mlp\.experts\.linear_fc1\.(?:weight|bias)\d+$"
-    r"|\.mlp\.experts\.local_experts\.\d+\.linear_fc1\.(?:weight|bias)$"
-)
-FSDP_DTENSOR = "fsdp_dtensor"
-
-
-def written_places(piece: Piece, grouped_experts: bool, swiglu: bool) -> list[tuple[str, slice]]:
-    """Where an fsdp_dtensor checkpoint holds a piece of a TP 1 plan: (key, rows of the piece's tensor) for
-    each name of it, a SwiGLU fc1's gate and up halves under `<name>_w` and `<name>_v`. A piece's names under
-    both layer specs are all written (as torch_dist's keys are), each with the whole tensor."""
-    rows = piece.layout.shape[0]
-    places = []
-    # Under every name either layer spec gives the tensor's module: a run asks for its spec's, the rest are not read.
-    names = dict.fromkeys(MODEL_PREFIXES[FSDP_DTENSOR] + model_name(where, grouped_experts) for _, where in piece_wheres(piece))
-    for name in names:
-        if swiglu and _SWIGLU_FC1.search(name):
-            places += [(name + "_w", slice(0, rows // 2)), (name + "_v", slice(rows // 2, rows))]
-        else:
-            places.append((name, slice(None)))
-    return places
 
 
 def is_fsdp_save(directory: Path) -> bool:

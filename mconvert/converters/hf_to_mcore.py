@@ -1,4 +1,4 @@
-"""HF safetensors -> Megatron-Core torch_dist (or Megatron-FSDP's fsdp_dtensor), streaming: one layer's tensor at a time is read, transformed,
+"""HF safetensors -> Megatron-Core torch_dist, streaming: one layer's tensor at a time is read, transformed,
 cut into its tensor-parallel chunks and written, while a thread reads the next ones; nothing holds the whole
 model."""
 
@@ -7,22 +7,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from mconvert.converters.fsdp_saves import FSDP_DTENSOR, written_places
 from mconvert.converters.manifest import hashed_while_written
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces, torchrun_rank
 from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
 from mconvert.converters.progress import NoProgress, Progress
-from mconvert.errors import ConversionError
 from mconvert.formats import dcp_metadata, dcp_writer
 from mconvert.formats.dcp_metadata import MetadataMaker
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
@@ -31,14 +27,7 @@ from mconvert.formats.safetensors import Rows
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
-from mconvert.mcore.checkpoint import (
-    CHECKPOINT_VERSION,
-    EMPTY_EXTRA_STATE,
-    RELEASE,
-    iteration_name,
-    write_common,
-    write_tracker,
-)
+from mconvert.mcore.checkpoint import EMPTY_EXTRA_STATE, RELEASE, write_common, write_tracker
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.megatron_lm import launch
 from mconvert.megatron_lm.args import megatron_args
@@ -193,12 +182,12 @@ class FileCopies:
 
 
 def build_piece(
-    piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: torch.dtype, buffers: Buffers, copies: FileCopies | None
+    piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: torch.dtype, buffers: Buffers, copies: FileCopies
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | list[FileChunk]:
     """`piece_parts` of HF tensors read from files into reused buffers, and those buffers, to hand back once
     the region is written; or, for a piece whose chunks are runs of stored bytes (`FileCopies.chunks`), those
     chunks, once its HF tensors are checked for NaN and Inf (`HFCheckpoint.check`)."""
-    chunks = copies.chunks(piece, dtype) if copies else None
+    chunks = copies.chunks(piece, dtype)
     if chunks is not None:
         for ref in piece.sources:
             hf.check(ref.name, ref.index)
@@ -225,19 +214,16 @@ def write_pieces(
     workers: int,
     ranks: Ranks,
     progress: Progress,
-    places: Callable[[Piece], list[tuple[str, slice]]] | None = None,
 ) -> None:
     """Build and write this rank's share of the pieces on `workers` threads, each writing its own data files.
     Pieces are read and built ahead of their writing (see parallel.run_pieces), so that reading overlaps
     writing even with one worker: one piece slower to build than to write (fc1) then does not stall the
-    writes. Pieces that are copies of others (`piece.copy`) are not written. With `places`, each piece is
-    written whole under the keys it names, rows of it each (mconvert.converters.fsdp_saves.written_places)."""
+    writes. Pieces that are copies of others (`piece.copy`) are not written."""
     pieces = [piece for piece in plan.pieces if not piece.copy]
     sizes = [plan.nbytes(piece) for piece in pieces]
     mine = ranks.mine(sizes)
     progress.start(len(mine), sum(sizes[i] for i in mine))
-    # Chunks copied file to file are torch_dist's; written whole elsewhere, every piece is built in memory.
-    buffers, copies = Buffers(), FileCopies(hf, plan.spec, writer.directory) if places is None else None
+    buffers, copies = Buffers(), FileCopies(hf, plan.spec, writer.directory)
 
     def load(index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | list[FileChunk]:
         return build_piece(pieces[index], hf, plan.spec, plan.dtype_of(pieces[index]), buffers, copies)
@@ -250,12 +236,7 @@ def write_pieces(
                     writer.copy_chunk(key, (*piece.offsets, *offsets), shape, spans, worker)
             return
         parts, taken = built
-        if places is None:
-            write_piece(writer, piece, parts, worker)
-        else:
-            for key, rows in places(piece):
-                chunk = rows_of(parts, rows)
-                writer.write_chunk(key, (0,) * chunk.dim(), chunk, worker)
+        write_piece(writer, piece, parts, worker)
         del parts, built  # may be views of the buffers, which later reads overwrite
         buffers.give_back(taken)
 
@@ -274,7 +255,6 @@ def convert_hf_to_mcore(
     workers: int = 1,
     mtp: bool = True,
     allow_nonfinite: bool = False,
-    ckpt_format: str = "torch_dist",
     progress: Progress = NoProgress(),
 ) -> Conversion:
     """Convert the HF checkpoint in `load_dir` into a torch_dist checkpoint in `save_dir` for `parallelism`.
@@ -283,10 +263,7 @@ def convert_hf_to_mcore(
 
     `workers` threads convert pieces at once, each into its own data files. Started by torchrun, every rank
     runs this with the same arguments: each writes its share of the pieces into data files of its own, and
-    rank 0 merges their metadata and writes the tracker file last, once all succeeded.
-
-    `ckpt_format` fsdp_dtensor writes what a Megatron-FSDP run at `parallelism` loads instead
-    (mconvert.converters.fsdp_saves)."""
+    rank 0 merges their metadata and writes the tracker file last, once all succeeded."""
     check_workers(workers)
     load_dir, save_dir = Path(load_dir), Path(save_dir)
     config = read_hf_config(load_dir, "--load-dir")
@@ -296,27 +273,17 @@ def convert_hf_to_mcore(
     held = mtp_layers_held(family, spec, hf.tensors)
     mtp = mtp and not family.table.mtp_left_out
     spec = dataclasses.replace(spec, mtp_layers=held if mtp else 0)
-    fsdp = ckpt_format == FSDP_DTENSOR
-    if fsdp and parallelism.pp > 1:
-        raise ConversionError(f"--format {FSDP_DTENSOR} with --pp {parallelism.pp}: its saves name each pipeline stage's layers from 0")
-    parallelism.validate(spec)
-    # Megatron-FSDP's tensors are whole at any TP or EP: the plan's at TP 1.
-    plan = build_plan(family, spec, Parallelism() if fsdp else parallelism, dtype, fused_expert_layers(family, spec, hf))
+    plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers(family, spec, hf))
     read = without_mtp_layers(family, spec, hf.tensors, held) if not mtp else hf.tensors
     check_sources(plan, {name: hf.tensors[name].shape for name in read}, hf.where)
     args = megatron_args(spec, parallelism, plan.dtype, transformer_impl, tokenizer_dir=load_dir)
-    places = None
-    if fsdp:
-        args.ckpt_format = FSDP_DTENSOR
-        grouped, swiglu = bool(getattr(args, "moe_grouped_gemm", False)), bool(args.swiglu)
-        places = functools.partial(written_places, grouped_experts=grouped, swiglu=swiglu)
     flags = megatron_flags(args)
 
     # Rank 0 makes `.metadata`, started before the ranks' threads and the output's lock (MetadataMaker).
     helper = dcp_metadata.helper_pays(sum(plan.nbytes(piece) for piece in plan.pieces if not piece.copy))
     maker = MetadataMaker(helper) if torchrun_rank()[0] == 0 else contextlib.nullcontext()
     with maker as metadata, Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
-        release = work / (RELEASE if places is None else iteration_name(0))
+        release = work / RELEASE
         if ranks.is_first:
             release.mkdir()
         ranks.barrier()
@@ -329,33 +296,23 @@ def convert_hf_to_mcore(
                 follow=lambda path, written, closed: hashing.enter_context(hashed_while_written(path, written, closed)),
             )
             try:
-                if places is None:
-                    dtypes = plan.key_dtypes()
-                    for key, shape in plan.shapes.items():
-                        writer.declare(key, shape, dtypes[key])
-                else:
-                    for piece in (piece for piece in plan.pieces if not piece.copy):
-                        for key, rows in places(piece):
-                            shape = piece.layout.shape
-                            writer.declare(key, (len(range(shape[0])[rows]), *shape[1:]), plan.dtype_of(piece))
-                write_pieces(plan, hf, writer, workers, ranks, progress, places)
-                if ranks.is_first and places is None:
+                dtypes = plan.key_dtypes()
+                for key, shape in plan.shapes.items():
+                    writer.declare(key, shape, dtypes[key])
+                write_pieces(plan, hf, writer, workers, ranks, progress)
+                if ranks.is_first:
                     for key in plan.extra_state_keys:
                         writer.write_object(key, EMPTY_EXTRA_STATE)
-                elif ranks.is_first:
-                    for key, value in (("args", args), ("checkpoint_version", CHECKPOINT_VERSION), ("iteration", 0)):
-                        writer.write_object(key, value)
             finally:
                 writer.abort()  # flushed and closed before the hashing's last pass
         ranks.settle()  # every rank's chunks are on disk
         parts = ranks.gather(writer.local_part())
         if ranks.is_first:
             writer.finish(parts, metadata)
-            if places is None:
-                write_common(release, args)
+            write_common(release, args)
             (work / ARGS_SCRIPT).write_text(args_script(args, save_dir))
-            launch.write_launch(work, save_dir, parallelism, ckpt_format)
-            write_tracker(work, None if places is None else 0)
+            launch.write_launch(work, save_dir, parallelism)
+            write_tracker(work)
     left_out: dict[str, int] = {}
     for name in hf.tensors:
         if (what := family.table.left_out_by(name)) is not None:

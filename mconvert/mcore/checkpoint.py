@@ -40,14 +40,8 @@ def write_common(release_dir: Path, args: argparse.Namespace) -> None:
     torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}, release_dir / "common.pt")
 
 
-def write_tracker(checkpoint_dir: Path, iteration: int | None = None) -> None:
-    """The tracker file naming the release directory, or iteration `iteration`'s (`iteration_name`)."""
-    (checkpoint_dir / TRACKER_FILE).write_text(RELEASE if iteration is None else str(iteration))
-
-
-def iteration_name(iteration: int) -> str:
-    """Megatron-LM's directory of an iteration's checkpoint."""
-    return f"iter_{iteration:07d}"
+def write_tracker(checkpoint_dir: Path) -> None:
+    (checkpoint_dir / TRACKER_FILE).write_text(RELEASE)
 
 
 def _load_common(path: Path) -> dict:
@@ -86,7 +80,7 @@ def iteration_dir(load_dir: Path, iteration: int | None = None) -> Path:
             return load_dir / RELEASE
         if not (text.isascii() and text.isdigit() and len(text) <= 18):
             raise ConversionError(f"{tracker}: holds {text[:20]!r}, neither 'release' nor an iteration number")
-        return load_dir / iteration_name(int(text))
+        return load_dir / f"iter_{int(text):07d}"
     return load_dir
 
 

@@ -205,17 +205,9 @@ def _mla_flags(a: argparse.Namespace) -> list[str]:
     return flags
 
 
-def load_flags(checkpoint_dir: Path, ckpt_format: str = "torch_dist") -> list[str]:
-    """The flags that start training from a converted checkpoint: its weights only, no optimizer or RNG state.
-
-    An fsdp_dtensor checkpoint is loaded by a Megatron-FSDP run alone, and as iteration 0 of a resumed run: with
-    --finetune or --no-load-optim, Megatron-LM 0.19.2 then copies the weights into the optimizer's main
-    parameters, which Megatron-FSDP does not implement (NotImplementedError), while its load leaves state the
-    checkpoint lacks (the optimizer's) as the run made it."""
-    load = f"--load {shlex.quote(str(checkpoint_dir.absolute()))}"
-    if ckpt_format == "fsdp_dtensor":
-        return [load, "--use-megatron-fsdp", "--ckpt-format fsdp_dtensor", "--no-load-rng"]
-    return [load, f"--ckpt-format {ckpt_format}", "--finetune", "--no-load-optim", "--no-load-rng"]
+def load_flags(checkpoint_dir: Path) -> list[str]:
+    """The flags that start training from a converted checkpoint: its weights only, no optimizer or RNG state."""
+    return [f"--load {shlex.quote(str(checkpoint_dir.absolute()))}", "--ckpt-format torch_dist", "--finetune", "--no-load-optim", "--no-load-rng"]
 
 
 def not_restored_by_checkpoint_args(args: argparse.Namespace) -> list[str]:
@@ -316,7 +308,7 @@ def args_script(args: argparse.Namespace, checkpoint_dir: Path) -> str:
             + ", ".join(missed) + " from a checkpoint."
         )
     lines += ["MODEL_ARGS=("] + [f"    {flag}" for flag in megatron_flags(args)] + [")"]
-    lines += ["LOAD_ARGS=("] + [f"    {flag}" for flag in load_flags(checkpoint_dir, getattr(args, "ckpt_format", "torch_dist"))] + [")"]
+    lines += ["LOAD_ARGS=("] + [f"    {flag}" for flag in load_flags(checkpoint_dir)] + [")"]
     return "\n".join(lines) + "\n"
 
 

@@ -39,11 +39,9 @@
 #   dsa-verify  on one GPU: DeepSeek-V3.2 and GLM-5.1 (sparse attention) cut to a dense and an MoE layer at real
 #               width: verify --spec te at TP 1 as written and from TP 2 x EP 2 and TP 2 x PP 2 saves
 #   dsa-train   their Megatron-LM training steps on one GPU (hidden 2048, 32 experts, top-k 64)
-#   megatron-fsdp-fp32  the Megatron-FSDP runs of fsdp alone, in fp32
-#   megatron-fsdp  Megatron-FSDP in bf16 from conversions, loaded as megatron_args.sh says, and from random init
-#   fsdp        on one GPU: Megatron-LM training steps under Megatron-FSDP (from fsdp_dtensor conversions) and FSDP2
-#               (from torch_dist ones, and from random init saving torch_dcp) of test-sized models (dense, tied, MoE,
-#               MLA with MTP); their HF models, tokens, losses and --lr 0 saves come back as fixtures
+#   fsdp        on one GPU: Megatron-LM training steps under Megatron-FSDP and FSDP2 (from torch_dist conversions,
+#               and from random init saving fsdp_dtensor and torch_dcp) of test-sized models (dense, MoE, MLA with
+#               MTP); their HF configs, tokens, losses and --lr 0 saves come back as fixtures
 #   train-distopt  on one GPU: Megatron-LM training steps with --use-distributed-optimizer (Qwen2.5-0.5B's shape and
 #               Qwen3-30B-A3B's first 2 layers), whose saves hold that optimizer's state beside the weights
 #   verify-v2lite  DeepSeek-V2-Lite whole, with megatron-core 0.18.0 (carry .whl018: 0.19 cannot build it)
@@ -285,28 +283,19 @@ for stage in "$@"; do
     note "dsa-train: exit $code"
     [ "$code" = 3 ] || mark "$stage"
     ;;
-  fsdp | megatron-fsdp-fp32 | megatron-fsdp)
+  fsdp)
     # Megatron-LM's two FSDP wrappers on test-sized models (dense, tied, MoE, MLA with MTP), some converted at
-    # another TP or EP than the run's: Megatron-FSDP from conversions --format fsdp_dtensor (fsdp: in bf16, which
-    # Megatron-LM 0.19.2 cannot start from weights without their optimizer state, NotImplementedError
-    # "model-to-main parameter update"; megatron-fsdp-fp32: in fp32), FSDP2 from torch_dist checkpoints saving
-    # torch_dist, and FSDP2 from Megatron-LM's random init saving torch_dcp (no conversion writes it), its weights
-    # dumped to hold the save against. HF models, tokens, loss logs and --lr 0 saves come back in
-    # fsdp-saves-{megatron,torch}.tar.gz (the fixtures of tests/test_fsdp_fixtures.py). FSDP wants
-    # CUDA_DEVICE_MAX_CONNECTIONS unset.
+    # another TP or EP than the run's: Megatron-FSDP from a torch_dist checkpoint (its load stops: KeyError 'model')
+    # and from random init in bf16 (its fp32 load of a SwiGLU model fails in Megatron-LM's own code), FSDP2 from
+    # torch_dist checkpoints saving torch_dist, and from random init saving torch_dcp; the runs' first step dumps
+    # their weights, to hold the saves against. HF configs, tokens, loss logs and --lr 0 saves come back in
+    # fsdp-saves-{megatron,torch}.tar.gz (tests/fixtures/fsdp). FSDP wants CUDA_DEVICE_MAX_CONNECTIONS unset.
     one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1)
-    megatron_dtype=bf16
-    [ "$stage" = megatron-fsdp-fp32 ] && megatron_dtype=fp32
-    runs=("--fsdp megatron --format fsdp_dtensor --dtype $megatron_dtype|$LLAMA_TINY:tp2 $QWEN25_TINY:tp1 $QWEN3_MOE_TINY:ep2"
-          "--fsdp megatron --format fsdp_dtensor --dtype $megatron_dtype --mtp|$DEEPSEEK_TINY:tp1")
-    # megatron-fsdp: bf16 from conversions started as megatron_args.sh says, and from random init (a save to read back).
-    [ "$stage" = megatron-fsdp ] && runs=("--fsdp megatron --format fsdp_dtensor --dtype bf16|$LLAMA_TINY:tp2"
-                                          "--fsdp megatron --format fsdp_dtensor --dtype bf16 --mtp|$DEEPSEEK_TINY:tp1"
-                                          "--fsdp megatron --format fsdp_dtensor --dtype bf16|$QWEN3_MOE_TINY:ep2"
-                                          "--fsdp megatron --dtype bf16 --from-scratch --mtp|$DEEPSEEK_TINY:tp1")
-    [ "$stage" = fsdp ] && runs+=("--fsdp torch|$LLAMA_TINY:tp2 $QWEN3_MOE_TINY:ep2"
-                                  "--fsdp torch --ckpt-format torch_dcp --from-scratch|$LLAMA_TINY:tp1"
-                                  "--fsdp torch --ckpt-format torch_dcp --from-scratch --mtp|$DEEPSEEK_TINY:tp1")
+    runs=("--fsdp megatron|$LLAMA_TINY:tp2"
+          "--fsdp megatron --dtype bf16 --from-scratch --mtp|$DEEPSEEK_TINY:tp1"
+          "--fsdp torch|$LLAMA_TINY:tp2 $QWEN3_MOE_TINY:ep2"
+          "--fsdp torch --ckpt-format torch_dcp --from-scratch|$LLAMA_TINY:tp1"
+          "--fsdp torch --ckpt-format torch_dcp --from-scratch --mtp|$DEEPSEEK_TINY:tp1")
     code=0
     for run in "${runs[@]}"; do
       wrapper=${run#--fsdp }; wrapper=${wrapper%% *}  # megatron or torch: one archive each (16 MiB a file comes back)

@@ -12,8 +12,8 @@ wrote, MEGATRON_LM naming a folder whose pretrain_gpt.py is that driver, the sch
   equal transformers' and its training save must export to the HF input bit for bit;
 - --lr LR for --steps steps: its loss must fall at every step
 (with --distributed-optimizer, both add --use-distributed-optimizer: the save holds that optimizer's state; with
---fsdp megatron, both run Megatron-FSDP (--use-megatron-fsdp) from a conversion --format fsdp_dtensor, with --fsdp
-torch PyTorch's FSDP2 (--use-torch-fsdp2), saving as --ckpt-format says; --from-scratch: see its help);
+--fsdp megatron, both run Megatron-FSDP (--use-megatron-fsdp), with --fsdp torch PyTorch's FSDP2
+(--use-torch-fsdp2), saving as --ckpt-format says; --from-scratch: see its help);
 then scripts/training/megatron_train_check.py judges. Without Transformer Engine (it does not import) MODEL_ARGS'
 `--transformer-impl transformer_engine` cannot run; the local spec is added then, with what Megatron-LM's
 defaults take from TE turned off, and the result says so. Dropout is off (--hidden-dropout 0
@@ -49,8 +49,8 @@ from megatron_train_check import write_tokens  # noqa: E402
 from mconvert.synthetic import add_mtp_layers  # noqa: E402
 from mconvert.verify.megatron_lm import script_arrays  # noqa: E402
 
-# Megatron-LM's FSDP wrappers: the flags of each run. Megatron-FSDP saves and loads fsdp_dtensor alone (the
-# conversion writes it: --format fsdp_dtensor); FSDP2 takes torch_dist or torch_dcp (--ckpt-format).
+# Megatron-LM's FSDP wrappers: the flags of each run. Megatron-FSDP saves and loads fsdp_dtensor alone (it cannot
+# load a torch_dist checkpoint: --from-scratch); FSDP2 takes torch_dist or torch_dcp (--ckpt-format).
 FSDP = {
     "megatron": ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"],
     "torch": ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"],
@@ -67,14 +67,6 @@ def stated_settings(ckpt: Path) -> list[str]:
     return [f"--config-field={name}={value}" for line in lines for name, value in re.findall(r"args\.(\w+) = ([0-9.e+-]+)", line)]
 
 
-def load_flags(options, ckpt: Path) -> list[str]:
-    """Weights only, as the README's commands start from a converted checkpoint; an fsdp_dtensor one as its
-    megatron_args.sh says (Megatron-FSDP starts from it as a resumption)."""
-    if options.format == "fsdp_dtensor":
-        return script_arrays(ckpt, "LOAD_ARGS")
-    return ["--load", str(ckpt), "--finetune", "--no-load-optim", "--no-load-rng"]
-
-
 def torchrun(options, ckpt: Path, have_te: bool, data: list[str], lr: float, iters: int, save: Path | None,
              loss_log: Path) -> tuple[list[str], dict[str, str]]:
     """The driver under torchrun with MODEL_ARGS and the load flags, as the README's commands run it."""
@@ -88,7 +80,7 @@ def torchrun(options, ckpt: Path, have_te: bool, data: list[str], lr: float, ite
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(options.nproc),
         "scripts/training/megatron_train.py", *flags, *stated_settings(ckpt),
-        *([] if options.from_scratch else load_flags(options, ckpt)),
+        *([] if options.from_scratch else ["--load", str(ckpt), "--finetune", "--no-load-optim", "--no-load-rng"]),
         "--ckpt-format", "torch_dist",
         "--micro-batch-size", str(options.micro_batch_size), "--global-batch-size", str(options.rows),
         "--lr", str(lr), "--train-iters", str(iters), "--loss-log", str(loss_log), *data,
@@ -152,11 +144,9 @@ def main() -> int:
                         help="train with --use-distributed-optimizer, as most Megatron-LM runs do: its saves hold the "
                              "optimizer state in that optimizer's sharded form")
     parser.add_argument("--fsdp", choices=sorted(FSDP), help="train under Megatron-FSDP or FSDP2 (see above)")
-    parser.add_argument("--format", choices=("torch_dist", "fsdp_dtensor"), default="torch_dist",
-                        help="the conversion's --format (fsdp_dtensor for Megatron-FSDP runs)")
     parser.add_argument("--ckpt-format", help="the runs' --ckpt-format, where not torch_dist (FSDP2's torch_dcp)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                        help="the conversion's (and so the run's) dtype; Megatron-FSDP saves a SwiGLU model only in bf16")
+                        help="the conversion's (and so the run's) dtype; Megatron-FSDP loads a SwiGLU model only in bf16")
     parser.add_argument("--from-scratch", action="store_true",
                         help="train from Megatron-LM's random init, not the converted checkpoint (for formats that no "
                              "conversion writes): its save is exported and transformers' loss is that of the export (the "
@@ -201,15 +191,14 @@ def main() -> int:
         result: dict = {"job": job, "launcher": options.launcher, "transformer_engine": have_te, "mtp": options.mtp,
                         "megatron_flags": options.megatron_flag,
                         "distributed_optimizer": options.distributed_optimizer, "fsdp": options.fsdp,
-                        "dtype": options.dtype, "from_scratch": options.from_scratch, "format": options.format,
-                        "ckpt_format": options.ckpt_format}
+                        "dtype": options.dtype, "from_scratch": options.from_scratch, "ckpt_format": options.ckpt_format}
         result["make_hf_s"] = write_hf_model(model, hf, "cuda" if torch.cuda.is_available() else "cpu")
         if options.mtp and not (hf / "mtp.safetensors").exists():
             add_mtp_layers(hf)
         ckpt = work / "mcore"
         code, result["convert_s"] = run(
             [sys.executable, "-m", "mconvert.cli", "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(ckpt),
-             "--dtype", options.dtype, "--format", options.format, *(f"--{k}={v}" for k, v in sizes.items())],
+             "--dtype", options.dtype, *(f"--{k}={v}" for k, v in sizes.items())],
             left(), work / "convert.log",
         )
         if code:
