@@ -12,6 +12,7 @@ import shutil
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -414,6 +415,38 @@ def test_metadata_naming_a_data_file_outside_the_checkpoint(private_checkpoint, 
         info.relative_path = "../" + info.relative_path
     metadata.write_bytes(pickle.dumps(stored))
     refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", metadata, "not a file beside it")
+
+
+def test_weights_stored_in_a_dtype_no_weights_have(private_checkpoint, tmp_path):
+    """Found by fuzzing an FSDP save's .metadata (scripts/fuzz/fuzz_readers.py fsdp-save): the export's config was
+    given a dtype it has no name for (StopIteration)."""
+    metadata = private_checkpoint / RELEASE / ".metadata"
+    stored = FileSystemReader(str(metadata.parent)).read_metadata()
+    stored.state_dict_metadata["embedding.word_embeddings.weight"].properties.dtype = torch.int8
+    metadata.write_bytes(pickle.dumps(stored))
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", RELEASE, "the word embedding is stored as int8")
+
+
+def test_metadata_naming_a_value_by_a_number(private_checkpoint, tmp_path):
+    """Found by fuzzing an FSDP save's .metadata: a stored value keyed by an int (AttributeError)."""
+    metadata = private_checkpoint / RELEASE / ".metadata"
+    stored = FileSystemReader(str(metadata.parent)).read_metadata()
+    stored.state_dict_metadata[5] = stored.state_dict_metadata.pop("embedding.word_embeddings.weight")
+    metadata.write_bytes(pickle.dumps(stored))
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", metadata, "names a stored value 5, which is not a name")
+
+
+def test_metadata_storing_an_object_nowhere(tmp_path):
+    """Found by fuzzing an FSDP save's .metadata: a stored object's record without its place in the data file
+    (AttributeError). On a save Megatron-LM made (tests/fixtures/fsdp), whose args are such an object."""
+    save = tmp_path / "save"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "fsdp" / "torch_dcp-llama" / "save", save)
+    metadata = save / "iter_0000002" / ".metadata"
+    stored = FileSystemReader(str(metadata.parent)).read_metadata()
+    (record,) = [info for index, info in stored.storage_data.items() if index.fqn == "args"]
+    record.offset = None
+    metadata.write_bytes(pickle.dumps(stored))
+    refused(to_hf(save, tmp_path / "out"), tmp_path / "out", metadata, "the record of where 'args' is stored has no place")
 
 
 @pytest.mark.parametrize("where", ["common.pt", "legacy"])

@@ -38,7 +38,7 @@ from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, Rows, Safetens
 from mconvert.hub import HF_SIDE_FILES
 from mconvert.mappings import family_for_model_size, family_for_spec, get_mapping, write_hf_config
 from mconvert.mappings.family import Family
-from mconvert.mappings.spec import ModelSpec
+from mconvert.mappings.spec import DTYPES, ModelSpec
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.megatron_lm.args import parallelism_from_args
 from mconvert.megatron_lm.spec_from_args import spec_from_args
@@ -141,6 +141,11 @@ def plan_export(
     """The plan of exporting `source` to HF, and the HF config.json it gets; checked against the stored
     shapes before anything is read."""
     family, spec = resolve_model(source.args, reference, source.location, model_size)
+    if source.weights_dtype is not None and source.weights_dtype not in DTYPES.values():
+        raise ConversionError(
+            f"{source.location}: the word embedding is stored as {str(source.weights_dtype).removeprefix('torch.')}, "
+            f"not one of the dtypes of weights ({', '.join(DTYPES)})"
+        )
     spec = dataclasses.replace(spec, dtype=dtype or source.weights_dtype or spec.dtype)
     parallelism = parallelism_from_args(source.args) if source.args is not None else Parallelism()
     plan = build_plan(family, spec, parallelism, spec.dtype)

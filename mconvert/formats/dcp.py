@@ -109,6 +109,8 @@ class DCPCheckpoint:
             metadata = _MetadataUnpickler(io.BytesIO(path.read_bytes())).load()
             if not isinstance(metadata, _Metadata):
                 raise ConversionError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
+            if (odd := next((k for k in metadata.state_dict_metadata if not isinstance(k, str)), None)) is not None:
+                raise ConversionError(f"{path}: names a stored value {odd!r}, which is not a name")
             tensors = {key: meta for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, _TensorEntry)}
             self.shapes: dict[str, tuple[int, ...]] = {key: tuple(meta.size) for key, meta in tensors.items()}
             self.dtypes: dict[str, torch.dtype] = {key: meta.properties.dtype for key, meta in tensors.items()}
@@ -136,6 +138,8 @@ class DCPCheckpoint:
         info = self._stored[_stored_at(key, offsets)]
         if getattr(info, "transform_descriptors", None):
             raise ConversionError(f"{self.directory}: '{key}' is stored transformed ({info.transform_descriptors}), which is not supported")
+        if not all(isinstance(getattr(info, field, None), int) and getattr(info, field) >= 0 for field in ("offset", "length")):
+            raise ConversionError(f"{self.directory / '.metadata'}: the record of where '{key}' is stored has no place in its file")
         return info
 
     def _read_bytes(self, key: str) -> bytes:

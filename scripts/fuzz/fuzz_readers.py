@@ -16,6 +16,8 @@ so that libFuzzer's limits hold per target):
   common-pt           its common.pt, a torch.save zip of a pickle (read_args), then the model its args describe
   legacy-rank         a legacy per-rank model_optim_rng.pt (read_rank_files)
   tracker             latest_checkpointed_iteration.txt (iteration_dir)
+  fsdp-save           an FSDP run's .metadata, its names read as the model's and its stored args as a model
+                      (FsdpCheckpoint, plan_export)
 
 The contract: every input is read, or ends in a ConversionError (the command line's one-line `mconvert: error:`);
 any other exception is a crash, as is an input taking over --timeout-s seconds or the process growing past
@@ -35,7 +37,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-TARGETS = ("safetensors-header", "safetensors-index", "config", "dcp-metadata", "common-pt", "legacy-rank", "tracker")
+TARGETS = ("safetensors-header", "safetensors-index", "config", "dcp-metadata", "common-pt", "legacy-rank", "tracker", "fsdp-save")
+# A save Megatron-LM made under FSDP2 on a GPU (tests/fixtures/fsdp): the fsdp-save target's seed and data file.
+FSDP_SAVE = REPO / "tests" / "fixtures" / "fsdp" / "torch_dcp-llama" / "save" / "iter_0000002"
 
 
 def judge(read, data: bytes) -> None:
@@ -68,6 +72,7 @@ def make_seeds(seeds: Path) -> None:
         "config": sorted((REPO / "mconvert" / "configs").glob("*.json")),
         "dcp-metadata": [release / ".metadata"],
         "common-pt": [release / "common.pt"],
+        "fsdp-save": [FSDP_SAVE / ".metadata"],
     }
     for target, paths in files.items():
         (seeds / target).mkdir(parents=True, exist_ok=True)
@@ -84,6 +89,8 @@ def make_seeds(seeds: Path) -> None:
 
 def readers(scratch: Path, seeds: Path):
     """Each target's reader of the bytes it is given, writing them where the real reader finds its file."""
+    from mconvert.converters.fsdp_saves import FsdpCheckpoint
+    from mconvert.converters.mcore_to_hf import plan_export
     from mconvert.formats.dcp import DCPCheckpoint
     from mconvert.formats.hf_checkpoint import read_hf_config
     from mconvert.formats.legacy_torch import read_rank_files
@@ -99,12 +106,20 @@ def readers(scratch: Path, seeds: Path):
         target = release / data.name
         if not target.exists():
             target.symlink_to(data)
+    fsdp = scratch / "fsdp"
+    fsdp.mkdir(exist_ok=True)
+    for data in FSDP_SAVE.glob("*.distcp"):
+        if not (fsdp / data.name).exists():
+            (fsdp / data.name).symlink_to(data)
     rank_dir = scratch / "legacy" / "mp_rank_00"
     rank_dir.mkdir(parents=True, exist_ok=True)
 
     def written(path: Path, data: bytes) -> Path:
         path.write_bytes(data)
         return path
+
+    def fsdp_save(data: bytes) -> None:
+        plan_export(FsdpCheckpoint(written(fsdp / ".metadata", data).parent))
 
     def common(data: bytes) -> None:
         written(release / "common.pt", data)
@@ -118,6 +133,7 @@ def readers(scratch: Path, seeds: Path):
         "common-pt": common,
         "legacy-rank": lambda data: read_rank_files(written(rank_dir / "model_optim_rng.pt", data).parent.parent),
         "tracker": lambda data: iteration_dir(written(scratch / TRACKER_FILE, data).parent),
+        "fsdp-save": fsdp_save,
     }
 
 
