@@ -155,6 +155,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
 
 
 def _mcore_to_hf(options: argparse.Namespace) -> int:
+    from mconvert.converters.fsdp_saves import FSDP_FORMATS
     from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
     from mconvert.converters.progress import progress_for
     from mconvert.hub import resolve_hf_dir
@@ -194,7 +195,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
     if "quantization_config" in plan.spec.hf_config:
         print(f"wrote the weights unquantized: config.json leaves out the quantization_config of {options.hf_config}")
     print("next:")
-    if result.source_format not in ("fsdp_dtensor", "torch_dcp"):  # megatron-core's models load those only in FSDP runs
+    if result.source_format not in FSDP_FORMATS:  # megatron-core's models load those only in FSDP runs
         print(f"  mconvert verify --hf {save_dir} --mcore {options.load_dir} --device cuda  # --device cpu without GPUs")
     print(f"  mconvert inspect --check {save_dir}")
     return 0

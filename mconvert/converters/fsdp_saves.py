@@ -34,6 +34,7 @@ from mconvert.formats.dcp import DCPCheckpoint
 Shape = tuple[int, ...]
 # Each format's prefix of the model's names; the longer first (fsdp_dtensor's keys also start with `model.`).
 MODEL_PREFIXES = {"fsdp_dtensor": "model.module.", "torch_dcp": "model."}
+FSDP_FORMATS = tuple(MODEL_PREFIXES)
 # Megatron-FSDP's halves of a SwiGLU fc1 (dense, shared expert, or an expert's `weight<j>`).
 _HALF = re.compile(r"^(.*\.linear_fc1\.(?:weight|bias)\d*)_([wv])$")
 
@@ -98,6 +99,10 @@ class FsdpCheckpoint(ModelKeyedCheckpoint):
         located = self.find(piece)
         assert located is not None, f"{piece.key} was checked present"
         keys = located[2]
-        parts = [self.dcp.read_region(key, (0,) * len(shape), shape, into=into if len(keys) == 1 else None)
-                 for key, shape in ((key, self.dcp.shapes[key]) for key in keys)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        if len(keys) == 1:
+            return self._read_whole(keys[0], into)
+        return torch.cat([self._read_whole(key) for key in keys])
+
+    def _read_whole(self, key: str, into: torch.Tensor | None = None) -> torch.Tensor:
+        shape = self.dcp.shapes[key]
+        return self.dcp.read_region(key, (0,) * len(shape), shape, into=into)

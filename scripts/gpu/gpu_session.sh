@@ -110,11 +110,10 @@ QWEN3_5='qwen3.5-0.8b@4'
 QWEN3_5_MOE='qwen3.5-35b-a3b@4+text_config.num_experts=64'
 DEEPSEEK_V32='deepseek-v3.2@2+first_k_dense_replace=1+n_routed_experts=16'
 GLM_51='glm-5.1@2+first_k_dense_replace=1+n_routed_experts=16'
-# Test-sized models for the FSDP saves (fixtures): dense with GQA, tied embeddings with q/k/v biases, MoE, and
-# multi-latent attention with MoE and a multi-token prediction layer; vocabulary 256.
+# Test-sized models for the FSDP saves (fixtures): dense with GQA, MoE, and multi-latent attention with MoE and a
+# multi-token prediction layer; vocabulary 256.
 TINY='+hidden_size=64+num_attention_heads=4+num_key_value_heads=2+intermediate_size=128+vocab_size=256'
 LLAMA_TINY="llama-3.1-8b@2$TINY"
-QWEN25_TINY="qwen2.5-0.5b@2$TINY"
 QWEN3_MOE_TINY="qwen3-30b-a3b@2$TINY+head_dim=16+num_experts=8+num_experts_per_tok=2+moe_intermediate_size=32"
 DEEPSEEK_TINY="deepseek-v3@2$TINY+num_key_value_heads=4+q_lora_rank=48+kv_lora_rank=32+qk_nope_head_dim=32+qk_rope_head_dim=16"
 DEEPSEEK_TINY+="+v_head_dim=32+n_routed_experts=8+n_group=4+topk_group=2+num_experts_per_tok=4+moe_intermediate_size=32"
