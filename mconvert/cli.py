@@ -53,6 +53,7 @@ def _parallelism(options: argparse.Namespace):
         options.tp, options.pp, options.ep, options.etp,
         make_vocab_size_divisible_by=getattr(options, "make_vocab_size_divisible_by", 128),
         pipeline=PipelineSplit.from_args(options),
+        model_class=getattr(options, "model_class", "gpt"),
     )
 
 
@@ -254,6 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--save-dir", required=True, help="where to write the torch_dist checkpoint")
     to_mcore.add_argument("--model-size", default=None, help="Megatron-LM's --model-size (llama2-7B, llama3, mistral, qwen2.5, ...) or a family name (qwen3, ...); read from config.json when absent")
     _add_parallel_flags(to_mcore)
+    to_mcore.add_argument(
+        "--model-class", choices=("gpt", "hybrid"), default="gpt",
+        help="the Megatron-Core model the checkpoint is for: gpt (GPTModel, pretrain_gpt.py) or hybrid (HybridModel, "
+        "pretrain_hybrid.py: each layer's attention and MLP layers of their own, as --hybrid-layer-pattern names them)",
+    )
     to_mcore.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="stored dtype (default: config.json's)")
     to_mcore.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="as Megatron-LM's flag (default 128)")
     to_mcore.add_argument(

@@ -5,6 +5,7 @@ shape, dtype and chunking, the vocabulary padding, the layout it was written for
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -143,8 +144,11 @@ def inspect_megatron(load_dir: Path) -> dict[str, Any]:
             "make_vocab_size_divisible_by": written_for.make_vocab_size_divisible_by,
         },
         "written_for": {
+            "model_class": written_for.model_class,
             "tp": written_for.tp, "pp": written_for.pp, "ep": written_for.ep, "etp": written_for.expert_tp,
-            "pipeline_split": pipeline_split_flags(written_for.pipeline),
+            # A HybridModel's pattern is its pipeline split.
+            "pipeline_split": [f"--hybrid-layer-pattern {shlex.quote(args.hybrid_layer_pattern)}"]
+            if written_for.model_class == "hybrid" else pipeline_split_flags(written_for.pipeline),
         },
         "suits": suits,
         "args": {k: _jsonable(v) for k, v in sorted(vars(args).items())} if args is not None else None,
@@ -182,7 +186,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"vocab: {vocab['size']} tokens")
     if "written_for" in report:
         w = report["written_for"]
-        lines.append(" ".join([f"written for: TP={w['tp']} PP={w['pp']} EP={w['ep']} ETP={w['etp']}", *w["pipeline_split"]]))
+        model = {"gpt": "GPTModel", "hybrid": "HybridModel"}[w["model_class"]]
+        lines.append(" ".join([f"written for: {model} TP={w['tp']} PP={w['pp']} EP={w['ep']} ETP={w['etp']}", *w["pipeline_split"]]))
     suits = report["suits"]
     lines.append("suits: " + "; ".join(f"{dim.upper()} in {{{', '.join(map(str, sizes))}}}" for dim, sizes in suits.items()))
     if report.get("args") is not None:

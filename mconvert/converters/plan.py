@@ -19,6 +19,7 @@ from mconvert.formats.safetensors import Part, Rows
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
 from mconvert.mappings.transforms import Entry, Section
+from mconvert.mcore.hybrid import hybrid_layer_key, hybrid_model_key
 from mconvert.mcore.layout import (
     EXPERTS_PREFIX,
     EXTRA_STATE_ONLY_MODULES,
@@ -168,13 +169,21 @@ def build_plan(
                 modules[key.rsplit(".", 1)[0], offsets] = leading
         pieces.append(Piece(keys, offsets, layout, entry, tuple(HFRef.of(entry, s, spec) for s in sources), copy))
 
+    hybrid = parallelism.model_class == "hybrid"
+
+    def model_key(name: str) -> str:
+        return hybrid_model_key(name) if hybrid else name
+
+    def located(name: str, layer: int) -> tuple[str, tuple[int, ...]]:
+        return (hybrid_layer_key(name, layer, spec), ()) if hybrid else layer_key(name, layer, spec)
+
     for entry in _active(table.model, spec):
-        add((entry.mcore,), (), (), tensor_layout(entry.mcore, spec, parallelism), entry, list(entry.hf_names))
+        add((model_key(entry.mcore),), (), (), tensor_layout(entry.mcore, spec, parallelism), entry, list(entry.hf_names))
 
     # Multi-token prediction layers follow the decoder's, in HF's numbering and here; each is built like the
     # decoder's last layer.
     for layer in range(spec.num_layers + spec.mtp_layers):
-        layers = layer_axis(spec) if layer < spec.num_layers else ()
+        layers = layer_axis(spec) if layer < spec.num_layers and not hybrid else ()
         prefix = table.layer_prefix.format(layer=layer)
         is_moe = spec.layer_is_moe(min(layer, spec.num_layers - 1))
         if layer >= spec.num_layers:
@@ -183,7 +192,7 @@ def build_plan(
                 add((key,), (), (), tensor_layout(entry.mcore, spec, parallelism), entry, [prefix + n for n in entry.hf_names])
             for entry in _active(table.mtp_copies, spec):
                 layout = tensor_layout(entry.mcore, spec, parallelism)
-                add((entry.mcore,), (), (), layout, entry, [prefix + n for n in entry.hf_names], copy=True)
+                add((model_key(entry.mcore),), (), (), layout, entry, [prefix + n for n in entry.hf_names], copy=True)
         # A family whose HF models hold their experts only fused (gpt-oss) has no per-expert layout.
         fused = not table.experts or (table.hub_experts_fused if fused_expert_layers is None else layer in fused_expert_layers)
         moe_mlp = table.fused_moe_mlp if fused and table.fused_moe_mlp is not None else table.moe_mlp
@@ -193,11 +202,11 @@ def build_plan(
             attention += table.indexer
         for entry in _active(attention + (moe_mlp if is_moe else table.dense_mlp), spec):
             names = checkpoint_names(entry.mcore, spec, is_moe)
-            located = [layer_key(name, layer, spec) for name in names]
+            keys = [located(name, layer) for name in names]
             layout = tensor_layout(entry.mcore, spec, parallelism)
-            add(tuple(k for k, _ in located), located[0][1], layers, layout, entry, [prefix + n for n in entry.hf_names])
+            add(tuple(k for k, _ in keys), keys[0][1], layers, layout, entry, [prefix + n for n in entry.hf_names])
         for module in EXTRA_STATE_ONLY_MODULES:
-            key, offsets = layer_key(module, layer, spec)
+            key, offsets = located(module, layer)
             modules[key, offsets] = layers
         if not is_moe:
             continue
@@ -205,7 +214,7 @@ def build_plan(
         experts = table.fused_experts if fused else table.experts
         for expert in range(num_experts):
             for entry in _active(experts, spec):
-                key, offsets = layer_key(EXPERTS_PREFIX + entry.mcore, layer, spec)
+                key, offsets = located(EXPERTS_PREFIX + entry.mcore, layer)
                 layout = tensor_layout(entry.mcore, spec, parallelism, expert=True)
                 sources = [prefix + n.format(expert=expert) for n in entry.hf_names]
                 add((key,), (*offsets, expert), (*layers, num_experts), layout, entry, sources)

@@ -1,6 +1,6 @@
 """How Megatron-Core splits a model over ranks: tensor, pipeline, expert and expert-tensor parallel sizes, the
-pipeline split of the decoder layers, and the vocabulary padding that TP implies. Checked against a model
-before anything is written, each refusal naming the flag."""
+pipeline split of the decoder layers, the vocabulary padding that TP implies, and the model class whose keys the
+checkpoint has. Checked against a model before anything is written, each refusal naming the flag."""
 
 from __future__ import annotations
 
@@ -107,6 +107,29 @@ class PipelineSplit:
                     "--decoder-first-pipeline-num-layers/--decoder-last-pipeline-num-layers or --pipeline-model-parallel-layout"
                 )
 
+    def stage_layers(self, pp: int, num_layers: int) -> list[int]:
+        """The decoder layers of each stage, virtual stages included (check first): a layout's, else by the
+        first/last stage counts and evenly otherwise."""
+        if self.layout is not None:
+            return [stage.count("t") for stage in self.stages()]
+        first, last = self.first_stage_layers, self.last_stage_layers
+        if pp == 1:
+            return [num_layers]
+        ends = [count for count in (first, last) if count is not None]
+        middle = pp - len(ends)
+        each = (num_layers - sum(ends)) // middle if middle else 0
+        return ([first] if first is not None else []) + [each] * middle + ([last] if last is not None else [])
+
+    @classmethod
+    def of_stages(cls, stage_layers: list[int], pp: int, mtp_layers: int) -> "PipelineSplit":
+        """The split whose stages hold these decoder layer counts: the even split where it is one, else the
+        layout that says it (the MTP layers on the last stage)."""
+        if len(stage_layers) == pp and len(set(stage_layers)) == 1:
+            return cls()
+        stages = ["t" * count for count in stage_layers]
+        stages[0], stages[-1] = "E" + stages[0], stages[-1] + "m" * mtp_layers + "L"
+        return cls(layout="|".join(stages))
+
     def _check_layout(self, pp: int, num_layers: int, mtp_layers: int) -> None:
         flag = f"--pipeline-model-parallel-layout {self.layout!r}"
         stages = self.stages()
@@ -133,6 +156,9 @@ class PipelineSplit:
             raise ConversionError(f"{flag}: the MTP layers (m) must all be in one stage")
 
 
+MODEL_CLASSES = ("gpt", "hybrid")
+
+
 @dataclass(frozen=True)
 class Parallelism:
     tp: int = 1
@@ -142,6 +168,9 @@ class Parallelism:
     etp: int | None = None
     make_vocab_size_divisible_by: int = 128
     pipeline: PipelineSplit = PipelineSplit()
+    # The Megatron-Core model class the checkpoint is for: "gpt" (GPTModel) or "hybrid" (HybridModel, whose keys
+    # give each sub-block of a layer its own layer and whose pattern splits the pipeline stages: mcore.hybrid).
+    model_class: str = "gpt"
 
     @property
     def expert_tp(self) -> int:
@@ -195,6 +224,14 @@ class Parallelism:
             if value % size:
                 raise ConversionError(f"{flag} {size} does not divide {what} ({value})")
         self.pipeline.check(self.pp, spec.num_layers, spec.mtp_layers)
+        if self.model_class not in MODEL_CLASSES:
+            raise ConversionError(f"--model-class {self.model_class}: one of {', '.join(MODEL_CLASSES)}")
+        if self.model_class == "hybrid":
+            # Megatron-LM's validate_args: a hybrid layer pattern's `|` separators are its pipeline split.
+            for flag, used in (("--account-for-embedding-in-pipeline-split", self.pipeline.embedding_counts),
+                               ("--account-for-loss-in-pipeline-split", self.pipeline.loss_counts)):
+                if used:
+                    raise ConversionError(f"{flag}: not with --model-class hybrid, whose layer pattern splits the stages")
 
 
 def padded_vocab_size(vocab_size: int, par: Parallelism) -> int:

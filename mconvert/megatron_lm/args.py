@@ -14,6 +14,7 @@ from mconvert.errors import ConversionError
 from mconvert.mappings.rope import RopeScaling
 from mconvert.mappings.spec import ModelSpec, MoESpec, shared_top_k_schedule
 from mconvert.mcore.parallelism import Parallelism, PipelineSplit, padded_vocab_size
+from mconvert.megatron_lm.hybrid_args import gpt_view, hybrid_args
 from mconvert.megatron_lm.layer_specs import QK_NORM_ACROSS_HEADS
 
 # Args that Megatron-LM's `--use-checkpoint-args` copies from a checkpoint's stored args
@@ -200,6 +201,8 @@ def megatron_args(
         args.update(_linear_attention_args(spec, transformer_impl))
     if spec.sparse_attention is not None:
         args.update(_sparse_attention_args(spec, par, transformer_impl))
+    if par.model_class == "hybrid":
+        args.update(hybrid_args(args, spec, par))
     return argparse.Namespace(**args)
 
 
@@ -293,7 +296,10 @@ def _mla_args(spec: ModelSpec) -> dict[str, Any]:
 
 
 def parallelism_from_args(args: argparse.Namespace) -> Parallelism:
-    """The layout a checkpoint was saved with, as its args record it."""
+    """The layout a checkpoint was saved with, as its args record it (a HybridModel's pipeline split as the layout
+    its pattern's stages are)."""
+    hybrid = bool(getattr(args, "hybrid_layer_pattern", None))
+    args = gpt_view(args)
     etp = getattr(args, "expert_tensor_parallel_size", None)
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
     return Parallelism(
@@ -303,6 +309,7 @@ def parallelism_from_args(args: argparse.Namespace) -> Parallelism:
         etp=None if etp in (None, tp) else etp,
         make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128) or 128,
         pipeline=PipelineSplit.from_args(args),
+        model_class="hybrid" if hybrid else "gpt",
     )
 
 

@@ -15,6 +15,7 @@ from mconvert.megatron_lm.args import (
     RESTORED_BY_CHECKPOINT_ARGS,
     stored_arg,
 )
+from mconvert.megatron_lm.layer_specs import QK_NORM_ACROSS_HEADS
 
 
 def pipeline_split_flags(split: PipelineSplit) -> list[str]:
@@ -55,6 +56,8 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         *pipeline_split_flags(PipelineSplit.from_args(a)),
         f"--transformer-impl {a.transformer_impl}",
     ]
+    if getattr(a, "hybrid_layer_pattern", None):
+        flags.append(f"--hybrid-layer-pattern {shlex.quote(a.hybrid_layer_pattern)}")
     if getattr(a, "sequence_parallel", False):
         flags.append("--sequence-parallel")
     if not getattr(a, "apply_rope_fusion", True) and stored_arg(a, "position_embedding_type", "rope") == "rope":
@@ -205,6 +208,14 @@ def _mla_flags(a: argparse.Namespace) -> list[str]:
     return flags
 
 
+TRAINING_SCRIPTS = {"gpt": "pretrain_gpt.py", "hybrid": "pretrain_hybrid.py"}
+
+
+def training_script(args: argparse.Namespace) -> str:
+    """Megatron-LM's training script for the model class the args describe."""
+    return TRAINING_SCRIPTS["hybrid" if getattr(args, "hybrid_layer_pattern", None) else "gpt"]
+
+
 def load_flags(checkpoint_dir: Path) -> list[str]:
     """The flags that start training from a converted checkpoint: its weights only, no optimizer or RNG state."""
     return [f"--load {shlex.quote(str(checkpoint_dir.absolute()))}", "--ckpt-format torch_dist", "--finetune", "--no-load-optim", "--no-load-rng"]
@@ -242,7 +253,7 @@ def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
             f"pretrain_gpt.py builds GPTModel without --rope-scaling-factor, so with factor 8, not "
             f"{args.rope_scaling_factor:g}: pass rope_scaling_factor=args.rope_scaling_factor in its gpt_builder"
         )
-    if args.rotary_seq_len_interpolation_factor is not None:
+    if args.rotary_seq_len_interpolation_factor is not None and not getattr(args, "hybrid_layer_pattern", None):
         caveats.append(
             "pretrain_gpt.py builds GPTModel without --rotary-seq-len-interpolation-factor, so without position "
             "interpolation: pass seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor in its gpt_builder"
@@ -260,7 +271,7 @@ def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
             "(--no-dsa-indexer-rotate-activation: orthogonal, no score changes; drop the flag to rotate, in bf16 with "
             "fast-hadamard-transform)"
         )
-    if getattr(args, "spec", None):
+    if tuple(getattr(args, "spec", None) or ()) == QK_NORM_ACROSS_HEADS:
         caveats.append(
             f"the layers' q/k norms across heads are built by mconvert's {args.spec[0]} (--spec): install mconvert "
             "where Megatron-LM runs"
@@ -299,7 +310,7 @@ def settings_without_flags(args: argparse.Namespace) -> list[str]:
 def args_script(args: argparse.Namespace, checkpoint_dir: Path) -> str:
     """megatron_args.sh: MODEL_ARGS (the model) and LOAD_ARGS (start from this checkpoint), for bash."""
     missed = not_restored_by_checkpoint_args(args)
-    lines = ["# Megatron-LM flags for the converted model: pass \"${MODEL_ARGS[@]}\" \"${LOAD_ARGS[@]}\" to pretrain_gpt.py."]
+    lines = [f"# Megatron-LM flags for the converted model: pass \"${{MODEL_ARGS[@]}}\" \"${{LOAD_ARGS[@]}}\" to {training_script(args)}."]
     lines += [f"# Caveat: {caveat}." for caveat in pretrain_gpt_caveats(args)]
     lines += [f"# Not settable by Megatron-LM's flags: {setting}." for setting in settings_without_flags(args)]
     if missed:

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from mconvert.mcore.parallelism import Parallelism
+from mconvert.megatron_lm.flags import TRAINING_SCRIPTS
 
 TORCHRUN_SCRIPT = "train.sh"
 SBATCH_SCRIPT = "train.sbatch"
@@ -30,7 +31,7 @@ def default_nodes(par: Parallelism, gpus_per_node: int = GPUS_PER_NODE) -> int:
 
 # The part both scripts share. NNODES, GPUS_PER_NODE, NODE_RANK, MASTER_ADDR, MASTER_PORT are set before it.
 _BODY = r"""CHECKPOINT_DIR=${{CHECKPOINT_DIR:-{checkpoint}}}
-MEGATRON_LM=${{MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (the directory of pretrain_gpt.py)}}
+MEGATRON_LM=${{MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (the directory of {entry})}}
 source "$CHECKPOINT_DIR/megatron_args.sh"  # MODEL_ARGS: the flags that describe the converted model
 
 TP={tp} PP={pp} EP={ep} ETP={etp}
@@ -83,12 +84,12 @@ else
     DATA_ARGS=(--mock-data)
 fi
 # Arguments given to this script come last: they win over the defaults above and MODEL_ARGS.
-PRETRAIN=("$MEGATRON_LM/pretrain_gpt.py" "${{TRAIN_ARGS[@]}}" "${{DATA_ARGS[@]}}" "${{LOAD_ARGS[@]}}" "${{MODEL_ARGS[@]}}" "$@")
+PRETRAIN=("$MEGATRON_LM/{entry}" "${{TRAIN_ARGS[@]}}" "${{DATA_ARGS[@]}}" "${{LOAD_ARGS[@]}}" "${{MODEL_ARGS[@]}}" "$@")
 """
 
 _TORCHRUN = r"""#!/bin/bash
 # Fine-tunes the checkpoint in this directory with Megatron-LM on this node: torchrun, one process per GPU.
-#   MEGATRON_LM=/path/to/Megatron-LM bash {script} [more pretrain_gpt.py flags]
+#   MEGATRON_LM=/path/to/Megatron-LM bash {script} [more {entry} flags]
 # Environment: GPUS_PER_NODE (default {gpus}), DATA_PATH (mock data when unset), TOKENIZER_MODEL, TRAIN_ITERS,
 # MICRO_BATCH_SIZE, GLOBAL_BATCH_SIZE, LR, SEQ_LENGTH, EVAL_ITERS, EVAL_INTERVAL, SAVE_DIR, CP, CHECKPOINT_DIR.
 # Written by mconvert.
@@ -108,7 +109,7 @@ _SBATCH = r"""#!/bin/bash
 #SBATCH --exclusive
 # Fine-tunes the checkpoint in this directory with Megatron-LM: one srun task per node, each running torchrun
 # with one process per GPU. The world size must be a multiple of TP x PP = {tp_pp}{expert_rule}.
-#   MEGATRON_LM=/path/to/Megatron-LM sbatch [--nodes N] {script} [more pretrain_gpt.py flags]
+#   MEGATRON_LM=/path/to/Megatron-LM sbatch [--nodes N] {script} [more {entry} flags]
 # Environment as for train.sh. Written by mconvert.
 set -euo pipefail
 NNODES=${{SLURM_NNODES:?run under Slurm: sbatch {script}}}
@@ -129,9 +130,10 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'exec python -m torch.dist
 def write_launch(directory: Path, final_dir: Path, par: Parallelism) -> None:
     """Write train.sh and train.sbatch into `directory`, for the checkpoint that will live at `final_dir`."""
     final_dir = final_dir.absolute()
-    body = _BODY.format(checkpoint=final_dir, tp=par.tp, pp=par.pp, ep=par.ep, etp=par.expert_tp)
+    entry = TRAINING_SCRIPTS[par.model_class]
+    body = _BODY.format(checkpoint=final_dir, tp=par.tp, pp=par.pp, ep=par.ep, etp=par.expert_tp, entry=entry)
     expert_rule = f" and of ETP x EP x PP = {par.expert_tp * par.ep * par.pp}" if par.ep > 1 else ""
-    common = dict(gpus=GPUS_PER_NODE, port=MASTER_PORT, body=body)
+    common = dict(gpus=GPUS_PER_NODE, port=MASTER_PORT, body=body, entry=entry)
     torchrun = directory / TORCHRUN_SCRIPT
     torchrun.write_text(_TORCHRUN.format(script=final_dir / TORCHRUN_SCRIPT, **common))
     sbatch = directory / SBATCH_SCRIPT

@@ -19,6 +19,7 @@ from mconvert.mappings.spec import (
     dsa_indexer_layers,
 )
 from mconvert.megatron_lm.args import MLA_YARN_DEFAULTS, stored_arg
+from mconvert.megatron_lm.hybrid_args import gpt_view
 from mconvert.megatron_lm.layer_specs import QK_NORM_ACROSS_HEADS
 
 
@@ -52,6 +53,8 @@ def spec_from_args(
     them, defaults included. Args name no family: `family` is the caller's (see
     mconvert.mappings.family_for_spec). `vocab_size` is the real vocabulary when args lack it (Megatron-LM
     takes it from the tokenizer and may store only the padded size). Features no family has are errors."""
+
+    args = gpt_view(args)
 
     def arg(name: str, default: Any = None) -> Any:
         return stored_arg(args, name, default)

@@ -199,9 +199,6 @@ def linear_attention_block_without_te(config: object, args: argparse.Namespace) 
     unfuses), run by its PyTorch path (`deterministic_mode`: its convolution and chunked delta rule in torch,
     see gated_delta_net_without_fla); every norm is zero-centred where the args say."""
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_linear_attention_pattern
-    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     gated_delta_net_without_fla()
@@ -214,15 +211,39 @@ def linear_attention_block_without_te(config: object, args: argparse.Namespace) 
         layer = layer.submodules
         keys = dict(layer.sharded_state_dict_keys_map or {})
         if linear[number]:
-            layer.self_attention = ModuleSpec(
-                module=GatedDeltaNet,
-                submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear),
-            )
+            layer.self_attention = local_gated_delta_net(norm)
             keys["input_layernorm."] = "self_attention.in_proj.layer_norm_"
         else:
             layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = norm
         layer.sharded_state_dict_keys_map = keys
     return block
+
+
+def local_gated_delta_net(norm: type) -> object:
+    """megatron-core's GatedDeltaNet from local modules: a local in_proj (the layer's input norm before it, as a
+    module of its own), `norm` at its output, run by its PyTorch path (gated_delta_net_without_fla)."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    gated_delta_net_without_fla()
+    return ModuleSpec(
+        module=GatedDeltaNet,
+        submodules=GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=norm, out_proj=RowParallelLinear),
+    )
+
+
+def local_gated_delta_net_layer(dense_layer: object, norm: type) -> object:
+    """HybridModel's gated delta-net layer (`G`) from a local GPT layer spec: its input norm and local_gated_delta_net,
+    no MLP; the norm stored under the fused in_proj's key, as Transformer Engine's layer stores it."""
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+
+    layer = copy.deepcopy(dense_layer)
+    layer.submodules.self_attention = local_gated_delta_net(norm)
+    layer.submodules.pre_mlp_layernorm = layer.submodules.mlp = IdentityOp
+    layer.submodules.mlp_bda = IdentityFuncOp
+    layer.submodules.sharded_state_dict_keys_map = {"input_layernorm.": "self_attention.in_proj.layer_norm_"}
+    return layer
 
 
 def _local_block_of_this_stage(config: object, args: argparse.Namespace, norm: type) -> object:
@@ -271,6 +292,17 @@ def sparse_attention_block_without_te(config: object, args: argparse.Namespace) 
     layers are the local spec's multi-latent ones (dense and MoE as the args mix them), each with megatron-core's
     own absorbed MLA and DSAttention as its DSA spec makes them, from local modules: the indexer's duplicated
     linears (duplicated_linear) and the down projections as the local MLA has them (column-parallel, gathered)."""
+    norm = norm_under_sequence_parallelism()
+    attention = local_sparse_attention(config, norm)
+    block = _local_block_of_this_stage(config, args, norm)
+    for layer in block.layer_specs:
+        layer.submodules.self_attention = attention
+    return block
+
+
+def local_sparse_attention(config: object, norm: type) -> object:
+    """megatron-core's absorbed MLA with DSAttention as its DSA spec makes them, from local modules (see
+    sparse_attention_block_without_te), every norm `norm`."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import get_dsa_module_spec_for_backend
     from megatron.core.tensor_parallel import ColumnParallelLinear
@@ -279,15 +311,18 @@ def sparse_attention_block_without_te(config: object, args: argparse.Namespace) 
         def linear(self) -> type:
             return duplicated_linear()
 
-    norm = norm_under_sequence_parallelism()
     attention = get_dsa_module_spec_for_backend(config, backend=LocalWithDuplicatedLinear())
     attention.submodules.linear_q_down_proj = attention.submodules.linear_kv_down_proj = ColumnParallelLinear
     attention.submodules.q_layernorm = attention.submodules.kv_layernorm = norm
     attention.submodules.core_attention.submodules.indexer.submodules.k_norm = norm
-    block = _local_block_of_this_stage(config, args, norm)
-    for layer in block.layer_specs:
-        layer.submodules.self_attention = attention
-    return block
+    return attention
+
+
+def local_sparse_attention_layer(mla_attention_layer: object, config: object, norm: type) -> object:
+    """HybridModel's sparse-attention layer (`D`) from a local MLA attention layer spec."""
+    layer = copy.deepcopy(mla_attention_layer)
+    layer.submodules.self_attention = local_sparse_attention(config, norm)
+    return layer
 
 
 def norm_under_sequence_parallelism() -> type:

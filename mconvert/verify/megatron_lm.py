@@ -136,8 +136,9 @@ def build_model_as_pretrain_gpt(args: argparse.Namespace, pre_process: bool, pos
 
 
 def load_as_megatron_lm(argv: list[str]):
-    """In a rank: parse `argv` as Megatron-LM does, build the model as pretrain_gpt.py does and load the
-    checkpoint `--load` names through Megatron-LM's `load_checkpoint`. Returns (the model chunks, the args)."""
+    """In a rank: parse `argv` as Megatron-LM does, build the model as pretrain_gpt.py does (pretrain_hybrid.py, for a
+    hybrid layer pattern) and load the checkpoint `--load` names through Megatron-LM's `load_checkpoint`. Returns
+    (the model chunks, the args)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.training import checkpointing, global_vars
@@ -149,9 +150,11 @@ def load_as_megatron_lm(argv: list[str]):
     args = parse_megatron_lm_args(argv, dist.get_world_size(), dist.get_rank())
     # Builds the tokenizer MODEL_ARGS name, which pads the vocabulary as training does.
     global_vars.set_global_variables(args)
-    model = build_model_as_pretrain_gpt(
-        args, parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
-    )
+    if getattr(args, "hybrid_layer_pattern", None):
+        from mconvert.verify.hybrid_model import build_model_as_pretrain_hybrid as build
+    else:
+        build = build_model_as_pretrain_gpt
+    model = build(args, parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
     checkpointing.load_checkpoint([model], None, None, strict=True)
     model.eval()
     return [model], args

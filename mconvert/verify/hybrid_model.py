@@ -1,0 +1,109 @@
+"""megatron-core's HybridModel (0.19 and later) on CPU ranks: its stack spec made from the local modules GPTModel's
+CPU judges use, since megatron-core builds HybridModel's default stack (hybrid_stack_spec) from Transformer Engine
+modules only. Each hybrid layer is the matching half of a local GPT layer, keyed as the Transformer Engine stack
+keys it: the attention layers (`*`, `+`, `G`, `D`) keep the GPT layer's attention and its input norm, the MLP
+layers (`-`, `E`) its MLP and the norm before it."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+from mconvert.verify import cpu_shims
+
+
+def _without_mlp(layer: object) -> object:
+    """A local GPT layer spec with its MLP and the norm before it taken out: a hybrid attention layer."""
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+
+    layer = copy.deepcopy(layer)
+    layer.submodules.pre_mlp_layernorm = IdentityOp
+    layer.submodules.mlp = IdentityOp
+    layer.submodules.mlp_bda = IdentityFuncOp
+    return layer
+
+
+def _mlp_layer(layer: object, module: type, norm: type, keys_map: dict[str, str]) -> object:
+    """The MLP half of a local GPT layer spec as a hybrid layer of `module` (MLPLayer, MoETransformerLayer)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    return ModuleSpec(
+        module=module,
+        submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=norm, mlp=copy.deepcopy(layer.submodules.mlp), mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=keys_map,
+        ),
+    )
+
+
+def local_hybrid_stack_spec(config: object, args: argparse.Namespace) -> object:
+    """HybridModel's stack spec from local modules, for CPU ranks, with `config`'s norms (zero-centred where it
+    says). HybridStack builds its final norm as Transformer Engine's, which on CPU becomes that norm too."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.hybrid import hybrid_block
+    from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlock,
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer
+
+    if getattr(config, "sequence_parallel", False):
+        norm = cpu_shims.norm_under_sequence_parallelism()
+    else:
+        norm = cpu_shims.rms_norm(config.layernorm_zero_centered_gamma)
+    hybrid_block.TENorm = norm
+    dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=args.normalization)
+    mla = get_gpt_layer_local_spec(qk_layernorm=True, normalization=args.normalization, multi_latent_attention=True)
+    moe = get_gpt_layer_local_spec(num_experts=config.num_moe_experts or 1, moe_grouped_gemm=False, normalization=args.normalization)
+    for layer in (dense, mla, moe):
+        layer.submodules.input_layernorm = norm
+        attention = layer.submodules.self_attention.submodules
+        for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
+            if getattr(attention, name, None) not in (None, IdentityOp):
+                setattr(attention, name, norm)
+    cpu_shims.mla_without_transformer_engine()
+    mla.submodules.self_attention.submodules.core_attention = cpu_shims.local_mla_core_attention()
+    submodules = HybridStackSubmodules(
+        attention_layer=_without_mlp(dense),
+        mla_layer=_without_mlp(mla),
+        mlp_layer=_mlp_layer(dense, MLPLayer, norm, {"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}),
+        moe_layer=_mlp_layer(moe, MoETransformerLayer, norm, {}),
+        mtp_block_spec=ModuleSpec(
+            module=MultiTokenPredictionBlock,
+            submodules=MultiTokenPredictionBlockSubmodules(layer_specs=[ModuleSpec(
+                module=MultiTokenPredictionLayer,
+                submodules=MultiTokenPredictionLayerSubmodules(
+                    enorm=norm, hnorm=norm, eh_proj=ColumnParallelLinear, mtp_model_layer=None, layer_norm=norm
+                ),
+            )]),
+        ),
+    )
+    if config.experimental_attention_variant == "gated_delta_net":
+        submodules.gdn_layer = cpu_shims.local_gated_delta_net_layer(dense, norm)
+    if config.experimental_attention_variant == "dsa":
+        submodules.dsa_layer = cpu_shims.local_sparse_attention_layer(_without_mlp(mla), config, norm)
+    return ModuleSpec(module=HybridStack, submodules=submodules)
+
+
+def build_model_as_pretrain_hybrid(args: argparse.Namespace, pre_process: bool, post_process: bool) -> object:
+    """The HybridModel Megatron-LM's pretrain_hybrid.py builds from `args` (hybrid_config_from_args and its
+    HybridModelBuilder), with the local stack spec in place of its Transformer Engine one on CPU ranks."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.training.argument_utils import hybrid_config_from_args
+    from megatron.training.models.hybrid import HybridModelBuilder
+
+    model_config = hybrid_config_from_args(args)
+    if args.transformer_impl != "transformer_engine":
+        model_config.hybrid_stack_spec = local_hybrid_stack_spec(model_config.transformer, args)
+    return HybridModelBuilder(model_config).build_model(
+        ProcessGroupCollection.use_mpu_process_groups(), pre_process=pre_process, post_process=post_process
+    )
