@@ -15,6 +15,7 @@ from mconvert.megatron_lm.args import (
     RESTORED_BY_CHECKPOINT_ARGS,
     stored_arg,
 )
+from mconvert.megatron_lm.hybrid_args import gpt_checkpoint_into_hybrid_flags
 from mconvert.megatron_lm.layer_specs import QK_NORM_ACROSS_HEADS
 
 
@@ -320,6 +321,12 @@ def args_script(args: argparse.Namespace, checkpoint_dir: Path) -> str:
         )
     lines += ["MODEL_ARGS=("] + [f"    {flag}" for flag in megatron_flags(args)] + [")"]
     lines += ["LOAD_ARGS=("] + [f"    {flag}" for flag in load_flags(checkpoint_dir)] + [")"]
+    if (hybrid_flags := gpt_checkpoint_into_hybrid_flags(args)) is not None:
+        lines.append(
+            "# As a HybridModel (each layer's attention and MLP layers of their own), which Megatron-LM's load makes of "
+            "this GPT checkpoint by itself: pass \"${MODEL_ARGS[@]}\" \"${HYBRID_ARGS[@]}\" \"${LOAD_ARGS[@]}\" to pretrain_hybrid.py."
+        )
+        lines += ["HYBRID_ARGS=("] + [f"    {flag}" for flag in hybrid_flags] + [")"]
     return "\n".join(lines) + "\n"
 
 

@@ -89,3 +89,24 @@ def gpt_view(args: argparse.Namespace, source: str = "args") -> argparse.Namespa
         view.multi_latent_attention = True
     view.spec = None if list(getattr(args, "spec", None) or ()) == HYBRID_STACK_SPEC else getattr(args, "spec", None)
     return view
+
+
+def gpt_checkpoint_into_hybrid_flags(args: argparse.Namespace) -> list[str] | None:
+    """The flags that, beside a GPT checkpoint's MODEL_ARGS, start a HybridModel run (pretrain_hybrid.py) from it:
+    Megatron-LM 0.19's load translates a GPT checkpoint's layers itself (gpt_checkpoint_interop) where each is
+    standard attention and one kind of MLP, without MTP. None where it cannot: other attention, mixed MLPs, MTP,
+    and what HybridModel does not build (llama3 rope scaling, mconvert's own layer spec) or whose flags would
+    contradict the pattern's stages (an uneven pipeline split)."""
+    unsupported = (
+        getattr(args, "multi_latent_attention", False), getattr(args, "experimental_attention_variant", None),
+        getattr(args, "moe_layer_freq", 1) != 1, getattr(args, "mtp_num_layers", None), args.use_rope_scaling,
+        getattr(args, "spec", None), getattr(args, "hybrid_layer_pattern", None),
+        *(getattr(args, arg, None) for arg in PipelineSplit.ARGS.values()),
+    )
+    if any(unsupported):
+        return None
+    pattern = (hybrid.ATTENTION + (hybrid.MOE if args.num_experts else hybrid.MLP)) * args.num_layers
+    flags = [f"--hybrid-layer-pattern '{pattern}'", "--spec " + " ".join(HYBRID_STACK_SPEC)]
+    if isinstance(getattr(args, "window_attn_skip_freq", None), list):
+        flags.append("--window-attn-skip-freq '" + str(hybrid.per_hybrid_layer(args.window_attn_skip_freq, pattern)).replace(" ", "") + "'")
+    return flags

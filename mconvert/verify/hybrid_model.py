@@ -88,6 +88,7 @@ def local_hybrid_stack_spec(config: object, args: argparse.Namespace) -> object:
         ),
     )
     if config.experimental_attention_variant == "gated_delta_net":
+        config.deterministic_mode = True  # GatedDeltaNet's PyTorch delta rule (cpu_shims.gated_delta_net_without_fla)
         submodules.gdn_layer = cpu_shims.local_gated_delta_net_layer(dense, norm)
     if config.experimental_attention_variant == "dsa":
         submodules.dsa_layer = cpu_shims.local_sparse_attention_layer(_without_mlp(mla), config, norm)
