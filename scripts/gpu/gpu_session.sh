@@ -39,6 +39,8 @@
 #   dsa-verify  on one GPU: DeepSeek-V3.2 and GLM-5.1 (sparse attention) cut to a dense and an MoE layer at real
 #               width: verify --spec te at TP 1 as written and from TP 2 x EP 2 and TP 2 x PP 2 saves
 #   dsa-train   their Megatron-LM training steps on one GPU (hidden 2048, 32 experts, top-k 64)
+#   hybrid      on one GPU: Megatron-LM's HybridModel training steps from mconvert's hybrid checkpoints (dense, MLA
+#               with MoE and MTP, gated delta-net, sparse attention) and from GPT checkpoints with HYBRID_ARGS
 #   fsdp        on one GPU: Megatron-LM training steps under Megatron-FSDP and FSDP2 (from torch_dist conversions,
 #               and from random init saving fsdp_dtensor and torch_dcp) of test-sized models (dense, MoE, MLA with
 #               MTP); their HF configs, tokens, losses and --lr 0 saves come back as fixtures
@@ -114,6 +116,7 @@ GLM_51='glm-5.1@2+first_k_dense_replace=1+n_routed_experts=16'
 # multi-token prediction layer; vocabulary 256.
 TINY='+hidden_size=64+num_attention_heads=4+num_key_value_heads=2+intermediate_size=128+vocab_size=256'
 LLAMA_TINY="llama-3.1-8b@2$TINY"
+QWEN3_TINY="qwen3-8b@2$TINY+head_dim=16"
 QWEN3_MOE_TINY="qwen3-30b-a3b@2$TINY+head_dim=16+num_experts=8+num_experts_per_tok=2+moe_intermediate_size=32"
 DEEPSEEK_TINY="deepseek-v3@2$TINY+num_key_value_heads=4+q_lora_rank=48+kv_lora_rank=32+qk_nope_head_dim=32+qk_rope_head_dim=16"
 DEEPSEEK_TINY+="+v_head_dim=32+n_routed_experts=8+n_group=4+topk_group=2+num_experts_per_tok=4+moe_intermediate_size=32"
@@ -308,6 +311,30 @@ for stage in "$@"; do
     for wrapper in megatron torch; do
       [ -d "$WORK/fsdp-saves-$wrapper" ] && tar -czf "$OUT/fsdp-saves-$wrapper.tar.gz" -C "$WORK" "fsdp-saves-$wrapper" \
         && ls -l "$OUT/fsdp-saves-$wrapper.tar.gz" >> "$OUT/session.log"
+    done
+    [ "$code" = 3 ] || mark "$stage"
+    ;;
+  hybrid)
+    # HybridModel as Megatron-LM's pretrain_hybrid.py builds it (hybrid_config_from_args, HybridModelBuilder, the
+    # Transformer Engine hybrid_stack_spec of --spec) on one GPU: mconvert's hybrid checkpoints written at TP 2 or EP 2
+    # and run at TP 1 (torch_dist reshards): dense with q/k norms, MLA with a dense first layer, MoE and MTP, gated
+    # delta-net beside gated attention, sparse attention; then GPT checkpoints that Megatron-LM's own load makes
+    # HybridModels of (HYBRID_ARGS). Each: step-1 loss against transformers, the loss falling, and the --lr 0 save (a
+    # HybridModel training save) exported bit for bit.
+    install_fla
+    one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1)
+    runs=("--model-class hybrid|$QWEN3_TINY:tp2 $DEEPSEEK_TINY:ep2"
+          "--model-class hybrid --mtp|$DEEPSEEK_TINY:tp2"
+          "--model-class hybrid --megatron-flag=--deterministic-mode|${QWEN3_5}:tp2 ${QWEN3_NEXT/=64/=16}:ep2"
+          "--model-class hybrid|${DEEPSEEK_V32}:tp2"
+          "--hybrid-args|$QWEN3_TINY:tp2 $QWEN3_MOE_TINY:ep2")
+    code=0
+    for run in "${runs[@]}"; do
+      python3 scripts/gpu/gpu_train.py --nproc 1 ${run%%|*} "${one_run[@]}" --work "$WORK/train" --out "$OUT" \
+        --deadline-s "$(left)" --done-dir "$STATE" ${run#*|} >> "$OUT/$stage.log" 2>&1
+      last=$?
+      note "$stage ${run%%|*}: exit $last"
+      [ "$last" = 3 ] && code=3
     done
     [ "$code" = 3 ] || mark "$stage"
     ;;

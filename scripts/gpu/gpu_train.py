@@ -11,7 +11,8 @@ wrote, MEGATRON_LM naming a folder whose pretrain_gpt.py is that driver, the sch
 - --lr 0 for 2 steps with --save (and the expert bias's update off, where the model has one): its loss must
   equal transformers' and its training save must export to the HF input bit for bit;
 - --lr LR for --steps steps: its loss must fall at every step
-(with --distributed-optimizer, both add --use-distributed-optimizer: the save holds that optimizer's state; with
+(with --model-class hybrid, the conversion writes a HybridModel checkpoint; with --hybrid-args, the runs add
+megatron_args.sh's HYBRID_ARGS, which train the GPT checkpoint as a HybridModel; with --distributed-optimizer, both add --use-distributed-optimizer: the save holds that optimizer's state; with
 --fsdp megatron, both run Megatron-FSDP (--use-megatron-fsdp), with --fsdp torch PyTorch's FSDP2
 (--use-torch-fsdp2), saving as --ckpt-format says; --from-scratch: see its help);
 then scripts/training/megatron_train_check.py judges. Without Transformer Engine (it does not import) MODEL_ARGS'
@@ -70,7 +71,7 @@ def stated_settings(ckpt: Path) -> list[str]:
 def torchrun(options, ckpt: Path, have_te: bool, data: list[str], lr: float, iters: int, save: Path | None,
              loss_log: Path) -> tuple[list[str], dict[str, str]]:
     """The driver under torchrun with MODEL_ARGS and the load flags, as the README's commands run it."""
-    flags = script_arrays(ckpt, "MODEL_ARGS")
+    flags = script_arrays(ckpt, "MODEL_ARGS", *(["HYBRID_ARGS"] if options.hybrid_args else []))
     if not have_te:
         flags = [flag for flag in flags if flag != "--moe-grouped-gemm"] + WITHOUT_TE
     elif importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
@@ -153,6 +154,9 @@ def main() -> int:
                              "--lr 0 run of this or of --fsdp dumps its weights: --dump-weights)")
     parser.add_argument("--keep-saves", type=Path,
                         help="copy each job's HF model and --lr 0 save here (JOB/hf, JOB/save) before they are removed")
+    parser.add_argument("--model-class", choices=("gpt", "hybrid"), default="gpt", help="hf-to-mcore's --model-class")
+    parser.add_argument("--hybrid-args", action="store_true",
+                        help="run a GPT checkpoint as a HybridModel, with megatron_args.sh's HYBRID_ARGS beside MODEL_ARGS")
     parser.add_argument("--launcher", choices=("torchrun", "train.sh"), default="torchrun",
                         help="the driver under torchrun with MODEL_ARGS, or the train.sh the conversion wrote")
     options = parser.parse_args()
@@ -169,6 +173,7 @@ def main() -> int:
         variant += f"-{options.fsdp}-fsdp" if options.fsdp else ""
         variant += ("-scratch" if options.from_scratch else "") + ("-bf16" if options.dtype == "bf16" else "")
         variant += f"-{options.ckpt_format}" if options.ckpt_format else ""
+        variant += ("-hybrid" if options.model_class == "hybrid" else "") + ("-hybrid-args" if options.hybrid_args else "")
         name = f"{options.launcher}{variant}-{job.replace(':', '-')}"
         # A job's name may outgrow a file name: its marker is named by a digest.
         digest = hashlib.sha1(name.encode()).hexdigest()[:16]
@@ -191,20 +196,21 @@ def main() -> int:
         result: dict = {"job": job, "launcher": options.launcher, "transformer_engine": have_te, "mtp": options.mtp,
                         "megatron_flags": options.megatron_flag,
                         "distributed_optimizer": options.distributed_optimizer, "fsdp": options.fsdp,
-                        "dtype": options.dtype, "from_scratch": options.from_scratch, "ckpt_format": options.ckpt_format}
+                        "dtype": options.dtype, "from_scratch": options.from_scratch, "ckpt_format": options.ckpt_format,
+                        "model_class": options.model_class, "hybrid_args": options.hybrid_args}
         result["make_hf_s"] = write_hf_model(model, hf, "cuda" if torch.cuda.is_available() else "cpu")
         if options.mtp and not (hf / "mtp.safetensors").exists():
             add_mtp_layers(hf)
         ckpt = work / "mcore"
         code, result["convert_s"] = run(
             [sys.executable, "-m", "mconvert.cli", "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(ckpt),
-             "--dtype", options.dtype, *(f"--{k}={v}" for k, v in sizes.items())],
+             "--dtype", options.dtype, "--model-class", options.model_class, *(f"--{k}={v}" for k, v in sizes.items())],
             left(), work / "convert.log",
         )
         if code:
             result.update(passed=False, convert_output=tail(work / "convert.log"))
         else:
-            result["model_args"] = script_arrays(ckpt, "MODEL_ARGS")
+            result["model_args"] = script_arrays(ckpt, "MODEL_ARGS", *(["HYBRID_ARGS"] if options.hybrid_args else []))
             write_tokens(hf, options.rows, options.seq_length, work / "tokens.npy")
             # Data, schedule and a training forward that is the model's function (no dropout), for both launchers.
             data = [

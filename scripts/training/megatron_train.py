@@ -6,9 +6,10 @@
         --seq-length 256 --micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 1e-5 ...
 
 Everything but the data is Megatron-LM's: its argument parser and validation (`parse_and_validate_args`), its
-config containers and model builder (`gpt_config_from_args`, `pretrain_cfg_container_from_args`, the builder
+config containers and model builder (`gpt_config_from_args`, or `hybrid_config_from_args` for a HybridModel's
+`--hybrid-layer-pattern`; `pretrain_cfg_container_from_args`, the builder
 `pretrain` uses when no model provider is given: the layer spec `--transformer-impl` names), its checkpoint
-loading and saving, optimizer and schedules. Like Megatron-LM's pretrain_gpt.py, this file supplies the
+loading and saving, optimizer and schedules. Like Megatron-LM's pretrain_gpt.py (pretrain_hybrid.py), this file supplies the
 datasets provider and the forward step; the data is a token file (`--token-file`, a .npy of int token ids,
 shape [samples, seq_length + 1]) that scripts/training/megatron_train_check.py also feeds to transformers, so both sides
 compute the loss on the same tokens. Sample i of training is row i modulo the file's rows.
@@ -153,7 +154,11 @@ def main() -> None:
     import megatron.core.datasets.utils as dataset_utils
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
-    from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+    from megatron.training.argument_utils import (
+        gpt_config_from_args,
+        hybrid_config_from_args,
+        pretrain_cfg_container_from_args,
+    )
     from megatron.training.arguments import parse_and_validate_args
 
     if not (Path(dataset_utils.__file__).parent / "Makefile").exists():
@@ -167,7 +172,9 @@ def main() -> None:
         name, value = setting.split("=", 1)
         setattr(args, name, float(value))
     Path(args.loss_log).mkdir(parents=True, exist_ok=True)
-    config = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
+    # pretrain_hybrid.py's model config for a hybrid layer pattern, pretrain_gpt.py's otherwise.
+    model_config = hybrid_config_from_args(args) if args.hybrid_layer_pattern else gpt_config_from_args(args)
+    config = pretrain_cfg_container_from_args(args, model_config)
     pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
 
 
