@@ -186,8 +186,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"vocab: {vocab['size']} tokens")
     if "written_for" in report:
         w = report["written_for"]
-        model = {"gpt": "GPTModel", "hybrid": "HybridModel"}[w["model_class"]]
-        lines.append(" ".join([f"written for: {model} TP={w['tp']} PP={w['pp']} EP={w['ep']} ETP={w['etp']}", *w["pipeline_split"]]))
+        model = "HybridModel " if w["model_class"] == "hybrid" else ""
+        lines.append(" ".join([f"written for: {model}TP={w['tp']} PP={w['pp']} EP={w['ep']} ETP={w['etp']}", *w["pipeline_split"]]))
     suits = report["suits"]
     lines.append("suits: " + "; ".join(f"{dim.upper()} in {{{', '.join(map(str, sizes))}}}" for dim, sizes in suits.items()))
     if report.get("args") is not None:

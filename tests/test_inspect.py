@@ -37,7 +37,7 @@ def test_inspect_torch_dist(converted, capsys):
     code, report = inspect_json(capsys, str(out))
     assert code == 0
     assert report["format"] == "torch_dist" and report["family"] == "qwen2"
-    assert report["written_for"] == {"tp": 2, "pp": 1, "ep": 1, "etp": 2, "pipeline_split": []}
+    assert report["written_for"] == {"model_class": "gpt", "tp": 2, "pp": 1, "ep": 1, "etp": 2, "pipeline_split": []}
     # vocab 1000 padded to a multiple of 128 x 2: 1024 rows; TP 1 pads to 1024 as well, TP 4 to 1536.
     assert report["vocab"] == {"size": 1000, "stored_rows": 1024, "padding": 24, "make_vocab_size_divisible_by": 128}
     assert report["suits"] == {"tp": [1, 2, 4], "pp": [1, 2], "ep": [1]}

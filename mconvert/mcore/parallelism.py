@@ -223,7 +223,6 @@ class Parallelism:
         for flag, size, what, value in checks:
             if value % size:
                 raise ConversionError(f"{flag} {size} does not divide {what} ({value})")
-        self.pipeline.check(self.pp, spec.num_layers, spec.mtp_layers)
         if self.model_class not in MODEL_CLASSES:
             raise ConversionError(f"--model-class {self.model_class}: one of {', '.join(MODEL_CLASSES)}")
         if self.model_class == "hybrid":
@@ -232,6 +231,7 @@ class Parallelism:
                                ("--account-for-loss-in-pipeline-split", self.pipeline.loss_counts)):
                 if used:
                     raise ConversionError(f"{flag}: not with --model-class hybrid, whose layer pattern splits the stages")
+        self.pipeline.check(self.pp, spec.num_layers, spec.mtp_layers)
 
 
 def padded_vocab_size(vocab_size: int, par: Parallelism) -> int:

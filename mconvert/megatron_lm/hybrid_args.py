@@ -42,11 +42,11 @@ def hybrid_args(args: dict[str, Any], spec: ModelSpec, par: Parallelism) -> dict
     if args.get("experimental_attention_variant") == "gated_delta_net":
         updates["linear_attention_freq"] = [int(symbol == hybrid.GATED_DELTA_NET) for symbol in hybrid.split_pattern(pattern)[0]]
     if args.get("dsa_indexer_topk_freq", 1) != 1:
-        updates.update(_shared_top_k(args["dsa_indexer_topk_freq"], args["dsa_indexer_skip_topk_offset"]))
+        updates.update(hybrid_shared_top_k(args["dsa_indexer_topk_freq"], args["dsa_indexer_skip_topk_offset"]))
     return updates
 
 
-def _shared_top_k(freq: int, offset: int) -> dict[str, int]:
+def hybrid_shared_top_k(freq: int, offset: int) -> dict[str, int]:
     """Sparse attention's shared top-k schedule over HybridModel's numbers: GPT layer n is hybrid layer 2n - 1, so
     megatron-core's rule (layer n computes its top-k when max(n - offset, 0) % freq == 0) keeps its layers with
     twice the frequency and the offset 2 x offset - 1, which must not be negative."""

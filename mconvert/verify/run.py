@@ -169,6 +169,12 @@ def verify(request: VerifyRequest) -> Report:
             "mcore-to-hf's export of this one with the HF model"
         )
     stored = read_args(iteration_dir(request.mcore_dir))
+    if getattr(stored, "hybrid_layer_pattern", None):
+        raise ConversionError(
+            f"--mcore {request.mcore_dir}: a HybridModel checkpoint (hybrid_layer_pattern {stored.hybrid_layer_pattern!r}), "
+            "which verify does not build: verify a --model-class gpt conversion of the same HF model (the same tensors), "
+            "or compare mcore-to-hf's export of this one with the HF model"
+        )
     hf_spec = check_architecture(request.hf_dir, stored)
     from mconvert.verify.megatron_model import require_output_gate_above_query_groups
 

@@ -1,0 +1,84 @@
+"""HybridModel checkpoints (`hf-to-mcore --model-class hybrid`): the layout megatron-core's HybridModel keys (each
+GPT layer's attention and MLP layers of their own, decoder.final_norm, the MTP layers' own stacks), read back bit
+for bit; what cannot be written or read, in one line. Megatron-LM's judgement of them: tests/megatron_lm/test_hybrid.py."""
+
+from __future__ import annotations
+
+import torch
+from cli_runner import assert_nothing_left, assert_one_line_error, run_cli
+from safetensors.torch import load_file
+
+from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+from mconvert.formats.dcp import DCPCheckpoint
+from mconvert.mcore.checkpoint import iteration_dir, read_args, write_common
+from mconvert.mcore.parallelism import Parallelism, PipelineSplit
+
+
+def weights(directory) -> dict[str, torch.Tensor]:
+    return {k: v for path in directory.glob("*.safetensors") for k, v in load_file(path).items()}
+
+
+def test_a_hybrid_checkpoint_is_keyed_as_hybrid_model_keys_it_and_reads_back_bit_for_bit(hf_model_factory, tmp_path):
+    hf = hf_model_factory("deepseek-v3", layers=3, mtp=True)
+    par = Parallelism(tp=2, pp=2, ep=2, pipeline=PipelineSplit(first_stage_layers=1), model_class="hybrid")
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=par)
+    args = read_args(iteration_dir(tmp_path / "mcore"))
+    assert (args.hybrid_layer_pattern, args.num_layers, args.decoder_first_pipeline_num_layers) == ("+-|+E+E/+E", 6, None)
+    keys = set(DCPCheckpoint(iteration_dir(tmp_path / "mcore")).metadata.state_dict_metadata)
+    assert {"decoder.final_norm.weight", "decoder.layers.0.input_layernorm.weight", "decoder.layers.1.mlp.linear_fc2.weight",
+            "decoder.layers.5.mlp.router.weight", "mtp.layers.0.mtp_model_layer.layers.0.self_attention.linear_proj.weight",
+            "mtp.layers.0.mtp_model_layer.layers.1.mlp.router.weight", "mtp.layers.0.eh_proj.weight"} <= keys
+    assert not any(key.startswith("decoder.final_layernorm") for key in keys)
+    script = (tmp_path / "mcore" / "megatron_args.sh").read_text()
+    assert "pretrain_hybrid.py" in script and "--hybrid-layer-pattern '+-|+E+E/+E'" in script
+    assert "--decoder-first-pipeline-num-layers" not in script
+    assert "pretrain_hybrid.py" in (tmp_path / "mcore" / "train.sh").read_text()
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back")
+    original, back = weights(hf), weights(tmp_path / "back")
+    assert back.keys() == original.keys() and all(torch.equal(back[k], v) for k, v in original.items())
+    inspected = run_cli("inspect", tmp_path / "mcore")
+    assert "written for: HybridModel TP=2 PP=2 EP=2 ETP=2 --hybrid-layer-pattern '+-|+E+E/+E'" in inspected.stdout
+
+
+def test_schedules_indexed_by_layer_spread_over_the_pattern(hf_model_factory, tmp_path):
+    """gpt-oss's windowed layers and Qwen3-Next's linear-attention layers, as HybridModel numbers its layers."""
+    hf = hf_model_factory("gpt-oss-20b", layers=2, sliding_window=4)
+    convert_hf_to_mcore(hf, tmp_path / "oss", parallelism=Parallelism(model_class="hybrid"))
+    args = read_args(iteration_dir(tmp_path / "oss"))
+    assert (args.hybrid_layer_pattern, args.window_attn_skip_freq) == ("*E*E", [1, 0, 0, 0])
+    hf = hf_model_factory("qwen3-next-80b-a3b-instruct", layers=4)
+    convert_hf_to_mcore(hf, tmp_path / "next", parallelism=Parallelism(model_class="hybrid"))
+    args = read_args(iteration_dir(tmp_path / "next"))
+    assert (args.hybrid_layer_pattern, args.linear_attention_freq) == ("GEGEGE*E", [1, 0, 1, 0, 1, 0, 0, 0])
+    convert_mcore_to_hf(tmp_path / "next", tmp_path / "back")
+    original, back = weights(hf), weights(tmp_path / "back")
+    assert back.keys() == original.keys() and all(torch.equal(back[k], v) for k, v in original.items())
+
+
+def test_what_hybrid_model_cannot_build_is_refused_in_one_line(hf_model_factory, tmp_path):
+    llama3 = hf_model_factory("llama-3.1-8b", layers=2)
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("hf-to-mcore", "--load-dir", llama3, "--save-dir", out, "--model-class", "hybrid"),
+                          "--model-class hybrid", "llama3 rope scaling")
+    assert_nothing_left(out)
+    qwen = hf_model_factory("qwen2.5-7b-instruct", layers=2)
+    result = run_cli("hf-to-mcore", "--load-dir", qwen, "--save-dir", out, "--model-class", "hybrid", "--pp", "2",
+                     "--account-for-embedding-in-pipeline-split")
+    assert_one_line_error(result, "--account-for-embedding-in-pipeline-split", "--model-class hybrid")
+    assert_nothing_left(out)
+
+
+def test_a_save_whose_pattern_is_no_run_of_gpt_layers_is_refused_in_one_line(hf_model_factory, tmp_path):
+    hf = hf_model_factory("qwen2.5-7b-instruct", layers=2)
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(model_class="hybrid"))
+    release = iteration_dir(tmp_path / "mcore")
+    args = read_args(release)
+    for pattern, names in (("M-*-", ["layer 0", "Mamba"]), ("**--", ["layer 1", "'*'"])):
+        args.hybrid_layer_pattern = pattern
+        write_common(release, args)
+        result = run_cli("mcore-to-hf", "--load-dir", tmp_path / "mcore", "--save-dir", tmp_path / "back")
+        assert_one_line_error(result, f"hybrid_layer_pattern {pattern!r}", *names)
+        assert_nothing_left(tmp_path / "back")
+    result = run_cli("verify", "--hf", hf, "--mcore", tmp_path / "mcore", "--device", "cpu")
+    assert_one_line_error(result, "HybridModel checkpoint", code=2)
