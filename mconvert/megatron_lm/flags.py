@@ -16,7 +16,7 @@ from mconvert.megatron_lm.args import (
     stored_arg,
 )
 from mconvert.megatron_lm.hybrid_args import gpt_checkpoint_into_hybrid_flags
-from mconvert.megatron_lm.layer_specs import QK_NORM_ACROSS_HEADS
+from mconvert.megatron_lm.layer_specs import QK_NORM_ACROSS_HEADS, QK_NORM_ACROSS_HEADS_HYBRID
 
 
 def pipeline_split_flags(split: PipelineSplit) -> list[str]:
@@ -272,7 +272,7 @@ def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
             "(--no-dsa-indexer-rotate-activation: orthogonal, no score changes; drop the flag to rotate, in bf16 with "
             "fast-hadamard-transform)"
         )
-    if tuple(getattr(args, "spec", None) or ()) == QK_NORM_ACROSS_HEADS:
+    if tuple(getattr(args, "spec", None) or ()) in (QK_NORM_ACROSS_HEADS, QK_NORM_ACROSS_HEADS_HYBRID):
         caveats.append(
             f"the layers' q/k norms across heads are built by mconvert's {args.spec[0]} (--spec): install mconvert "
             "where Megatron-LM runs"

@@ -14,6 +14,7 @@ from mconvert.errors import ConversionError
 from mconvert.mappings.spec import ModelSpec
 from mconvert.mcore import hybrid
 from mconvert.mcore.parallelism import Parallelism, PipelineSplit
+from mconvert.megatron_lm.layer_specs import QK_NORM_ACROSS_HEADS, QK_NORM_ACROSS_HEADS_HYBRID
 
 # Megatron-LM's --spec for HybridModel's default (Transformer Engine) stack, as its migration guide passes it.
 HYBRID_STACK_SPEC = ["megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]
@@ -23,13 +24,11 @@ def hybrid_args(args: dict[str, Any], spec: ModelSpec, par: Parallelism) -> dict
     """`args` (a GPT model's, as megatron_args makes them) for the same model as a HybridModel."""
     if args["use_rope_scaling"]:
         raise ConversionError("--model-class hybrid: HybridModel takes no llama3 rope scaling (megatron-core 0.19.2); convert with --model-class gpt")
-    if spec.qk_norm_across_heads:
-        raise ConversionError("--model-class hybrid: no HybridModel stack spec builds q/k norms across heads yet; convert with --model-class gpt")
     pattern = hybrid.hybrid_pattern(spec, par.pipeline.stage_layers(par.pp, spec.num_layers))
     updates: dict[str, Any] = dict(
         hybrid_layer_pattern=pattern,
         num_layers=2 * spec.num_layers,
-        spec=HYBRID_STACK_SPEC,
+        spec=list(QK_NORM_ACROSS_HEADS_HYBRID) if spec.qk_norm_across_heads else HYBRID_STACK_SPEC,
         # The pattern's `|` separators are the split (virtual stages included), which Megatron-LM takes no flag beside.
         decoder_first_pipeline_num_layers=None,
         decoder_last_pipeline_num_layers=None,
@@ -87,7 +86,8 @@ def gpt_view(args: argparse.Namespace, source: str = "args") -> argparse.Namespa
             view.dsa_indexer_skip_topk_offset = (args.dsa_indexer_skip_topk_offset + 1) // 2
     if hybrid.MLA in attention or hybrid.SPARSE_ATTENTION in attention:
         view.multi_latent_attention = True
-    view.spec = None if list(getattr(args, "spec", None) or ()) == HYBRID_STACK_SPEC else getattr(args, "spec", None)
+    stack = tuple(getattr(args, "spec", None) or ())
+    view.spec = {tuple(HYBRID_STACK_SPEC): None, QK_NORM_ACROSS_HEADS_HYBRID: list(QK_NORM_ACROSS_HEADS)}.get(stack, getattr(args, "spec", None))
     return view
 
 

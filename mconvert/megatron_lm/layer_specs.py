@@ -3,9 +3,12 @@ module of mconvert's in its spec: q/k norms over all heads of a layer (MiniMax-M
 where megatron-core's own q/k norms span one head each.
 
     --qk-layernorm --spec mconvert.megatron_lm.layer_specs gpt_layers_with_qk_norm_across_heads
+    --qk-layernorm --spec mconvert.megatron_lm.hybrid_layer_specs hybrid_stack_with_qk_norm_across_heads  # HybridModel
 
 Megatron-LM's GPT model builder calls the function with its model config in place of its default layer spec; the
-function takes that default and puts `QueryNormAcrossHeads` and `KeyNormAcrossHeads` where the per-head norms were.
+function takes that default and puts `QueryNormAcrossHeads` and `KeyNormAcrossHeads` where the per-head norms were;
+Megatron-LM's HybridModel builder takes a stack spec object instead: HybridModel's default with those norms
+(mconvert.megatron_lm.hybrid_layer_specs, which imports megatron-core).
 The training environment needs mconvert importable (it needs nothing else of it). Megatron-LM stores `--spec` in
 its checkpoints' args and `--use-checkpoint-args` restores it. megatron-core is imported only when a spec is built.
 """
@@ -16,8 +19,10 @@ from typing import Any
 
 import torch
 
-# Megatron-LM's args.spec for these layers, as its --spec flag takes and its checkpoints store them.
+# Megatron-LM's args.spec for these layers, as its --spec flag takes and its checkpoints store them: GPTModel's
+# (a function its builder calls) and HybridModel's (a stack spec its builder takes as it is).
 QK_NORM_ACROSS_HEADS = (__name__, "gpt_layers_with_qk_norm_across_heads")
+QK_NORM_ACROSS_HEADS_HYBRID = ("mconvert.megatron_lm.hybrid_layer_specs", "hybrid_stack_with_qk_norm_across_heads")
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -103,3 +108,4 @@ def gpt_layers_with_qk_norm_across_heads(config: Any, vp_stage: int | None = Non
     from megatron.training.models.gpt import default_layer_spec
 
     return with_qk_norm_across_heads(default_layer_spec(config, vp_stage))
+

@@ -102,9 +102,13 @@ def build_model_as_pretrain_hybrid(args: argparse.Namespace, pre_process: bool, 
     from megatron.training.argument_utils import hybrid_config_from_args
     from megatron.training.models.hybrid import HybridModelBuilder
 
+    from mconvert.megatron_lm import layer_specs
+
     model_config = hybrid_config_from_args(args)
     if args.transformer_impl != "transformer_engine":
         model_config.hybrid_stack_spec = local_hybrid_stack_spec(model_config.transformer, args)
+        if tuple(args.spec or ()) == layer_specs.QK_NORM_ACROSS_HEADS_HYBRID:  # what Megatron-LM's --spec gives it
+            layer_specs.with_qk_norm_across_heads(model_config.hybrid_stack_spec.submodules.attention_layer)
     return HybridModelBuilder(model_config).build_model(
         ProcessGroupCollection.use_mpu_process_groups(), pre_process=pre_process, post_process=post_process
     )
