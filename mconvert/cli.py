@@ -96,7 +96,7 @@ def _first_rank() -> bool:
 def _hf_to_mcore(options: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from mconvert.converters.hf_to_mcore import ARGS_SCRIPT, convert_hf_to_mcore
+    from mconvert.converters.hf_to_mcore import ARGS_SCRIPT, convert_hf_to_mcore, mtp_left_out
     from mconvert.converters.progress import progress_for
     from mconvert.hub import resolve_hf_dir
     from mconvert.mappings import how_read
@@ -134,7 +134,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     for difference in plan.spec.computed_differently:
         print(f"note: {difference}")
     if result.dropped_mtp_layers:
-        why = plan.family.table.mtp_left_out or "--no-mtp"
+        why = mtp_left_out(plan.family, parallelism) or "--no-mtp"
         print(f"left out {result.dropped_mtp_layers} multi-token prediction layer(s) of {options.load_dir} ({why})")
     elif plan.spec.mtp_layers:
         print(f"converted {plan.spec.mtp_layers} multi-token prediction layer(s) (--mtp-num-layers; --no-mtp leaves them out)")

@@ -65,6 +65,14 @@ def mtp_layers_held(family: Family, spec: ModelSpec, names) -> int:
     return count
 
 
+def mtp_left_out(family: Family, parallelism: Parallelism) -> str:
+    """Why the family leaves out the MTP layers a checkpoint holds, for this model class ("" where it does not): a
+    family whose MTP layers the table maps but GPTModel cannot build (beside sparse attention) has them as a
+    HybridModel, whose MTP layers are small stacks of its own layers."""
+    table = family.table
+    return "" if parallelism.model_class == "hybrid" and table.mtp else table.mtp_left_out
+
+
 def without_mtp_layers(family: Family, spec: ModelSpec, names, count: int) -> set[str]:
     """`names` less those of the first `count` multi-token prediction layers."""
     prefixes = tuple(family.table.layer_prefix.format(layer=spec.num_layers + m) for m in range(count))
@@ -271,7 +279,7 @@ def convert_hf_to_mcore(
     check_target(save_dir, overwrite)
     hf = HFCheckpoint(load_dir, fp8_block_size(config), check_finite=not allow_nonfinite, mxfp4=is_mxfp4(config))
     held = mtp_layers_held(family, spec, hf.tensors)
-    mtp = mtp and not family.table.mtp_left_out
+    mtp = mtp and not mtp_left_out(family, parallelism)
     spec = dataclasses.replace(spec, mtp_layers=held if mtp else 0)
     plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers(family, spec, hf))
     read = without_mtp_layers(family, spec, hf.tensors, held) if not mtp else hf.tensors

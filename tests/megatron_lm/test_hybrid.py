@@ -47,7 +47,8 @@ MODELS = {
                                   Parallelism(tp=2, pp=2, ep=2, pipeline=PipelineSplit(first_stage_layers=1), **HYBRID), "+-|+E+E/+E"),
     # Gated delta-net beside gated full attention, zero-centred norms.
     "qwen3-next-tp2ep2": ("qwen3-next-80b-a3b-instruct", 4, {}, Parallelism(tp=2, ep=2, **HYBRID), "GEGEGE*E"),
-    "deepseek-v3.2-tp2ep2": ("deepseek-v3.2", 2, {"index_topk": 8}, Parallelism(tp=2, ep=2, **HYBRID), "D-DE"),
+    # Sparse attention with its MTP layer, which GPTModel cannot build beside it (the GPT conversion leaves it out).
+    "deepseek-v3.2-tp2ep2": ("deepseek-v3.2", 2, {"index_topk": 8, "mtp": True}, Parallelism(tp=2, ep=2, **HYBRID), "D-DE/DE"),
     # A window on every other layer: its schedule spread over the pattern.
     "gpt-oss-ep2": ("gpt-oss-20b", 2, {"sliding_window": 4}, Parallelism(ep=2, etp=1, **HYBRID), "*E*E"),
     # q/k norms across heads: mconvert's HybridModel stack spec (--spec mconvert.megatron_lm.hybrid_layer_specs ...).
