@@ -130,7 +130,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     if (read_as := how_read(plan.spec.hf_config)) is not None:
         print(read_as)
     for what, count in result.left_out:
-        print(f"left out {what} of {options.load_dir}: {count} tensors a Megatron GPT checkpoint does not hold")
+        print(f"left out {what} of {options.load_dir}: {count} tensors a Megatron language-model checkpoint does not hold")
     for difference in plan.spec.computed_differently:
         print(f"note: {difference}")
     if result.dropped_mtp_layers:

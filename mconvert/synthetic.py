@@ -154,17 +154,21 @@ def make_hf_checkpoint(
 
 
 def add_mtp_layers(hf_dir: str | os.PathLike, seed: int = 0) -> Path:
-    """Give a checkpoint made by `make_hf_checkpoint` the multi-token prediction layers its config names
-    (`num_nextn_predict_layers`), as the hub's DeepSeek-V3 and GLM-4.5 hold them and transformers never builds
-    them: HF layer num_hidden_layers + m, with a decoder layer like the last one (random values), its own
-    enorm, hnorm, eh_proj and shared_head.norm, and copies of the embedding and output head. Written to
-    `mtp.safetensors` beside `model.safetensors`, with an index of both."""
+    """Give a checkpoint made by `make_hf_checkpoint` the multi-token prediction layers the hub holds and
+    transformers never builds: those its config names (`num_nextn_predict_layers`) as DeepSeek-V3 and GLM-4.5 hold
+    them, HF layers num_hidden_layers + m, or the one of a family that keeps it apart (Qwen3-Next, Qwen3.5: `mtp.`);
+    each with a decoder layer like the last one (random values), its own tensors (norms, eh_proj) and copies of the
+    embedding and output head where the family stores them. Written to `mtp.safetensors` beside
+    `model.safetensors`, with an index of both."""
     import torch
     from safetensors.torch import load_file, save_file
 
+    from mconvert.mappings import get_mapping
+
     hf_dir = Path(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
-    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    family, spec = get_mapping(config)
+    table, hidden = family.table, spec.hidden_size
     model = load_file(hf_dir / "model.safetensors")
     generator = torch.Generator().manual_seed(seed)
 
@@ -172,16 +176,18 @@ def add_mtp_layers(hf_dir: str | os.PathLike, seed: int = 0) -> Path:
         values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
         return (values * 0.05 if tensor.dim() > 1 else values * 0.5 + 1.0).to(tensor.dtype)
 
-    last = f"model.layers.{layers - 1}."
+    last = table.layer_prefix.format(layer=spec.num_layers - 1)
+    dtype = next(iter(model.values())).dtype
+    hf_of = {entry.mcore: entry.hf_names[0] for entry in table.model}
     mtp = {}
-    for m in range(config.get("num_nextn_predict_layers") or 0):
-        prefix = f"model.layers.{layers + m}."
-        dtype = model["model.norm.weight"].dtype
+    for m in range(1 if table.mtp_prefix else config.get("num_nextn_predict_layers") or 0):
+        own, prefix = table.mtp_prefixes(spec.num_layers, m)
         mtp.update({prefix + name[len(last) :]: random_like(t) for name, t in model.items() if name.startswith(last)})
-        for name, shape in (("enorm.weight", (hidden,)), ("hnorm.weight", (hidden,)), ("eh_proj.weight", (hidden, 2 * hidden)), ("shared_head.norm.weight", (hidden,))):
-            mtp[prefix + name] = random_like(torch.empty(shape, dtype=dtype))
-        mtp[prefix + "embed_tokens.weight"] = model["model.embed_tokens.weight"].clone()
-        mtp[prefix + "shared_head.head.weight"] = model["lm_head.weight"].clone()
+        for entry in table.mtp:
+            shape = (hidden, 2 * hidden) if entry.mcore == "eh_proj.weight" else (hidden,)
+            mtp[own + entry.hf_names[0]] = random_like(torch.empty(shape, dtype=dtype))
+        for entry in table.mtp_copies:
+            mtp[own + entry.hf_names[0]] = model[hf_of[entry.mcore]].clone()
     save_file(mtp, hf_dir / "mtp.safetensors", metadata={"format": "pt"})
     # Two files: an index says which holds what, as the hub's shards are listed.
     weight_map = {name: "model.safetensors" for name in model} | {name: "mtp.safetensors" for name in mtp}

@@ -56,6 +56,21 @@ def test_schedules_indexed_by_layer_spread_over_the_pattern(hf_model_factory, tm
     assert back.keys() == original.keys() and all(torch.equal(back[k], v) for k, v in original.items())
 
 
+def test_mtp_layers_gpt_model_cannot_build_are_converted_for_hybrid_model(hf_model_factory, tmp_path):
+    """Qwen3.5's MTP layer (kept apart under `mtp.`, beside gated delta-net) is left out of a GPT checkpoint, and is a
+    HybridModel's `/*-`; both ways bit for bit, the vision tower copied back."""
+    hf = hf_model_factory("qwen3.5-0.8b", layers=4, mtp=True)
+    gpt = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "gpt")
+    assert "left out 1 multi-token prediction layer(s)" in gpt.stdout and "--model-class hybrid converts it" in gpt.stdout
+    par = Parallelism(tp=2, pp=2, model_class="hybrid")
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=par)
+    assert read_args(iteration_dir(tmp_path / "mcore")).hybrid_layer_pattern == "G-G-|G-*-/*-"
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back", hf_config_dir=hf)
+    original, back = weights(hf), weights(tmp_path / "back")
+    assert back.keys() == original.keys() and all(torch.equal(back[k], v) for k, v in original.items())
+    assert any(name.startswith("mtp.layers.0.") for name in back)
+
+
 def test_what_hybrid_model_cannot_build_is_refused_in_one_line(hf_model_factory, tmp_path):
     llama3 = hf_model_factory("llama-3.1-8b", layers=2)
     out = tmp_path / "out"

@@ -161,8 +161,9 @@ def test_the_vision_tower_is_left_out_and_said_so_and_the_way_back_needs_the_ori
     assert not (tmp_path / "back").exists()
 
 
-def test_the_multi_token_prediction_layer_is_left_out_and_said_so(made, tmp_path):
-    """The hub's Qwen3-Next holds its MTP layer under `mtp.` (transformers drops it): not converted, and said so."""
+def test_the_multi_token_prediction_layer_is_left_out_of_a_gpt_checkpoint_and_said_so(made, tmp_path):
+    """The hub's Qwen3-Next holds its MTP layer under `mtp.` (transformers drops it): not converted for GPTModel, which
+    cannot build it, and said so (HybridModel's conversion of it: tests/test_hybrid_layout.py)."""
     hf = tmp_path / "hf"
     hf.mkdir()
     source = made("qwen3-next-80b-a3b-instruct")
@@ -173,7 +174,7 @@ def test_the_multi_token_prediction_layer_is_left_out_and_said_so(made, tmp_path
     save_file({**tensors, **mtp}, hf / "model.safetensors", metadata={"format": "pt"})
     out = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "mcore")
     assert out.returncode == 0, out.stderr
-    assert f"left out the multi-token prediction layer (Megatron-LM 0.19.2 builds none beside gated delta-net) of {hf}: 2 tensors" in out.stdout
+    assert f"left out 1 multi-token prediction layer(s) of {hf} ({qwen3_next.MTP_LEFT_OUT})" in out.stdout
 
 
 def test_tp_above_the_query_groups_is_converted_and_megatron_core_0_16_says_it_cannot_run_it(made, tmp_path):

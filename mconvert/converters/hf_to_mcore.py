@@ -48,19 +48,22 @@ class Conversion:
 
 
 def mtp_layers_held(family: Family, spec: ModelSpec, names) -> int:
-    """How many multi-token prediction layers (HF layers num_hidden_layers, num_hidden_layers + 1, ...) the
-    checkpoint holds, told by their first own tensor, or by any tensor where the family leaves them out without
-    mapping them. transformers drops them when it saves a model."""
+    """How many multi-token prediction layers (HF layers num_hidden_layers, num_hidden_layers + 1, ...; or the one a
+    family keeps apart) the checkpoint holds, told by their first own tensor, or by any tensor under their prefix
+    where the family keeps it apart or leaves them out without mapping them. transformers drops them when it saves
+    a model."""
     table = family.table
     if not table.mtp and not table.mtp_left_out:
         return 0
 
-    def held(layer: int) -> bool:
-        prefix = table.layer_prefix.format(layer=layer)
-        return prefix + table.mtp[0].hf_names[0] in names if table.mtp else any(name.startswith(prefix) for name in names)
+    def held(mtp_layer: int) -> bool:
+        own, _ = table.mtp_prefixes(spec.num_layers, mtp_layer)
+        if table.mtp and not table.mtp_prefix:
+            return own + table.mtp[0].hf_names[0] in names
+        return any(name.startswith(own) for name in names)
 
     count = 0
-    while held(spec.num_layers + count):
+    while held(count) and not (table.mtp_prefix and count == 1):  # a family keeping its MTP layer apart has one
         count += 1
     return count
 
@@ -75,7 +78,7 @@ def mtp_left_out(family: Family, parallelism: Parallelism) -> str:
 
 def without_mtp_layers(family: Family, spec: ModelSpec, names, count: int) -> set[str]:
     """`names` less those of the first `count` multi-token prediction layers."""
-    prefixes = tuple(family.table.layer_prefix.format(layer=spec.num_layers + m) for m in range(count))
+    prefixes = tuple(prefix for m in range(count) for prefix in family.table.mtp_prefixes(spec.num_layers, m))
     return {name for name in names if not name.startswith(prefixes)}
 
 
@@ -85,11 +88,9 @@ def fused_expert_layers(family: Family, spec: ModelSpec, hf: HFCheckpoint) -> fr
     if spec.moe is None or not table.fused_experts:
         return frozenset()
     fused_name = table.fused_experts[0].hf_names[0].split("[")[0]
-    return frozenset(
-        layer
-        for layer in range(spec.num_layers + spec.mtp_layers)
-        if table.layer_prefix.format(layer=layer) + fused_name in hf.tensors
-    )
+    prefixes = [table.layer_prefix.format(layer=layer) for layer in range(spec.num_layers)]
+    prefixes += [table.mtp_prefixes(spec.num_layers, m)[1] for m in range(spec.mtp_layers)]
+    return frozenset(layer for layer, prefix in enumerate(prefixes) if prefix + fused_name in hf.tensors)
 
 
 def piece_parts(piece: Piece, sources: list[torch.Tensor], spec: ModelSpec, dtype: torch.dtype) -> list[torch.Tensor]:

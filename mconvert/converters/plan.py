@@ -187,14 +187,17 @@ def build_plan(
         prefix = table.layer_prefix.format(layer=layer)
         is_moe = spec.layer_is_moe(min(layer, spec.num_layers - 1))
         if layer >= spec.num_layers:
+            own, prefix = table.mtp_prefixes(spec.num_layers, layer - spec.num_layers)
             for entry in _active(table.mtp, spec):
                 key = mtp_key(entry.mcore, layer - spec.num_layers)
-                add((key,), (), (), tensor_layout(entry.mcore, spec, parallelism), entry, [prefix + n for n in entry.hf_names])
+                add((key,), (), (), tensor_layout(entry.mcore, spec, parallelism), entry, [own + n for n in entry.hf_names])
             for entry in _active(table.mtp_copies, spec):
                 layout = tensor_layout(entry.mcore, spec, parallelism)
-                add((model_key(entry.mcore),), (), (), layout, entry, [prefix + n for n in entry.hf_names], copy=True)
-        # A family whose HF models hold their experts only fused (gpt-oss) has no per-expert layout.
-        fused = not table.experts or (table.hub_experts_fused if fused_expert_layers is None else layer in fused_expert_layers)
+                add((model_key(entry.mcore),), (), (), layout, entry, [own + n for n in entry.hf_names], copy=True)
+        # A family whose HF models hold their experts only fused (gpt-oss) has no per-expert layout. The hub keeps
+        # an MTP layer's experts one by one where it fuses the decoder's (Qwen3.5-MoE).
+        hub_fused = table.hub_experts_fused and layer < spec.num_layers
+        fused = not table.experts or (hub_fused if fused_expert_layers is None else layer in fused_expert_layers)
         moe_mlp = table.fused_moe_mlp if fused and table.fused_moe_mlp is not None else table.moe_mlp
         decoder_layer = min(layer, spec.num_layers - 1)
         attention = table.linear_attention if spec.layer_is_linear(decoder_layer) else table.attention
@@ -219,6 +222,10 @@ def build_plan(
                 sources = [prefix + n.format(expert=expert) for n in entry.hf_names]
                 add((key,), (*offsets, expert), (*layers, num_experts), layout, entry, sources)
 
+    if hybrid:
+        # HybridModel asks for its output layer's `_extra_state` whether or not the layer shares the embedding's
+        # weight (GPTModel drops it from its sharded state dict).
+        modules.setdefault(("output_layer", ()), ())
     extra_state_keys = tuple(extra_state_key(module, offsets, leading) for (module, offsets), leading in modules.items())
     return Plan(family, spec, parallelism, dtype or spec.dtype, shapes, tuple(pieces), extra_state_keys)
 

@@ -34,7 +34,7 @@ INDEXER = tuple(
 
 # Megatron-LM 0.19.2's model builder builds no multi-token prediction block beside an attention variant (its
 # mtp_block_spec asks get_gpt_decoder_layer_specs, which refuses one).
-MTP_LEFT_OUT = "Megatron-LM 0.19.2 builds no multi-token prediction layer beside sparse attention in GPTModel (--model-class hybrid converts them)"
+MTP_LEFT_OUT = "Megatron-LM 0.19.2 builds none beside sparse attention in GPTModel; --model-class hybrid converts them"
 
 TABLE = dataclasses.replace(deepseek.TABLE, indexer=INDEXER, mtp_left_out=MTP_LEFT_OUT)
 

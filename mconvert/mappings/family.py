@@ -39,6 +39,10 @@ class Table:
     # model-scope ones Megatron shares (an MTP layer's embedding and output head).
     mtp: tuple[Entry, ...] = ()
     mtp_copies: tuple[Entry, ...] = ()
+    # Where a family keeps its one MTP layer apart from the decoder's layers (Qwen3-Next's and Qwen3.5's `mtp.`):
+    # its own tensors relative to this prefix, its decoder layer's to `<prefix>layers.0.`; empty for MTP layers
+    # named as the layers after the decoder's.
+    mtp_prefix: str = ""
     # The attention of layers that have gated delta-net linear attention (ModelSpec.linear_attention) in place
     # of `attention`.
     linear_attention: tuple[Entry, ...] = ()
@@ -47,12 +51,19 @@ class Table:
     # Why the multi-token prediction layers an HF checkpoint holds are left out (Megatron-LM builds none beside
     # the model's attention variant); empty where they convert.
     mtp_left_out: str = ""
-    # HF tensors that a Megatron GPT checkpoint does not hold, by name prefix, with what they are (an
+    # HF tensors that a Megatron language-model checkpoint does not hold, by name prefix, with what they are (an
     # image-text checkpoint's vision tower): not converted, and the conversion's summary says so.
     left_out: tuple[tuple[str, str], ...] = ()
     # Prefixes of left-out tensors that the way back copies unchanged from the original checkpoint that
     # `--hf-config` names (the vision tower, which the Megatron checkpoint has none of to give).
     copied_back: tuple[str, ...] = ()
+
+    def mtp_prefixes(self, num_layers: int, mtp_layer: int) -> tuple[str, str]:
+        """(the prefix of MTP layer `mtp_layer`'s own tensors, that of its decoder layer's)."""
+        if self.mtp_prefix:
+            return self.mtp_prefix, f"{self.mtp_prefix}layers.{mtp_layer}."
+        prefix = self.layer_prefix.format(layer=num_layers + mtp_layer)
+        return prefix, prefix
 
     def left_out_by(self, name: str) -> str | None:
         """What the left-out HF tensor `name` is part of; None for a tensor the table converts or refuses."""

@@ -34,7 +34,7 @@ TEXT_TABLE = dataclasses.replace(
     qwen3_next.TABLE,
     linear_attention=LINEAR_ATTENTION,
     hub_experts_fused=True,
-    left_out=(("mtp.", qwen3_next.MTP_LEFT_OUT), ("model.visual.", "the vision tower")),
+    left_out=(("model.visual.", "the vision tower"),),
 )
 
 # The image-text checkpoints: the same language model one level down.

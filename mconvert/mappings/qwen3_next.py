@@ -63,9 +63,17 @@ LINEAR_ATTENTION = DELTA_NET_REST + tuple(
     for name in names
 )
 
-# Megatron-LM 0.19.2's model builder builds no multi-token prediction block beside gated delta-net (its
-# mtp_block_spec asks get_gpt_decoder_layer_specs, which refuses the attention variant).
-MTP_LEFT_OUT = "the multi-token prediction layer (Megatron-LM 0.19.2 builds none beside gated delta-net)"
+# The multi-token prediction layer, kept apart under `mtp.` (its decoder layer, full attention, under `mtp.layers.0.`):
+# eh_proj takes [embedding norm; hidden norm], as Megatron's does; its norms are zero-centred as the model's.
+MTP = (
+    Rename("enorm.weight", "pre_fc_norm_embedding.weight"),
+    Rename("hnorm.weight", "pre_fc_norm_hidden.weight"),
+    Rename("eh_proj.weight", "fc.weight"),
+    Rename("final_layernorm.weight", "norm.weight"),
+)
+# Megatron-LM 0.19.2's model builder builds no multi-token prediction block beside gated delta-net in GPTModel (its
+# mtp_block_spec asks get_gpt_decoder_layer_specs, which refuses the attention variant); HybridModel does.
+MTP_LEFT_OUT = "Megatron-LM 0.19.2 builds none beside gated delta-net in GPTModel; --model-class hybrid converts it"
 
 TABLE = Table(
     model=llama.MODEL,
@@ -75,7 +83,9 @@ TABLE = Table(
     moe_mlp=qwen2_moe.ROUTER + qwen2_moe.SHARED_EXPERT,
     experts=qwen2_moe.EXPERTS,
     fused_experts=qwen2_moe.FUSED_EXPERTS,
-    left_out=(("mtp.", MTP_LEFT_OUT),),
+    mtp=MTP,
+    mtp_prefix="mtp.",
+    mtp_left_out=MTP_LEFT_OUT,
 )
 
 

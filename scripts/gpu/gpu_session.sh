@@ -318,16 +318,17 @@ for stage in "$@"; do
     # HybridModel as Megatron-LM's pretrain_hybrid.py builds it (hybrid_config_from_args, HybridModelBuilder, the
     # Transformer Engine hybrid_stack_spec of --spec) on one GPU: mconvert's hybrid checkpoints written at TP 2 or EP 2
     # and run at TP 1 (torch_dist reshards): dense with q/k norms, MLA with a dense first layer, MoE and MTP, gated
-    # delta-net beside gated attention, sparse attention; then GPT checkpoints that Megatron-LM's own load makes
-    # HybridModels of (HYBRID_ARGS). Each: step-1 loss against transformers, the loss falling, and the --lr 0 save (a
+    # delta-net beside gated attention, sparse attention, the MTP layers GPTModel cannot build beside those; then GPT
+    # checkpoints that Megatron-LM's own load makes HybridModels of (HYBRID_ARGS). Each: step-1 loss against transformers, the loss falling, and the --lr 0 save (a
     # HybridModel training save) exported bit for bit.
     install_fla
-    one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1)
+    one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1
+             --megatron-flag=--expert-tensor-parallel-size=1)
     runs=("--model-class hybrid|$QWEN3_TINY:tp2 $DEEPSEEK_TINY:ep2"
-          "--model-class hybrid --mtp|$DEEPSEEK_TINY:tp2"
+          "--model-class hybrid --mtp|$DEEPSEEK_TINY:tp2 ${DEEPSEEK_V32}+hidden_size=2048:tp2"
           "--model-class hybrid --megatron-flag=--deterministic-mode|${QWEN3_5}:tp2 ${QWEN3_NEXT/=64/=16}:ep2"
-          "--model-class hybrid|${DEEPSEEK_V32}:tp2"
-          "--hybrid-args|$QWEN3_TINY:tp2 $QWEN3_MOE_TINY:ep2")
+          "--hybrid-args|$QWEN3_TINY:tp2 $QWEN3_MOE_TINY:ep2"
+          "--model-class hybrid --mtp --megatron-flag=--deterministic-mode|${QWEN3_NEXT/=64/=16}:ep2")
     code=0
     for run in "${runs[@]}"; do
       python3 scripts/gpu/gpu_train.py --nproc 1 ${run%%|*} "${one_run[@]}" --work "$WORK/train" --out "$OUT" \

@@ -45,8 +45,8 @@ MODELS = {
     # MLA beside a dense first layer and MoE, its MTP layer, three layers over two stages.
     "deepseek-v3-mtp-tp2pp2ep2": ("deepseek-v3", 3, {"mtp": True},
                                   Parallelism(tp=2, pp=2, ep=2, pipeline=PipelineSplit(first_stage_layers=1), **HYBRID), "+-|+E+E/+E"),
-    # Gated delta-net beside gated full attention, zero-centred norms.
-    "qwen3-next-tp2ep2": ("qwen3-next-80b-a3b-instruct", 4, {}, Parallelism(tp=2, ep=2, **HYBRID), "GEGEGE*E"),
+    # Gated delta-net beside gated full attention, zero-centred norms; the MTP layer GPTModel cannot build beside them.
+    "qwen3-next-tp2ep2": ("qwen3-next-80b-a3b-instruct", 4, {"mtp": True}, Parallelism(tp=2, ep=2, **HYBRID), "GEGEGE*E/*E"),
     # Sparse attention with its MTP layer, which GPTModel cannot build beside it (the GPT conversion leaves it out).
     "deepseek-v3.2-tp2ep2": ("deepseek-v3.2", 2, {"index_topk": 8, "mtp": True}, Parallelism(tp=2, ep=2, **HYBRID), "D-DE/DE"),
     # A window on every other layer: its schedule spread over the pattern.
