@@ -326,11 +326,13 @@ for stage in "$@"; do
              --megatron-flag=--expert-tensor-parallel-size=1)
     runs=("--model-class hybrid|$QWEN3_TINY:tp2 $DEEPSEEK_TINY:ep2"
           "--model-class hybrid --mtp|$DEEPSEEK_TINY:tp2 ${DEEPSEEK_V32}+hidden_size=2048:tp2"
-          "--model-class hybrid --megatron-flag=--deterministic-mode|${QWEN3_5}:tp2 ${QWEN3_NEXT/=64/=16}:ep2"
+          "--model-class hybrid --megatron-flag=--deterministic-mode|${QWEN3_5}:tp2"
           "--hybrid-args|$QWEN3_TINY:tp2 $QWEN3_MOE_TINY:ep2"
           "--model-class hybrid --mtp --megatron-flag=--deterministic-mode|${QWEN3_NEXT/=64/=16}:ep2")
     code=0
-    for run in "${runs[@]}"; do
+    # HYBRID_RUNS: the indices of the runs to do, in that order (default: all).
+    for i in ${HYBRID_RUNS:-${!runs[@]}}; do
+      run=${runs[$i]}
       python3 scripts/gpu/gpu_train.py --nproc 1 ${run%%|*} "${one_run[@]}" --work "$WORK/train" --out "$OUT" \
         --deadline-s "$(left)" --done-dir "$STATE" ${run#*|} >> "$OUT/$stage.log" 2>&1
       last=$?
