@@ -141,7 +141,7 @@ def test_dense_checkpoints_megatron_core_saved_export_bit_exact(hf_model_factory
     assert main(["inspect", "--json", str(tmp_path / "llama-legacy")]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["format"], report["family"]) == ("torch (legacy)", "llama")
-    assert report["written_for"] == {"tp": 2, "pp": 2, "ep": 1, "etp": 2, "pipeline_split": []}
+    assert report["written_for"] == {"model_class": "gpt", "tp": 2, "pp": 2, "ep": 1, "etp": 2, "pipeline_split": []}
     assert report["suits"] == {"tp": [2], "pp": [2], "ep": [1]}
     assert report["vocab"]["stored_rows"] % (128 * 2) == 0 and report["vocab"]["stored_rows"] - report["vocab"]["size"] < 256
 
