@@ -18,10 +18,10 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fuzz" / "fuzz_reader
 
 
 def test_each_reader_keeps_the_contract_on_mutated_seeds(tmp_path):
-    done = subprocess.run([sys.executable, SCRIPT, "--all", "--runs", "500", "--out", tmp_path], capture_output=True, text=True, timeout=900)
+    done = subprocess.run([sys.executable, SCRIPT, "--all", "--runs", "250", "--out", tmp_path], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     lines = done.stdout.splitlines()
-    assert len(lines) == 8 and all("exit 0" in line and "number_of_executed_units: 500" in line for line in lines), done.stdout
+    assert len(lines) == 8 and all("exit 0" in line and "number_of_executed_units: 250" in line for line in lines), done.stdout
 
 
 def test_the_judge_lets_any_other_exception_through():

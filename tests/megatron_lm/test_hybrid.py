@@ -43,8 +43,8 @@ MODELS = {
     # name: (config, layers, overrides, parallelism, pattern)
     "llama2-tp2": ("llama-2-7b", 2, {}, Parallelism(tp=2, **HYBRID), "*-*-"),
     # MLA beside a dense first layer and MoE, its MTP layer, three layers over two stages.
-    "deepseek-v3-mtp-tp2pp2ep2": ("deepseek-v3", 3, {"mtp": True},
-                                  Parallelism(tp=2, pp=2, ep=2, pipeline=PipelineSplit(first_stage_layers=1), **HYBRID), "+-|+E+E/+E"),
+    "deepseek-v3-mtp-tp2pp2": ("deepseek-v3", 3, {"mtp": True},
+                               Parallelism(tp=2, pp=2, pipeline=PipelineSplit(first_stage_layers=1), **HYBRID), "+-|+E+E/+E"),
     # Gated delta-net beside gated full attention, zero-centred norms; the MTP layer GPTModel cannot build beside them.
     "qwen3-next-tp2ep2": ("qwen3-next-80b-a3b-instruct", 4, {"mtp": True}, Parallelism(tp=2, ep=2, **HYBRID), "GEGEGE*E/*E"),
     # Sparse attention with its MTP layer, which GPTModel cannot build beside it (the GPT conversion leaves it out).
@@ -112,7 +112,7 @@ def load_and_save(argv: list[str], save: str) -> torch.Tensor:
     return forward_logits(model, TOKENS)
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3-mtp-tp2pp2ep2", "qwen3-next-tp2ep2", "deepseek-v3.2-tp2ep2", "gpt-oss-ep2", "minimax-m2-tp2ep2"])
+@pytest.mark.parametrize("name", ["deepseek-v3-mtp-tp2pp2", "qwen3-next-tp2ep2", "deepseek-v3.2-tp2ep2", "gpt-oss-ep2", "minimax-m2-tp2ep2"])
 def test_megatron_lm_loads_the_hybrid_checkpoint_and_its_save_exports_bit_identically(name, converted, tmp_path):
     hf, ckpt = converted(name)
     parallelism = MODELS[name][3]
