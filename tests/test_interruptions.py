@@ -58,7 +58,16 @@ def reference(hf, tmp_path_factory):
     return out
 
 
+def sigint_ignored() -> bool:
+    """Whether this process ignores SIGINT, which its children inherit: a background job of a shell without job
+    control does (`(pytest &)`), and a child that ignores the Ctrl-C it sends itself runs on to the end."""
+    ignored = next(line for line in open("/proc/self/status") if line.startswith("SigIgn:")).split()[1]
+    return bool(int(ignored, 16) & (1 << (signal.SIGINT - 1)))
+
+
 def stopped_at(stopper, point, sig, *args):
+    if sig == "SIGINT" and sigint_ignored():
+        pytest.fail("this test process ignores SIGINT (started as a background job without job control), and so would the conversion it starts")
     event, needle, nth = point
     return run_cli(*args, python_path=(stopper,), env={"MCONVERT_TEST_STOP_AT": f"{event}|{needle}|{nth}|{sig}"})
 
