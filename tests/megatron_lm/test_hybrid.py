@@ -18,7 +18,6 @@ import torch
 if os.environ.get("MCONVERT_REQUIRE_MEGATRON_LM") != "1":
     pytest.importorskip("megatron.training", reason="Megatron-LM's training package: the Python 3.12 environment")
 
-import transformers  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
@@ -37,6 +36,7 @@ from mconvert.verify.megatron_lm import (  # noqa: E402
     script_arrays,
 )
 from mconvert.verify.megatron_side import forward_logits  # noqa: E402
+from tests.megatron_lm.test_megatron_lm import TOKENS, hf_logits  # noqa: E402
 
 HYBRID = dict(model_class="hybrid")
 MODELS = {
@@ -54,7 +54,6 @@ MODELS = {
     # q/k norms across heads: mconvert's HybridModel stack spec (--spec mconvert.megatron_lm.hybrid_layer_specs ...).
     "minimax-m2-tp2ep2": ("minimax-m2.7", 2, {}, Parallelism(tp=2, ep=2, **HYBRID), "*E*E"),
 }
-TOKENS = torch.randint(0, 999, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +74,6 @@ def converted(hf_model_factory, tmp_path_factory):
         return made[name]
 
     return convert
-
-
-def hf_logits(hf: Path) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(TOKENS).logits
 
 
 def world(parallelism: Parallelism) -> int:
