@@ -42,13 +42,15 @@ def layer_pair(spec: ModelSpec, layer: int) -> str:
 def hybrid_pattern(spec: ModelSpec, stage_layers: list[int]) -> str:
     """The unified pattern of `spec`'s layers split into pipeline stages of `stage_layers` GPT layers each,
     then one `/`-led pattern per MTP layer."""
-    pairs = [layer_pair(spec, layer) for layer in range(spec.num_layers)]
-    stages, start = [], 0
-    for count in stage_layers:
-        stages.append("".join(pairs[start : start + count]))
-        start += count
-    mtp = (MTP_SEPARATOR + layer_pair(spec, spec.num_layers)) * spec.mtp_layers
-    return PIPE.join(stages) + mtp
+    pairs = "".join(layer_pair(spec, layer) for layer in range(spec.num_layers))
+    return restaged(pairs + (MTP_SEPARATOR + layer_pair(spec, spec.num_layers)) * spec.mtp_layers, stage_layers)
+
+
+def restaged(pattern: str, stage_layers: list[int]) -> str:
+    """`pattern` with its `|` placed anew: pipeline stages of `stage_layers` GPT layers (attention-MLP pairs) each."""
+    main, mtp = split_pattern(pattern)
+    starts = [2 * sum(stage_layers[:stage]) for stage in range(len(stage_layers) + 1)]
+    return PIPE.join(main[start:end] for start, end in zip(starts, starts[1:])) + "".join(MTP_SEPARATOR + part for part in mtp)
 
 
 def split_pattern(pattern: str) -> tuple[str, list[str]]:

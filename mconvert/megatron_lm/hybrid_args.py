@@ -71,8 +71,8 @@ def gpt_view(args: argparse.Namespace, source: str = "args") -> argparse.Namespa
     stages = pattern.split(hybrid.MTP_SEPARATOR)[0].split(hybrid.PIPE)
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
     view.pipeline_model_parallel_layout = PipelineSplit.of_stages([len(stage) // 2 for stage in stages], pp, len(mtp)).layout
-    if hybrid.MOE in mlp:
-        view.moe_layer_freq = [int(symbol == hybrid.MOE) for symbol in mlp]
+    if hybrid.MOE in mlp:  # as megatron_args writes it: 1 where every layer is MoE
+        view.moe_layer_freq = 1 if set(mlp) == {hybrid.MOE} else [int(symbol == hybrid.MOE) for symbol in mlp]
     if isinstance(getattr(args, "window_attn_skip_freq", None), list):
         view.window_attn_skip_freq = hybrid.per_gpt_layer(args.window_attn_skip_freq, pattern)
     if hybrid.GATED_DELTA_NET in attention:

@@ -314,7 +314,9 @@ def local_sparse_attention(config: object, norm: type) -> object:
     attention = get_dsa_module_spec_for_backend(config, backend=LocalWithDuplicatedLinear())
     attention.submodules.linear_q_down_proj = attention.submodules.linear_kv_down_proj = ColumnParallelLinear
     attention.submodules.q_layernorm = attention.submodules.kv_layernorm = norm
-    attention.submodules.core_attention.submodules.indexer.submodules.k_norm = norm
+    # The indexer builds its key norm as a LayerNorm (its config's normalization), which only megatron-core's torch
+    # norm follows: an RMSNorm `norm` would compute another function and leave its bias unloaded.
+    attention.submodules.core_attention.submodules.indexer.submodules.k_norm = norm_under_sequence_parallelism()
     return attention
 
 

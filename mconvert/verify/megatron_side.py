@@ -16,14 +16,15 @@ from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 from megatron.core.dist_checkpointing.validation import StrictHandling
-from megatron.core.models.gpt import GPTModel
 
 from mconvert.converters.rank_export import model_sharded_state_dict
 from mconvert.errors import ConversionError
+from mconvert.mcore import hybrid
 from mconvert.mcore.checkpoint import iteration_dir
+from mconvert.verify.hybrid_model import build_hybrid_model
 from mconvert.verify.megatron_model import MEGATRON_CORE_VERSION, TransformerImpl, build_gpt_model
 
-ModelChunks = list[GPTModel]
+ModelChunks = list[torch.nn.Module]  # a GPTModel or HybridModel a stage
 
 
 def load_model(
@@ -33,12 +34,14 @@ def load_model(
     device: str = "cpu",
     transformer_impl: TransformerImpl = "transformer_engine",
 ) -> ModelChunks:
-    """Build this rank's GPTModel from `args` and load the checkpoint into it, in eval mode.
+    """Build this rank's GPTModel (HybridModel, where `args` name a hybrid layer pattern) from `args` and load the
+    checkpoint into it, in eval mode.
 
     Every tensor the model asks for must be in the checkpoint (a missing one raises); tensors the
     model does not ask for are ignored, as Megatron-LM does.
     """
-    model = build_gpt_model(
+    build = build_hybrid_model if getattr(args, "hybrid_layer_pattern", None) else build_gpt_model
+    model = build(
         args,
         params_dtype,
         pre_process=parallel_state.is_pipeline_first_stage(),
@@ -120,8 +123,8 @@ def _forward(
 
     layer_outputs: dict[int, torch.Tensor] = {}
     hooks = [
-        layer.register_forward_hook(_recorder(layer_outputs, layer.layer_number - 1, chunk.config.sequence_parallel))
-        for layer in (chunk.decoder.layers if record_hidden_states else [])
+        layer.register_forward_hook(_recorder(layer_outputs, index, chunk.config.sequence_parallel))
+        for index, layer in (_decoder_layers(chunk) if record_hidden_states else [])
     ]
     # One microbatch through the stages, as megatron's forward-only schedule runs it; the schedule
     # itself cannot run on CPU (0.16.1 allocates its token counter with device="cuda"). The stages
@@ -152,6 +155,17 @@ def _forward(
     )
     hidden_states = _hidden_states_of_all_stages(layer_outputs) if record_hidden_states else []
     return logits[:, :prompt_length].cpu(), [hidden[:, :prompt_length] for hidden in hidden_states]
+
+
+def _decoder_layers(chunk: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """(the global decoder layer index, the module whose output ends that layer) of this stage: a GPT layer, or a
+    HybridModel's MLP layer, which ends the GPT layer it is the second half of."""
+    types = getattr(chunk.decoder, "layer_type_list", None)
+    if types is None:
+        return [(layer.layer_number - 1, layer) for layer in chunk.decoder.layers]
+    return [
+        ((layer.layer_number - 1) // 2, layer) for layer, symbol in zip(chunk.decoder.layers, types) if symbol in hybrid.MLP_SYMBOLS
+    ]
 
 
 def _recorder(outputs: dict[int, torch.Tensor], layer_index: int, sequence_parallel: bool):

@@ -23,9 +23,11 @@ from mconvert.dependencies import VERIFY, VERIFY_INSTALL, require
 from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import read_hf_config
 from mconvert.mappings import ModelSpec, get_mapping
+from mconvert.mcore import hybrid
 from mconvert.mcore.checkpoint import iteration_dir, read_args
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.megatron_lm.args import megatron_args
+from mconvert.megatron_lm.hybrid_args import gpt_view
 from mconvert.verify.compare import (
     FP32,
     FP32_HIDDEN_REL,
@@ -96,6 +98,19 @@ def check_architecture(hf_dir: Path, stored: argparse.Namespace) -> ModelSpec:
     return spec
 
 
+def require_hybrid_model(mcore_dir: Path) -> None:
+    """HybridModel, from megatron-core 0.19 on (before it, MambaModel keyed its layers otherwise)."""
+    import importlib.util
+
+    from mconvert.verify.megatron_model import MEGATRON_CORE_VERSION
+
+    if importlib.util.find_spec("megatron.core.models.hybrid") is None:
+        raise ConversionError(
+            f"--mcore {mcore_dir}: a HybridModel checkpoint, and megatron-core {MEGATRON_CORE_VERSION} has no HybridModel: "
+            "verify with megatron-core 0.19 or later"
+        )
+
+
 def resolve_spec(spec: str | None) -> str:
     """The layer spec to verify with: the one asked for, else Transformer Engine's when it imports (what
     Megatron-LM trains with by default), else the local one."""
@@ -112,8 +127,8 @@ def megatron_outputs(
     ckpt_dir: str, prompts: list[torch.Tensor], vocab_size: int, dtype: torch.dtype, device: str, spec: str,
     pipeline: dict[str, Any],
 ) -> Outputs:
-    """Runs in every rank: load the checkpoint into megatron-core's GPTModel, its layers split over the
-    pipeline stages as `pipeline` (Megatron-LM's args) says, and run the prompts."""
+    """Runs in every rank: load the checkpoint into megatron-core's GPTModel (or HybridModel), its layers split over
+    the pipeline stages as `pipeline` (Megatron-LM's args) says, and run the prompts."""
     from mconvert.verify.megatron_side import forward_logits_and_hidden_states, load_model
 
     args = read_args(iteration_dir(Path(ckpt_dir)))
@@ -169,21 +184,23 @@ def verify(request: VerifyRequest) -> Report:
             "mcore-to-hf's export of this one with the HF model"
         )
     stored = read_args(iteration_dir(request.mcore_dir))
-    if getattr(stored, "hybrid_layer_pattern", None):
-        raise ConversionError(
-            f"--mcore {request.mcore_dir}: a HybridModel checkpoint (hybrid_layer_pattern {stored.hybrid_layer_pattern!r}), "
-            "which verify does not build: verify a --model-class gpt conversion of the same HF model (the same tensors), "
-            "or compare mcore-to-hf's export of this one with the HF model"
-        )
-    hf_spec = check_architecture(request.hf_dir, stored)
+    pattern = getattr(stored, "hybrid_layer_pattern", None)
+    if pattern:
+        require_hybrid_model(request.mcore_dir)
+    # A HybridModel checkpoint's args are compared as the GPT model's they were made from.
+    stored_gpt = gpt_view(stored, f"--mcore {request.mcore_dir}")
+    hf_spec = check_architecture(request.hf_dir, stored_gpt)
     from mconvert.verify.megatron_model import require_output_gate_above_query_groups
 
     require_output_gate_above_query_groups(stored, par.tp)
     # The rules hf-to-mcore checks a layout by, for the MTP layers the checkpoint holds (--no-mtp leaves them out).
-    par.validate(dataclasses.replace(hf_spec, mtp_layers=getattr(stored, "mtp_num_layers", None) or 0))
+    par.validate(dataclasses.replace(hf_spec, mtp_layers=getattr(stored_gpt, "mtp_num_layers", None) or 0))
     pipeline = par.pipeline.args(par.pp)
     if pipeline["virtual_pipeline_model_parallel_size"] is not None:
         raise ConversionError("--pipeline-model-parallel-layout: verify runs one stage a rank (no virtual pipeline stages)")
+    if pattern:
+        # HybridModel's stages are its pattern's `|`, placed anew for this run's split.
+        pipeline = {"hybrid_layer_pattern": hybrid.restaged(pattern, par.pipeline.stage_layers(par.pp, hf_spec.num_layers))}
     vocab_size = hf_spec.vocab_size
     prompts = (
         text_prompts(request.prompts_file, request.hf_dir)

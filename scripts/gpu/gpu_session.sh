@@ -41,6 +41,9 @@
 #   dsa-train   their Megatron-LM training steps on one GPU (hidden 2048, 32 experts, top-k 64)
 #   hybrid      on one GPU: Megatron-LM's HybridModel training steps from mconvert's hybrid checkpoints (dense, MLA
 #               with MoE and MTP, gated delta-net, sparse attention) and from GPT checkpoints with HYBRID_ARGS
+#   hybrid-verify  on one GPU: mconvert verify --spec te of hybrid checkpoints (HybridModel, megatron-core alone) at real
+#               width, written at TP 2 / EP 2 and run at TP 1: MLA with a dense first layer and MoE, gated delta-net,
+#               sparse attention, sliding windows with sinks (carry .whl: fla's wheels)
 #   fsdp        on one GPU: Megatron-LM training steps under Megatron-FSDP and FSDP2 (from torch_dist conversions,
 #               and from random init saving fsdp_dtensor and torch_dcp) of test-sized models (dense, MoE, MLA with
 #               MTP); their HF configs, tokens, losses and --lr 0 saves come back as fixtures
@@ -340,6 +343,14 @@ for stage in "$@"; do
       [ "$last" = 3 ] && code=3
     done
     [ "$code" = 3 ] || mark "$stage"
+    ;;
+  hybrid-verify)
+    install_fla
+    python3 scripts/gpu/gpu_verify.py --spec te --model-class hybrid --work "$WORK/verify" --out "$OUT/verify" \
+      --deadline-s "$(($(left) - 30))" ${HYBRID_VERIFY_JOBS:-'deepseek-v3@2+first_k_dense_replace=1:ep2>tp1' \
+      "$QWEN3_NEXT:tp2ep2>tp1" "$DEEPSEEK_V32:tp2ep2>tp1" 'gpt-oss-20b@2:ep2>tp1'} > "$OUT/hybrid-verify.log" 2>&1
+    note "hybrid-verify: exit $?"
+    mark "$stage"
     ;;
   train-distopt)
     python3 scripts/gpu/gpu_train.py --nproc 1 --distributed-optimizer --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" \

@@ -6,7 +6,7 @@ A job is MODEL:LAYOUT[:DTYPE]: MODEL a config of mconvert/configs as CONFIG[@LAY
 cut the model to its first few layers, all if absent; fields of the config set, e.g.
 deepseek-v3@2+first_k_dense_replace=1 for its first dense and first MoE layer), LAYOUT like tp1, tp2, pp2, ep2,
 tp2pp2, tp2ep2etp1, or WRITTEN>LOADED (tp2ep2>tp1: converted at TP 2 and EP 2, verified at TP 1, as torch_dist
-reshards on loading), DTYPE fp32 (default) or bf16. --spec te|local is passed to verify. For each job it writes the HF model once (bf16, tensor by tensor), converts it with `mconvert hf-to-mcore`
+reshards on loading), DTYPE fp32 (default) or bf16. --spec te|local is passed to verify, --model-class to hf-to-mcore. For each job it writes the HF model once (bf16, tensor by tensor), converts it with `mconvert hf-to-mcore`
 and runs `mconvert verify --device cuda`, timing both; each result is appended to OUT/results.jsonl as it comes,
 so a run stopped at its time limit keeps what it finished. Jobs not started before --deadline-s are skipped.
 Jobs of one model should be adjacent: the HF model is deleted after its last adjacent job, each checkpoint
@@ -75,6 +75,7 @@ def main() -> int:
     parser.add_argument("--deadline-s", type=float, default=540)
     parser.add_argument("--device", default="cuda", help="cpu to try the script on a small model")
     parser.add_argument("--spec", choices=("te", "local"), default=None, help="verify's --spec (default: verify's default)")
+    parser.add_argument("--model-class", choices=("gpt", "hybrid"), default="gpt", help="hf-to-mcore's --model-class")
     options = parser.parse_args()
     options.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -89,9 +90,10 @@ def main() -> int:
         flags = [f"--{k}={v}" for k, v in sizes.items()]
         mcore = options.work / f"{model}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}"
         code, convert_s, convert_out = run(
-            [*MCONVERT, "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(mcore), "--overwrite", *flags]
+            [*MCONVERT, "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(mcore), "--overwrite", *flags,
+             "--model-class", options.model_class]
         )
-        result = {"job": job, "make_hf_s": made, "convert_s": round(convert_s, 1), "convert_exit": code}
+        result = {"job": job, "model_class": options.model_class, "make_hf_s": made, "convert_s": round(convert_s, 1), "convert_exit": code}
         if code == 0:
             report = options.work / "report.json"
             report.unlink(missing_ok=True)  # a failed verify writes none: the last job's must not stand in for it

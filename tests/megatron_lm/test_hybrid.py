@@ -169,3 +169,26 @@ def test_thehybrid_shared_top_k_schedule_keeps_megatron_cores_layers():
             at = 2 * layer - 1  # GPT layer n's attention is hybrid layer 2n - 1
             assert is_dsa_skip_topk_layer(at, hybrid_offset, hybrid_freq) == is_dsa_skip_topk_layer(layer, offset, freq)
             assert source_dsa_compute_layer(at, hybrid_offset, hybrid_freq) == 2 * source_dsa_compute_layer(layer, offset, freq) - 1
+
+
+def test_verify_judges_a_hybrid_checkpoint_at_another_layout(converted, tmp_path):
+    """`mconvert verify` builds megatron-core's HybridModel from the checkpoint's args alone: written at TP 2 x EP 2 and
+    run at EP 2 (the sparse-attention indexer without sequence parallelism, its 64-token prompt past the top-k 8), it
+    passes; against an HF model with GPT layer 1's MLP changed, it fails there (the hybrid MLP layer 3 ends it)."""
+    from safetensors.torch import save_file
+
+    from mconvert.verify.run import VerifyRequest, verify
+
+    hf, ckpt = converted("deepseek-v3.2-tp2ep2")
+    report = verify(VerifyRequest(hf, ckpt, Parallelism(ep=2)))
+    assert report.passed and report.first_diverging_layer is None, report
+    planted = tmp_path / "hf"
+    planted.mkdir()
+    for path in hf.iterdir():
+        (planted / path.name).symlink_to(path)
+    weights = load_file(hf / "model.safetensors")
+    weights["model.layers.1.mlp.shared_experts.down_proj.weight"] *= 1.5
+    (planted / "model.safetensors").unlink()
+    save_file(weights, planted / "model.safetensors", metadata={"format": "pt"})
+    report = verify(VerifyRequest(planted, ckpt, Parallelism(ep=2)))
+    assert not report.passed and report.first_diverging_layer == 1
