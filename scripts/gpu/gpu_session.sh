@@ -6,6 +6,12 @@
 #   here:   bash scripts/gpu/gpu_session.sh prepare                  # wheels and the five TE parts (git-ignored)
 #   there:  bash scripts/gpu/gpu_session.sh part N                   # N = 1..4, one call each, carrying .tepN
 #   there:  bash scripts/gpu/gpu_session.sh run 540 install train    # carrying .tep5, .tebuild and .whl
+#
+# A call carries the tracked tree too (12.4 MB), which leaves no room for a 56 MiB part beside it: cut the five parts
+# into chunks that fit, and carry those instead, one a call, in order:
+#   here:   bash scripts/gpu/gpu_session.sh chunks                   # build/tepc/0 ... build/tepc/5 (44 MiB each)
+#   there:  bash scripts/gpu/gpu_session.sh chunk N                  # N = 0..5, carrying build/tepc/N
+#   there:  bash scripts/gpu/gpu_session.sh run 540 install ...      # carrying .tebuild and .whl: the parts made anew
 #   there:  bash scripts/gpu/gpu_session.sh run 540 install verify   # carrying .tebuild and .whl (install: done)
 #   there:  bash scripts/gpu/gpu_session.sh run 540 install train te-export launch verify-mla   # what is left
 #
@@ -85,6 +91,18 @@ case "${1:-}" in
 prepare)
   exec bash scripts/gpu/gpu_te_setup.sh prepare
   ;;
+chunks)
+  rm -rf build/tepc && mkdir -p build/tepc
+  cat .tep1/tepart_0 .tep2/tepart_1 .tep3/tepart_2 .tep4/tepart_3 .tep5/tepart_4 | split -b 44M -d -a 1 - build/tepc/chunk_
+  for chunk in build/tepc/chunk_*; do mkdir -p "build/tepc/${chunk##*_}" && mv "$chunk" "build/tepc/${chunk##*_}/"; done
+  du -sh build/tepc/*
+  exit
+  ;;
+chunk)
+  n=${2:?chunk number 0..5}
+  cat build/tepc/"$n"/chunk_"$n" >> /tmp/teblob && ls -l /tmp/teblob
+  exit
+  ;;
 part)
   n=${2:?part number 1..5}
   mkdir -p /tmp/teparts && cp .tep"$n"/* /tmp/teparts/ && ls -l /tmp/teparts
@@ -158,6 +176,8 @@ for stage in "$@"; do
   install)
     # A TE part carried with this call (the last one fits beside .tebuild and .whl) joins the others.
     for part in .tep?; do [ -d "$part" ] && mkdir -p /tmp/teparts && cp "$part"/* /tmp/teparts/; done
+    # The chunks' concatenation is the five parts' (the parts are 56 MiB cuts of TE's core wheel).
+    [ -f /tmp/teblob ] && mkdir -p /tmp/teparts && split -b 56M -d -a 1 /tmp/teblob /tmp/teparts/tepart_
     if python3 -c "import megatron.training, transformer_engine.pytorch" 2>/dev/null; then
       mark install
     else
