@@ -50,6 +50,8 @@
 #   hybrid-verify  on one GPU: mconvert verify --spec te of hybrid checkpoints (HybridModel, megatron-core alone) at real
 #               width, written at TP 2 / EP 2 and run at TP 1: MLA with a dense first layer and MoE, gated delta-net,
 #               sparse attention, sliding windows with sinks (carry .whl: fla's wheels)
+#   peers       on one GPU host: Megatron-Bridge, ms-swift and mbridge beside mconvert, both ways, timed whole, tensor
+#               for tensor (scripts/gpu/gpu_peers.py; wheels: peers_setup.sh prepare, carried by peer-wheels and this call)
 #   fsdp        on one GPU: Megatron-LM training steps under Megatron-FSDP and FSDP2 (from torch_dist conversions,
 #               and from random init saving fsdp_dtensor and torch_dcp) of test-sized models (dense, MoE, MLA with
 #               MTP); their HF configs, tokens, losses and --lr 0 saves come back as fixtures
@@ -96,6 +98,11 @@ chunks)
   cat .tep1/tepart_0 .tep2/tepart_1 .tep3/tepart_2 .tep4/tepart_3 .tep5/tepart_4 | split -b 44M -d -a 1 - build/tepc/chunk_
   for chunk in build/tepc/chunk_*; do mkdir -p "build/tepc/${chunk##*_}" && mv "$chunk" "build/tepc/${chunk##*_}/"; done
   du -sh build/tepc/*
+  exit
+  ;;
+peer-wheels)
+  # The peers' wheel folders carried with this call (build/peers/wheels/...), kept for the peers stage.
+  mkdir -p /tmp/peerwheels && cp -r build/peers/wheels/* /tmp/peerwheels/ && du -sh /tmp/peerwheels/*
   exit
   ;;
 chunk)
@@ -370,6 +377,17 @@ for stage in "$@"; do
       --deadline-s "$(($(left) - 30))" ${HYBRID_VERIFY_JOBS:-'deepseek-v3@2+first_k_dense_replace=1:ep2>tp1' \
       "$QWEN3_NEXT:tp2ep2>tp1" "$DEEPSEEK_V32:tp2ep2>tp1" 'gpt-oss-20b@2:ep2>tp1'} > "$OUT/hybrid-verify.log" 2>&1
     note "hybrid-verify: exit $?"
+    mark "$stage"
+    ;;
+  peers)
+    # The peers beside mconvert (scripts/gpu/gpu_peers.py), installed from the wheels of peers_setup.sh prepare: carried
+    # in an earlier call (peer-wheels) and with this one.
+    [ -d build/peers/wheels ] && mkdir -p /tmp/peerwheels && cp -r build/peers/wheels/* /tmp/peerwheels/
+    PEER_WHEELS=/tmp/peerwheels bash scripts/gpu/peers_setup.sh install > "$OUT/peers.log" 2>&1
+    note "peers install: exit $?"
+    python3 scripts/gpu/gpu_peers.py --work "$WORK/peers" --out "$OUT" --deadline-s "$(($(left) - 90))" \
+      ${PEER_MODELS:-qwen2.5-0.5b qwen3-30b-a3b@2 'deepseek-v3@2+first_k_dense_replace=1+n_routed_experts=32'} >> "$OUT/peers.log" 2>&1
+    note "peers: exit $?"
     mark "$stage"
     ;;
   train-distopt)
