@@ -458,6 +458,25 @@ def test_mtp_layers_convert_both_ways_or_are_left_out(tmp_path, capsys):
     assert not any(key.startswith("mtp.") for key in DCPCheckpoint(tmp_path / "no-mtp" / RELEASE).shapes)
 
 
+def test_a_save_without_megatron_lms_args_takes_the_model_from_hf_config_and_its_mtp_layers_from_its_keys(tmp_path, capsys):
+    """Other tools' torch_dist saves: ms-swift stores its own training arguments where Megatron-LM's are (no model in
+    them), Megatron-Bridge none. Given --hf-config, the way back is bit-exact with the MTP layers the save holds, whether
+    or not the HF config names them; without it, one line."""
+    hf = add_mtp_layers(make_hf_checkpoint(shrink(real_config("deepseek-v3")), tmp_path / "hf"))
+    for name, flags in (("mtp", []), ("no-mtp", ["--no-mtp"])):
+        assert main(["hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(tmp_path / name), "--ep", "2", *flags]) == 0
+        torch.save({"args": argparse.Namespace(tensor_model_parallel_size=1, lr=1e-5), "iteration": 0}, tmp_path / name / RELEASE / "common.pt")
+        capsys.readouterr()
+        config = export(capsys, tmp_path / name, tmp_path / f"{name}-back", "--hf-config", str(hf))
+        back, original = read_hf(tmp_path / f"{name}-back"), read_hf(hf)
+        if name == "no-mtp":
+            original = {k: v for k, v in original.items() if k in back}
+            assert len(original) < len(read_hf(hf)) and config["num_nextn_predict_layers"] == 0
+        assert sorted(back) == sorted(original) and all(torch.equal(original[k], back[k]) for k in original)
+    assert main(["mcore-to-hf", "--load-dir", str(tmp_path / "mtp"), "--save-dir", str(tmp_path / "alone")]) == 1
+    assert "no Megatron-LM args that describe the model" in capsys.readouterr().err
+
+
 def test_ranks_are_given_whole_hf_files_to_fill_and_hash(hf_model_factory, tmp_path):
     """Under torchrun each rank converts the pieces of whole HF files (balanced by bytes), so that it alone
     writes them and hashes them as they fill; the ranks' shares differ by at most one file. The files break

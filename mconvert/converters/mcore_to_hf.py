@@ -79,7 +79,7 @@ def resolve_model(
             spec = dataclasses.replace(spec, mtp_layers=from_args.mtp_layers)
         return family, spec
     if args is None:
-        raise ConversionError(f"{location}: no Megatron args stored with the checkpoint: pass --hf-config")
+        raise ConversionError(f"{location}: no Megatron-LM args that describe the model are stored with the checkpoint: pass --hf-config")
     spec = spec_from_args(args)
     family = family_for_spec(spec)
     named = family_for_model_size(model_size) if model_size is not None else family
@@ -88,6 +88,17 @@ def resolve_model(
             f"--model-size '{model_size}' names family '{named.name}' but the checkpoint's args describe a {family.name} model"
         )
     return family, dataclasses.replace(spec, family=family.name)
+
+
+def model_args(args: argparse.Namespace | None) -> argparse.Namespace | None:
+    """The stored args where they describe the model, as Megatron-LM's always do; None where they describe none:
+    ms-swift stores its own training arguments in their place and keeps the model's settings in args.json."""
+    return args if getattr(args, "num_layers", None) is not None else None
+
+
+def mtp_layers_stored(shapes: dict[str, Shape]) -> int:
+    """The multi-token prediction layers a checkpoint holds (`mtp.layers.<m>.`, GPTModel's and HybridModel's)."""
+    return len({key.split(".")[2] for key in shapes if key.startswith("mtp.layers.")})
 
 
 def check_stored(plan: Plan, shapes: dict[str, Shape], location: str) -> None:
@@ -140,15 +151,20 @@ def plan_export(
 ) -> tuple[Plan, dict[str, Any]]:
     """The plan of exporting `source` to HF, and the HF config.json it gets; checked against the stored
     shapes before anything is read."""
-    family, spec = resolve_model(source.args, reference, source.location, model_size)
+    args = model_args(source.args)
+    family, spec = resolve_model(args, reference, source.location, model_size)
     if source.weights_dtype is not None and source.weights_dtype not in DTYPES.values():
         raise ConversionError(
             f"{source.location}: the word embedding is stored as {str(source.weights_dtype).removeprefix('torch.')}, "
             f"not one of the dtypes of weights ({', '.join(DTYPES)})"
         )
     spec = dataclasses.replace(spec, dtype=dtype or source.weights_dtype or spec.dtype)
-    parallelism = parallelism_from_args(source.args) if source.args is not None else Parallelism()
+    parallelism = parallelism_from_args(args) if args is not None else Parallelism()
     plan = build_plan(family, spec, parallelism, spec.dtype)
+    if args is None and family.table.mtp and mtp_layers_stored(source.stored_shapes(plan)) != spec.mtp_layers:
+        # Without args (a Megatron-Bridge save) the HF config names the MTP layers, which the checkpoint may not hold.
+        spec = dataclasses.replace(spec, mtp_layers=mtp_layers_stored(source.stored_shapes(plan)))
+        plan = build_plan(family, spec, parallelism, spec.dtype)
     config = write_hf_config(family, spec)
     check_stored(plan, source.stored_shapes(plan), source.location)
     return plan, config
