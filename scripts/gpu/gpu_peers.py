@@ -6,7 +6,7 @@ HF export and mconvert's `mcore-to-hf` of the same checkpoints against the origi
 
     python scripts/gpu/gpu_peers.py --work /tmp/peers-work --out OUT qwen2.5-0.5b qwen3-30b-a3b@2
 
-MODEL as gpu_verify.py names it. Peers: $PEERS (default "mb swift mbridge"), installed by peers_setup.sh into
+MODEL as gpu_verify.py names it. Peers: $PEERS (default "mb swift"; mbridge too where its megatron-core allows), installed by peers_setup.sh into
 /tmp/peers/<peer>. Results: OUT/peers.jsonl, a line per step and per comparison, appended as they come.
 """
 
@@ -174,8 +174,10 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", help="where the random HF weights are made (cpu to try the script)")
     options = parser.parse_args()
     options.out.mkdir(parents=True, exist_ok=True)
-    peers = ["mconvert", *os.environ.get("PEERS", "mb swift mbridge").split()]
+    # mbridge 0.15.1 does not run with megatron-core 0.19.2 (ModelType.encoder_and_decoder is gone): PEERS=... mbridge.
+    peers = ["mconvert", *os.environ.get("PEERS", "mb swift").split()]
     started = time.perf_counter()
+    shutil.rmtree(options.work, ignore_errors=True)  # what an earlier, stopped run left would fill the disk
 
     def record(entry: dict) -> None:
         print(json.dumps(entry)[:2000], flush=True)
@@ -193,6 +195,9 @@ def main() -> int:
         config["torch_dtype"] = "bfloat16"
         write_random_hf_checkpoint(config, hf, device=options.device)
         write_word_tokenizer(hf, config.get("vocab_size") or config["text_config"]["vocab_size"])
+        # ms-swift asserts an end-of-sequence token for some templates (Qwen3's): name one.
+        tokenizer_config = json.loads((hf / "tokenizer_config.json").read_text())
+        (hf / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "eos_token": "w0"}))
         size = sum(p.stat().st_size for p in hf.iterdir())
         subprocess.run(["sync"])
         record({"model": model, "peer": "cp -r", **timed(["cp", "-r", str(hf), str(work / "copy")], dict(os.environ), options.out / "peers.log"),

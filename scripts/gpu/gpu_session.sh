@@ -374,7 +374,7 @@ for stage in "$@"; do
   hybrid-verify)
     install_fla
     python3 scripts/gpu/gpu_verify.py --spec te --model-class hybrid --work "$WORK/verify" --out "$OUT/verify" \
-      --deadline-s "$(($(left) - 30))" ${HYBRID_VERIFY_JOBS:-'deepseek-v3@2+first_k_dense_replace=1:ep2>tp1' \
+      --deadline-s "$(($(left) - 30))" ${HYBRID_VERIFY_JOBS:-'deepseek-v3@2+first_k_dense_replace=1+n_routed_experts=32:ep2>tp1' \
       "$QWEN3_NEXT:tp2ep2>tp1" "$DEEPSEEK_V32:tp2ep2>tp1" 'gpt-oss-20b@2:ep2>tp1'} > "$OUT/hybrid-verify.log" 2>&1
     note "hybrid-verify: exit $?"
     mark "$stage"
@@ -386,7 +386,8 @@ for stage in "$@"; do
     PEER_WHEELS=/tmp/peerwheels bash scripts/gpu/peers_setup.sh install > "$OUT/peers.log" 2>&1
     note "peers install: exit $?"
     python3 scripts/gpu/gpu_peers.py --work "$WORK/peers" --out "$OUT" --deadline-s "$(($(left) - 90))" \
-      ${PEER_MODELS:-qwen2.5-0.5b qwen3-30b-a3b@2 'deepseek-v3@2+first_k_dense_replace=1+n_routed_experts=32'} >> "$OUT/peers.log" 2>&1
+      ${PEER_MODELS:-qwen2.5-0.5b qwen3-30b-a3b@2 'deepseek-v3@2+first_k_dense_replace=1+n_routed_experts=32' \
+      'glm-4.5-air@2+n_routed_experts=32'} >> "$OUT/peers.log" 2>&1
     note "peers: exit $?"
     mark "$stage"
     ;;
