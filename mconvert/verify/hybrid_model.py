@@ -126,7 +126,7 @@ def build_hybrid_model(
     from megatron.core.models.hybrid.hybrid_model import HybridModel
 
     from mconvert.verify.megatron_model import (
-        padded_vocab_size_for_tp,
+        language_model_settings,
         transformer_config_from_args,
         uses_transformer_engine,
         yarn_settings,
@@ -142,16 +142,6 @@ def build_hybrid_model(
         if tuple(args.spec or ()) == layer_specs.QK_NORM_ACROSS_HEADS_HYBRID:
             layer_specs.with_qk_norm_across_heads(stack.submodules.attention_layer)
     return HybridModel(
-        config=config,
-        hybrid_stack_spec=stack,
-        vocab_size=padded_vocab_size_for_tp(args, config.tensor_model_parallel_size),
-        max_sequence_length=args.max_position_embeddings,
-        hybrid_layer_pattern=args.hybrid_layer_pattern,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
-        rotary_percent=getattr(args, "rotary_percent", 1.0),
-        rotary_base=getattr(args, "rotary_base", 10000),
-        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
+        hybrid_stack_spec=stack, hybrid_layer_pattern=args.hybrid_layer_pattern,
+        **language_model_settings(config, args, pre_process, post_process),
     )

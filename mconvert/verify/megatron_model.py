@@ -369,9 +369,18 @@ def build_gpt_model(
         # Built on the last pipeline stage only, each layer like the decoder's last.
         mtp_block_spec = get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=use_te)
     return GPTModel(
-        config=config,
         transformer_layer_spec=layer_spec,
         mtp_block_spec=mtp_block_spec,
+        rope_scaling=getattr(args, "use_rope_scaling", False),
+        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
+        **language_model_settings(config, args, pre_process, post_process),
+    )
+
+
+def language_model_settings(config: TransformerConfig, args: argparse.Namespace, pre_process: bool, post_process: bool) -> dict:
+    """What GPTModel and HybridModel take alike from the args: vocabulary, stages, embeddings, rotary embedding."""
+    return dict(
+        config=config,
         vocab_size=padded_vocab_size_for_tp(args, config.tensor_model_parallel_size),
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -380,7 +389,5 @@ def build_gpt_model(
         position_embedding_type=getattr(args, "position_embedding_type", "learned_absolute"),
         rotary_percent=getattr(args, "rotary_percent", 1.0),
         rotary_base=getattr(args, "rotary_base", 10000),
-        rope_scaling=getattr(args, "use_rope_scaling", False),
-        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
         seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
     )
