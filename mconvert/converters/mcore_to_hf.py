@@ -161,12 +161,14 @@ def plan_export(
     spec = dataclasses.replace(spec, dtype=dtype or source.weights_dtype or spec.dtype)
     parallelism = parallelism_from_args(args) if args is not None else Parallelism()
     plan = build_plan(family, spec, parallelism, spec.dtype)
-    if args is None and family.table.mtp and mtp_layers_stored(source.stored_shapes(plan)) != spec.mtp_layers:
+    shapes = source.stored_shapes(plan)
+    if args is None and family.table.mtp and mtp_layers_stored(shapes) != spec.mtp_layers:
         # Without args (a Megatron-Bridge save) the HF config names the MTP layers, which the checkpoint may not hold.
-        spec = dataclasses.replace(spec, mtp_layers=mtp_layers_stored(source.stored_shapes(plan)))
+        spec = dataclasses.replace(spec, mtp_layers=mtp_layers_stored(shapes))
         plan = build_plan(family, spec, parallelism, spec.dtype)
+        shapes = source.stored_shapes(plan)
     config = write_hf_config(family, spec)
-    check_stored(plan, source.stored_shapes(plan), source.location)
+    check_stored(plan, shapes, source.location)
     return plan, config
 
 

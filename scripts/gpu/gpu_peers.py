@@ -91,24 +91,24 @@ def timed(command: list[str], env: dict[str, str], log: Path) -> dict:
 
 
 def peer_env(peer: str) -> dict[str, str]:
-    env = {**os.environ, "PYTHONPATH": PEER_PATH[peer], "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    return env
+    """One rank's torch.distributed environment (the peers start a process group without a launcher)."""
+    return {**os.environ, "PYTHONPATH": PEER_PATH[peer], "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 
 
-def hf_to_mcore_steps(peer: str, hf: Path, mcore: Path, back: Path, model_type: str) -> list[tuple[str, list[str]]]:
+def hf_to_mcore_step(peer: str, hf: Path, mcore: Path, back: Path, model_type: str) -> tuple[str, list[str]]:
     """(step name, command) of a peer's way in (and, for mbridge, its way back in the same process)."""
     run = [sys.executable, str(REPO / "scripts/gpu/peer_run.py")]
     if peer == "mconvert":
-        return [("hf-to-mcore", [sys.executable, "-m", "mconvert.cli", "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(mcore), "--quiet"])]
+        return "hf-to-mcore", [sys.executable, "-m", "mconvert.cli", "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(mcore), "--quiet"]
     if peer == "mb":
-        return [("hf-to-mcore", [*run, "mb-import", str(hf), str(mcore)])]
+        return "hf-to-mcore", [*run, "mb-import", str(hf), str(mcore)]
     if peer == "mbridge":
-        return [("hf-to-mcore+mcore-to-hf", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
-                                             "--master-port", str(free_port()), *run[1:], "mbridge", str(hf), str(mcore), str(back)])]
+        return "hf-to-mcore+mcore-to-hf", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                                           "--master-port", str(free_port()), *run[1:], "mbridge", str(hf), str(mcore), str(back)]
     template = SWIFT_TEMPLATES.get(model_type, model_type)
-    return [("hf-to-mcore", [sys.executable, "-m", "swift.cli._megatron.export", "--model", str(hf), "--model_type", model_type,
-                             "--template", template, "--to_mcore", "true", "--torch_dtype", "bfloat16", "--output_dir", str(mcore)])]
+    return "hf-to-mcore", [sys.executable, "-m", "swift.cli._megatron.export", "--model", str(hf), "--model_type", model_type,
+                           "--template", template, "--to_mcore", "true", "--torch_dtype", "bfloat16", "--output_dir", str(mcore)]
 
 
 def mcore_to_hf_step(peer: str, hf: Path, mcore: Path, back: Path) -> tuple[str, list[str]] | None:
@@ -154,13 +154,16 @@ def compare(ours: dict, theirs: dict) -> dict:
         if a.dtype != b.dtype:
             dtype[key] = f"{a.dtype} vs {b.dtype}"
             b = b.to(a.dtype)
-        if a.shape == b.shape:
-            (equal.append(key) if torch.equal(a, b) else differ.__setitem__(key, float((a.float() - b.float()).abs().max())))
-        elif a.dim() == b.dim() and a.shape[1:] == b.shape[1:]:
-            rows = min(a.shape[0], b.shape[0])
-            (padded.append(key) if torch.equal(a[:rows], b[:rows]) else differ.__setitem__(key, float((a[:rows].float() - b[:rows].float()).abs().max())))
-        else:
+        if a.dim() != b.dim() or a.shape[1:] != b.shape[1:]:
             shape[key] = f"{tuple(a.shape)} vs {tuple(b.shape)}"
+            continue
+        rows = min(a.shape[0], b.shape[0])  # a padded vocabulary: the rows both hold
+        if not torch.equal(a[:rows], b[:rows]):
+            differ[key] = float((a[:rows].float() - b[:rows].float()).abs().max())
+        elif a.shape == b.shape:
+            equal.append(key)
+        else:
+            padded.append(key)
     return {"equal": len(equal), "equal_on_common_rows": padded, "differ": differ, "shape_differs": shape, "dtype_differs": dtype,
             "only_reference": sorted(ours.keys() - theirs.keys()), "only_candidate": sorted(theirs.keys() - ours.keys())}
 
@@ -211,9 +214,8 @@ def main() -> int:
                 continue
             mcore, back = work / f"{peer}-mcore", work / f"{peer}-hf"
             env = peer_env(peer)
-            for step, command in hf_to_mcore_steps(peer, hf, mcore, back, config["model_type"]):
-                result = timed(command, env, options.out / "peers.log")
-                record({"model": model, "peer": peer, "step": step, **result})
+            step, command = hf_to_mcore_step(peer, hf, mcore, back, config["model_type"])
+            record({"model": model, "peer": peer, "step": step, **timed(command, env, options.out / "peers.log")})
             if any(mcore.rglob(".metadata")):
                 checkpoints[peer] = mcore
                 step = mcore_to_hf_step(peer, hf, mcore, back)
