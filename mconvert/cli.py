@@ -149,7 +149,8 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     print("next:")
     etp = [f"--etp {parallelism.etp}"] if parallelism.etp is not None else []
     layout = " ".join([f"--tp {parallelism.tp} --pp {parallelism.pp} --ep {parallelism.ep}", *etp, *pipeline_split_flags(parallelism.pipeline)])
-    print(f"  mconvert verify --hf {options.load_dir} --mcore {save_dir} {layout} --device cuda  # --device cpu without GPUs")
+    needs = "; HybridModel: megatron-core 0.19 or later" if parallelism.model_class == "hybrid" else ""
+    print(f"  mconvert verify --hf {options.load_dir} --mcore {save_dir} {layout} --device cuda  # --device cpu without GPUs{needs}")
     print(f"  MEGATRON_LM=/path/to/Megatron-LM bash {save_dir}/{TORCHRUN_SCRIPT}      # train on this node")
     print(f"  MEGATRON_LM=/path/to/Megatron-LM sbatch {save_dir}/{SBATCH_SCRIPT}  # or on a Slurm cluster")
     return 0
@@ -198,7 +199,8 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
     print("next:")
     # megatron-core's models load FSDP saves only in FSDP runs.
     if result.source_format not in FSDP_FORMATS:
-        print(f"  mconvert verify --hf {save_dir} --mcore {options.load_dir} --device cuda  # --device cpu without GPUs")
+        needs = "; HybridModel: megatron-core 0.19 or later" if plan.parallelism.model_class == "hybrid" else ""
+        print(f"  mconvert verify --hf {save_dir} --mcore {options.load_dir} --device cuda  # --device cpu without GPUs{needs}")
     print(f"  mconvert inspect --check {save_dir}")
     return 0
 
