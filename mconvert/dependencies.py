@@ -24,6 +24,9 @@ class Requirement:
 # the newest, in 4.51), so one minimum covers all families.
 VERIFY = (Requirement("megatron-core", "megatron.core", "0.13"), Requirement("transformers", "transformers", "4.56"))
 VERIFY_INSTALL = "pip install 'mconvert[verify]'"
+# transformers loads FP8 checkpoints (DeepSeek-V3's, MiniMax-M2's) only with accelerate installed, even to dequantize
+# them; the `verify` extra has it too.
+ACCELERATE = Requirement("accelerate", "accelerate", "1.0")
 
 
 def release(version: str) -> tuple[int, ...]:

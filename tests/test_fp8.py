@@ -17,6 +17,7 @@ from mconvert.full_size import is_fp8_on_the_hub, write_random_hf_checkpoint
 from mconvert.mcore.checkpoint import RELEASE
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
+from tests.cli_runner import run_cli
 
 # Smaller than the hub's 128 x 128, and not square, so that the test's widths (24 to 128) span several
 # blocks, some partial.
@@ -84,6 +85,18 @@ def test_fp8_converts_as_its_dequantized_values(checkpoints, dtype, tmp_path):
     assert sorted(from_fp8) == sorted(from_plain)
     assert all(torch.equal(from_fp8[key], from_plain[key]) for key in from_plain)
     assert from_fp8["decoder.layers.0.self_attention.linear_q_down_proj.weight"].dtype == dtype
+
+
+def test_verify_judges_an_fp8_source_by_transformers_dequantization(tmp_path):
+    """`verify` runs transformers on its own dequantization of the FP8 blocks (its FP8 kernels would compute other
+    numbers, and need a GPU of a recent kind): the checkpoint converted from them gives its logits."""
+    # transformers' dequantization takes the block size from the grid of scales, so it needs whole blocks
+    config = {**shrink(real_config("deepseek-v3")), "torch_dtype": "bfloat16",
+              "quantization_config": {**real_config("deepseek-v3")["quantization_config"], "weight_block_size": [8, 8]}}
+    fp8 = write_random_hf_checkpoint(config, tmp_path / "fp8", quantized=True)
+    convert_hf_to_mcore(fp8, tmp_path / "mcore", parallelism=Parallelism(tp=2, ep=2))
+    result = run_cli("verify", "--hf", fp8, "--mcore", tmp_path / "mcore", "--tp", "2", "--ep", "2", "--device", "cpu")
+    assert result.returncode == 0 and result.stdout.strip().endswith("PASS"), result.stdout + result.stderr
 
 
 def test_random_fp8_checkpoints_are_the_hubs_layout(tmp_path):

@@ -182,6 +182,9 @@ def test_mxfp4_hub_weights_convert_as_transformers_dequantizes_them(hf, tmp_path
     back = {k: v for path in (tmp_path / "back").glob("*.safetensors") for k, v in load_file(path).items()}
     assert back.keys() == plain.keys() and all(torch.equal(back[k], plain[k]) for k in plain)
     assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
+    # verify runs transformers on its own dequantization of the blocks (running them as MXFP4 needs kernels and a GPU)
+    judged = run_cli("verify", "--hf", tmp_path / "mxfp4", "--mcore", tmp_path / "mxfp4-mcore", "--tp", "2", "--ep", "2", "--etp", "1", "--device", "cpu")
+    assert judged.returncode == 0 and judged.stdout.strip().endswith("PASS"), judged.stdout + judged.stderr
 
 
 def test_random_mxfp4_checkpoints_are_the_hubs_layout(tmp_path):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from mconvert.dependencies import ACCELERATE, VERIFY_INSTALL, require
 from mconvert.errors import ConversionError
 from mconvert.mappings import remote_code_architecture
 
@@ -27,13 +28,32 @@ def load_hf_model(hf_dir: str | Path, dtype: torch.dtype):
     import transformers
 
     config = json.loads((Path(hf_dir) / "config.json").read_text())
+    options = dict(dtype=dtype, local_files_only=True, **dequantized(config, hf_dir))
     taken = remote_code_architecture(config)
-    if taken is None:
-        return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, local_files_only=True)
-    family, architecture = taken
-    fields = {key: value for key, value in config.items() if key not in ("auto_map", "model_type")}
-    hf_config = transformers.AutoConfig.for_model(family.hf_model_type(config), **fields)
-    return getattr(transformers, architecture).from_pretrained(hf_dir, config=hf_config, dtype=dtype, local_files_only=True)
+    try:
+        if taken is None:
+            return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **options)
+        family, architecture = taken
+        fields = {key: value for key, value in config.items() if key not in ("auto_map", "model_type")}
+        hf_config = transformers.AutoConfig.for_model(family.hf_model_type(config), **fields)
+        return getattr(transformers, architecture).from_pretrained(hf_dir, config=hf_config, **options)
+    except (RuntimeError, ValueError) as error:  # e.g. its FP8 dequantization of blocks cut at a tensor's edge
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConversionError(f"{Path(hf_dir)}: transformers {transformers.__version__} cannot load it as the judge: {reason}") from error
+
+
+def dequantized(config: dict, hf_dir: str | Path) -> dict:
+    """from_pretrained's setting for a checkpoint stored quantized (DeepSeek-V3's and MiniMax-M2's FP8 blocks,
+    gpt-oss's MXFP4): transformers' own dequantization of its weights, the values mconvert converts. Running them
+    quantized instead needs kernels that only some GPUs and extra packages have."""
+    quantization = config.get("quantization_config")
+    if not quantization:
+        return {}
+    from transformers.quantizers.auto import AutoQuantizationConfig
+
+    if quantization.get("quant_method") == "fp8":
+        require((ACCELERATE,), f"verify of the FP8 checkpoint {Path(hf_dir)}", VERIFY_INSTALL)
+    return {"quantization_config": AutoQuantizationConfig.from_dict({**quantization, "dequantize": True})}
 
 
 def check_rotary_dim_read(model, hf_dir: str | Path) -> None:
