@@ -133,6 +133,11 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
         print(f"left out {what} of {options.load_dir}: {count} tensors a Megatron language-model checkpoint does not hold")
     for difference in plan.spec.computed_differently:
         print(f"note: {difference}")
+    if shifted := plan.shifted_in_16_bits():
+        dtype = str(plan.dtype).removeprefix("torch.")
+        print(f"note: Megatron's norms multiply by 1 + w, so {shifted[0]} and {len(shifted) - 1} more are stored as w - 1: in "
+              f"{dtype} a weight outside [0.5, 2] rounds by its last bit, as Megatron's own {dtype} parameter would; "
+              f"--dtype fp32 stores each exactly")
     if result.dropped_mtp_layers:
         why = mtp_left_out(plan.family, parallelism) or "--no-mtp"
         print(f"left out {result.dropped_mtp_layers} multi-token prediction layer(s) of {options.load_dir} ({why})")

@@ -212,3 +212,28 @@ def test_qwen35_moe_experts_saved_one_by_one_convert_as_the_hubs_fused_ones_and_
     assert all(torch.equal(region(stored["fused"], key), region(stored["one-by-one"], key)) for key in keys)
     convert_mcore_to_hf(tmp_path / "one-by-one", tmp_path / "back", hf_config_dir=fused)
     assert hf_tensors(tmp_path / "back").keys() == hf_tensors(fused).keys()
+
+
+def test_output_norms_of_a_bf16_source_are_stored_exactly_in_fp32_and_said_to_round_in_bf16(made, tmp_path):
+    """Megatron stores the delta-net output norm's w as w - 1. From a bf16 source that difference is exact in fp32
+    (a bf16 w outside [0.5, 2] needs more bits than bf16 has for w - 1), so a --dtype fp32 checkpoint holds it
+    exactly and goes back bit for bit; a bf16 one rounds such weights, as Megatron's own bf16 parameter does, and
+    the conversion says so."""
+    source = made("qwen3-next-80b-a3b-instruct")
+    tensors = {k: v.to(torch.bfloat16) for k, v in hf_tensors(source).items()}
+    norm = "model.layers.0.linear_attn.norm.weight"
+    tensors[norm][:4] = torch.tensor([0.3, -0.2, 3.7, 0.015625])  # w - 1 needs 9 to 14 significant bits
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    (hf / "config.json").write_text(json.dumps({**json.loads((source / "config.json").read_text()), "dtype": "bfloat16"}))
+    out = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "bf16")
+    assert out.returncode == 0 and f"note: Megatron's norms multiply by 1 + w, so {norm} and 2 more are stored as w - 1" in out.stdout
+    convert_hf_to_mcore(hf, tmp_path / "fp32", dtype=torch.float32)
+    dcp = DCPCheckpoint(iteration_dir(tmp_path / "fp32"))
+    key = "decoder.layers.0.self_attention.out_norm.weight"
+    stored = dcp.read_region(key, (0,), dcp.shapes[key])
+    assert torch.equal(stored, tensors[norm].float() - 1)
+    convert_mcore_to_hf(tmp_path / "fp32", tmp_path / "back", dtype=torch.bfloat16)
+    back = hf_tensors(tmp_path / "back")
+    assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in tensors)

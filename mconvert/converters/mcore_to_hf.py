@@ -133,7 +133,8 @@ def piece_hf_tensors(plan: Plan, piece: Piece, region: torch.Tensor) -> list[tup
     """The HF tensors (or slices `ref.index` of them) of one piece, from its stored region."""
     if piece.layout.real_rows is not None:
         region = region[: piece.layout.real_rows]  # vocabulary padding
-    return list(zip(piece.sources, piece.entry.to_hf(region.to(plan.dtype_of(piece)), plan.spec)))
+    dtype = plan.dtype_of(piece)  # cast after the transform: a Shift's sum is exact in the stored dtype's precision
+    return [(ref, tensor.to(dtype)) for ref, tensor in zip(piece.sources, piece.entry.to_hf(region, plan.spec))]
 
 
 def hf_tensors(plan: Plan, source: MegatronTensors) -> Iterator[tuple[HFRef, torch.Tensor]]:

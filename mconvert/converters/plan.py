@@ -18,7 +18,7 @@ from mconvert.errors import ConversionError
 from mconvert.formats.safetensors import Part, Rows
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
-from mconvert.mappings.transforms import Entry, Section
+from mconvert.mappings.transforms import Entry, Section, Shift
 from mconvert.mcore.hybrid import hybrid_layer_key, hybrid_model_key
 from mconvert.mcore.layout import (
     EXPERTS_PREFIX,
@@ -101,6 +101,12 @@ class Plan:
 
     def nbytes(self, piece: Piece) -> int:
         return math.prod(piece.layout.shape) * self.dtype_of(piece).itemsize
+
+    def shifted_in_16_bits(self) -> list[str]:
+        """The HF tensors stored as w - by (Shift) in a 16-bit dtype, where such a difference can round (bf16 w - 1
+        for w outside [0.5, 2])."""
+        return sorted({ref.name for piece in self.pieces if isinstance(piece.entry, Shift) and self.dtype_of(piece).itemsize == 2
+                       for ref in piece.sources})
 
     def key_dtypes(self) -> dict[str, torch.dtype]:
         return {key: self.dtype_of(piece) for piece in self.pieces for key in piece.keys}

@@ -180,5 +180,6 @@ def _gathered(
         region = region.reshape(region_shape[len(piece.offsets) :])
         if piece.layout.real_rows is not None:
             region = region[: piece.layout.real_rows]
-        for ref, tensor in zip(piece.sources, piece.entry.to_hf(region.to(piece.layout.dtype or dtype or region.dtype), spec)):
-            yield ref.name, tensor
+        stored = piece.layout.dtype or dtype or region.dtype  # cast after the transform, as mcore_to_hf does
+        for ref, tensor in zip(piece.sources, piece.entry.to_hf(region, spec)):
+            yield ref.name, tensor.to(stored)

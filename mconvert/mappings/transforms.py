@@ -202,20 +202,21 @@ class Section(Rename):
 @dataclass(frozen=True)
 class Shift(Rename):
     """One HF tensor that is the Megatron tensor plus `by` (a norm whose weight HF multiplies by as it is where
-    Megatron's zero-centred norms multiply by 1 + w: by 1). Computed in fp32 and rounded to the tensor's dtype:
-    exact where the difference needs no more bits than the dtype has (by Sterbenz's lemma, for any w from
-    by / 2 to 2 by), the last bit otherwise."""
+    Megatron's zero-centred norms multiply by 1 + w: by 1). Computed in fp32, which holds w - by exactly for w of
+    bf16 or fp16, and rounded once, to the stored dtype, by the caller: exact there where the difference needs no
+    more bits than that dtype has (by Sterbenz's lemma, for any w from by / 2 to 2 by), within its last bit
+    otherwise (bf16 w - 1 for w outside [0.5, 2]: Megatron's own bf16 parameter of such a norm is that rounding)."""
 
     by: float = 1.0
 
     def to_mcore(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
-        return (tensors[0].float() - self.by).to(tensors[0].dtype)
+        return tensors[0].float() - self.by
 
     def to_mcore_parts(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
         return [self.to_mcore(tensors, spec)]
 
     def to_hf(self, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
-        return [(tensor.float() + self.by).to(tensor.dtype)]
+        return [tensor.float() + self.by]
 
 
 Entry = Rename | Concat | QKVInterleave | Transpose | Deinterleave | Section | Shift
