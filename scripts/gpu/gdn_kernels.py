@@ -18,7 +18,6 @@ import argparse
 import copy
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
