@@ -79,7 +79,7 @@ def main() -> int:
     device = "cpu" if options.try_on_cpu else "cuda"
     write_hf_model(model, hf, device)
     code, convert_s, output = run([sys.executable, "-m", "mconvert.cli", "hf-to-mcore", "--load-dir", str(hf), "--save-dir",
-                                   str(mcore), "--overwrite", *(f"--{k}={v}" for k, v in sizes.items())])
+                                   str(mcore), "--overwrite", "--dtype", "fp32", *(f"--{k}={v}" for k, v in sizes.items())])
     if code:
         print(output[-3000:])
         return 1

@@ -36,6 +36,8 @@
 #               Megatron-LM training steps (hidden 2048) with the YaRN setting its flags cannot carry
 #   gpt-oss     on one GPU: gpt-oss-20b's first two layers: verify --spec te at real width, and Megatron-LM training
 #               steps with 8 of its experts
+#   gpt-oss-mxfp4  on one GPU: gpt-oss-20b's first two layers stored in MXFP4 as on the hub, verified under TE
+#   gdn-kernels on one GPU: Qwen3-Next verified in fp32 with each side on fla's kernels or on PyTorch (gdn_kernels.py)
 #   minimax     on one GPU: MiniMax-M2.7's first two layers (q/k norms across heads from mconvert's --spec layer spec)
 #               with 32 of its 256 experts: verify --spec te at real width at TP 1 from a TP 2 x EP 2 save, and
 #               Megatron-LM training steps (hidden 2048, 16 experts)
@@ -265,6 +267,22 @@ for stage in "$@"; do
   gpt-oss)
     # gpt-oss-20b's first two layers (sliding, then full attention); trained with 8 of its 32 experts.
     verify_and_train gpt-oss 'gpt-oss-20b@2:tp1' 'gpt-oss-20b@2+num_local_experts=8:tp1'
+    ;;
+  gpt-oss-mxfp4)
+    # gpt-oss-20b's first two layers stored as the hub stores them (MXFP4 experts, quantization_config kept): converted
+    # and verified under TE at TP 1 from a TP 2 x EP 2 save, transformers dequantizing the same blocks.
+    python3 scripts/gpu/gpu_verify.py --spec te --quantized --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(left)" \
+      'gpt-oss-20b@2:tp2ep2etp1>tp1' > "$OUT/gpt-oss-mxfp4.log" 2>&1
+    note "gpt-oss-mxfp4: exit $?"
+    mark "$stage"
+    ;;
+  gdn-kernels)
+    # Qwen3-Next's fp32 verify under TE four times, each side on fla's Triton kernels or its own PyTorch delta rule
+    # (scripts/gpu/gdn_kernels.py).
+    install_fla
+    python3 scripts/gpu/gdn_kernels.py --work "$WORK/gdn-kernels" --out "$OUT" "$QWEN3_NEXT:tp1" > "$OUT/gdn-kernels.log" 2>&1
+    note "gdn-kernels: exit $?"
+    mark "$stage"
     ;;
   minimax)
     # partial_rotary_factor beside the released rotary_dim: this machine's transformers (5.17) reads only the former

@@ -6,8 +6,10 @@ A job is MODEL:LAYOUT[:DTYPE]: MODEL a config of mconvert/configs as CONFIG[@LAY
 cut the model to its first few layers, all if absent; fields of the config set, e.g.
 deepseek-v3@2+first_k_dense_replace=1 for its first dense and first MoE layer), LAYOUT like tp1, tp2, pp2, ep2,
 tp2pp2, tp2ep2etp1, or WRITTEN>LOADED (tp2ep2>tp1: converted at TP 2 and EP 2, verified at TP 1, as torch_dist
-reshards on loading), DTYPE fp32 (default) or bf16. --spec te|local is passed to verify, --model-class to hf-to-mcore. For each job it writes the HF model once (bf16, tensor by tensor), converts it with `mconvert hf-to-mcore`
-and runs `mconvert verify --device cuda`, timing both; each result is appended to OUT/results.jsonl as it comes,
+reshards on loading), DTYPE fp32 (default) or bf16. --spec te|local is passed to verify, --model-class to hf-to-mcore. For each job it writes the HF model once (bf16, tensor by tensor; with --quantized, the weights the hub
+quantizes as its config's quantization_config says: FP8 blocks, MXFP4), converts it with `mconvert hf-to-mcore` in
+DTYPE (a bf16 checkpoint holds some zero-centred norms only rounded, which an fp32 judgement would count against
+it) and runs `mconvert verify --device cuda`, timing both; each result is appended to OUT/results.jsonl as it comes,
 so a run stopped at its time limit keeps what it finished. Jobs not started before --deadline-s are skipped.
 Jobs of one model should be adjacent: the HF model is deleted after its last adjacent job, each checkpoint
 after its verify.
@@ -50,14 +52,15 @@ def loaded_sizes(job: str) -> dict[str, str]:
     return layout_sizes(loaded or written)
 
 
-def write_hf_model(model: str, hf: Path, device: str) -> float:
-    """The random-init bf16 HF checkpoint of MODEL in `hf` unless there; the seconds it took."""
+def write_hf_model(model: str, hf: Path, device: str, quantized: bool = False) -> float:
+    """The random-init bf16 HF checkpoint of MODEL in `hf` unless there (`quantized`: as the hub stores it); the
+    seconds it took."""
     if (hf / "config.json").exists():
         return 0.0
     config = model_config(model)
     config["torch_dtype"] = "bfloat16"
     started = time.perf_counter()
-    write_random_hf_checkpoint(config, hf, device=device)
+    write_random_hf_checkpoint(config, hf, device=device, quantized=quantized)
     return round(time.perf_counter() - started, 1)
 
 
@@ -76,6 +79,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", help="cpu to try the script on a small model")
     parser.add_argument("--spec", choices=("te", "local"), default=None, help="verify's --spec (default: verify's default)")
     parser.add_argument("--model-class", choices=("gpt", "hybrid"), default="gpt", help="hf-to-mcore's --model-class")
+    parser.add_argument("--quantized", action="store_true", help="HF models stored quantized as the hub stores them")
     options = parser.parse_args()
     options.out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -86,12 +90,12 @@ def main() -> int:
             continue
         model, sizes, dtype = parse_job(job)
         hf = options.work / model
-        made = write_hf_model(model, hf, options.device)
+        made = write_hf_model(model, hf, options.device, options.quantized)
         flags = [f"--{k}={v}" for k, v in sizes.items()]
         mcore = options.work / f"{model}-{'-'.join(f'{k}{v}' for k, v in sizes.items())}"
         code, convert_s, convert_out = run(
             [*MCONVERT, "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(mcore), "--overwrite", *flags,
-             "--model-class", options.model_class]
+             "--model-class", options.model_class, "--dtype", dtype]
         )
         result = {"job": job, "model_class": options.model_class, "make_hf_s": made, "convert_s": round(convert_s, 1), "convert_exit": code}
         if code == 0:
