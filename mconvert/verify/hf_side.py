@@ -32,14 +32,18 @@ def load_hf_model(hf_dir: str | Path, dtype: torch.dtype):
     taken = remote_code_architecture(config)
     try:
         if taken is None:
-            return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **options)
-        family, architecture = taken
-        fields = {key: value for key, value in config.items() if key not in ("auto_map", "model_type")}
-        hf_config = transformers.AutoConfig.for_model(family.hf_model_type(config), **fields)
-        return getattr(transformers, architecture).from_pretrained(hf_dir, config=hf_config, **options)
+            model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **options)
+        else:
+            family, architecture = taken
+            fields = {key: value for key, value in config.items() if key not in ("auto_map", "model_type")}
+            hf_config = transformers.AutoConfig.for_model(family.hf_model_type(config), **fields)
+            model = getattr(transformers, architecture).from_pretrained(hf_dir, config=hf_config, **options)
     except (RuntimeError, ValueError) as error:  # e.g. its FP8 dequantization of blocks cut at a tensor's edge
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConversionError(f"{Path(hf_dir)}: transformers {transformers.__version__} cannot load it as the judge: {reason}") from error
+    # transformers before 5.24 keeps dequantized MXFP4 experts in bf16 whatever dtype the model is loaded in (their
+    # values are exact in either): an fp32 judgement would run them in bf16.
+    return model.to(dtype) if "quantization_config" in options else model
 
 
 def dequantized(config: dict, hf_dir: str | Path) -> dict:
