@@ -60,6 +60,13 @@ FSDP = {
 WITHOUT_TE = ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion"]
 
 
+# Under --deterministic-mode Megatron-LM runs megatron-core's PyTorch gated delta rule; the judge's transformers then
+# runs its own PyTorch one (flash-linear-attention hidden from it) rather than fla's Triton kernels, whose fp32 differs
+# from PyTorch's by a KL of about 5e-4 on either side (scripts/gpu/gdn_kernels.py).
+PYTORCH_DELTA_RULE = ["-c", "import runpy, sys; sys.modules['fla'] = None; sys.argv = sys.argv[1:]; "
+                            "runpy.run_path(sys.argv[0], run_name='__main__')"]
+
+
 def stated_settings(ckpt: Path) -> list[str]:
     """The assignments megatron_args.sh's "Not settable by Megatron-LM's flags" lines say to make in
     pretrain_gpt.py, as the driver's --config-field options: the run then builds what a user who followed them
@@ -248,7 +255,8 @@ def main() -> int:
                     [sys.executable, "-m", "mconvert.cli", "mcore-to-hf", "--load-dir", str(work / "save0"), "--save-dir",
                      str(reference), "--hf-config", str(hf), "--dtype", "fp32"], left(), work / "export.log")
                 result["export_exit"] = code
-            judge = [sys.executable, "scripts/training/megatron_train_check.py", "judge", "--hf", str(reference), "--tokens",
+            judge = [sys.executable, *(PYTORCH_DELTA_RULE if "--deterministic-mode" in options.megatron_flag else []),
+                     "scripts/training/megatron_train_check.py", "judge", "--hf", str(reference), "--tokens",
                      str(work / "tokens.npy"), "--out", str(work / "judge.json")]
             if (work / "log0").exists():
                 judge += ["--lr0-log", str(work / "log0")]
