@@ -99,6 +99,17 @@ def test_verify_judges_an_fp8_source_by_transformers_dequantization(tmp_path):
     assert result.returncode == 0 and result.stdout.strip().endswith("PASS"), result.stdout + result.stderr
 
 
+def test_verify_of_an_fp8_source_transformers_cannot_load_is_one_line(checkpoints, tmp_path):
+    """The fixture's blocks are cut at its tensors' edges (40 rows in blocks of 16), which transformers' FP8
+    dequantization refuses: verify names the checkpoint and transformers in one line, no traceback."""
+    fp8, _ = checkpoints
+    convert_hf_to_mcore(fp8, tmp_path / "mcore")
+    result = run_cli("verify", "--hf", fp8, "--mcore", tmp_path / "mcore", "--device", "cpu")
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("mconvert verify: error:")]
+    assert f"{fp8}: transformers " in line and "cannot load it as the judge" in line
+
+
 def test_random_fp8_checkpoints_are_the_hubs_layout(tmp_path):
     """What the conversion benchmark reads as a DeepSeek-V3 FP8 source: written tensor by tensor in the hub's
     layout (FP8 weights and their block scales, the quantization_config kept), converting as its dequantized

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +33,9 @@ def load_hf_model(hf_dir: str | Path, dtype: torch.dtype):
     config = json.loads((Path(hf_dir) / "config.json").read_text())
     options = dict(dtype=dtype, local_files_only=True, **dequantized(config, hf_dir))
     taken = remote_code_architecture(config)
+    held = _HeldLog()
+    transformers.utils.logging.disable_default_handler()
+    transformers.utils.logging.add_handler(held)
     try:
         if taken is None:
             model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **options)
@@ -39,11 +45,35 @@ def load_hf_model(hf_dir: str | Path, dtype: torch.dtype):
             hf_config = transformers.AutoConfig.for_model(family.hf_model_type(config), **fields)
             model = getattr(transformers, architecture).from_pretrained(hf_dir, config=hf_config, **options)
     except (RuntimeError, ValueError) as error:  # e.g. its FP8 dequantization of blocks cut at a tensor's edge
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        # transformers' load report (with the tracebacks of its conversions) says why; its last error line, in one
+        reasons = [line.strip() for text in held.texts for line in text.splitlines() if ERROR_LINE.match(line.strip())]
+        reason = reasons[-1] if reasons else (str(error).strip().splitlines() or [type(error).__name__])[0]
+        if tensor := [m.group(1) for text in held.texts for m in DESTINED.finditer(text)]:
+            reason += f" ({tensor[-1]})"
         raise ConversionError(f"{Path(hf_dir)}: transformers {transformers.__version__} cannot load it as the judge: {reason}") from error
+    finally:
+        transformers.utils.logging.remove_handler(held)
+        transformers.utils.logging.enable_default_handler()
+    for text in held.texts:  # a load that went through: its report as transformers would have printed it
+        print(text, file=sys.stderr)
     # transformers before 5.24 keeps dequantized MXFP4 experts in bf16 whatever dtype the model is loaded in (their
     # values are exact in either): an fp32 judgement would run them in bf16.
     return model.to(dtype) if "quantization_config" in options else model
+
+
+ERROR_LINE = re.compile(r"^\w+(Error|Exception): .+")
+DESTINED = re.compile(r"destined for (\S+?)\.? ")
+
+
+class _HeldLog(logging.Handler):
+    """transformers' log lines of one load, held back (warnings and worse, as its default handler prints them)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.texts: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.texts.append(self.format(record))
 
 
 def dequantized(config: dict, hf_dir: str | Path) -> dict:
