@@ -138,6 +138,10 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
         print(f"note: Megatron's norms multiply by 1 + w, so {shifted[0]} and {len(shifted) - 1} more are stored as w - 1: in "
               f"{dtype} a weight outside [0.5, 2] rounds by its last bit, as Megatron's own {dtype} parameter would; "
               f"--dtype fp32 stores each exactly")
+    if result.mtp_not_held:
+        field, named = result.mtp_not_held
+        print(f"note: config.json's {field} says {named} multi-token prediction layer(s), which {options.load_dir} does not "
+              f"hold (transformers drops them when it saves a model): converted without them")
     if result.dropped_mtp_layers:
         why = mtp_left_out(plan.family, parallelism) or "--no-mtp"
         print(f"left out {result.dropped_mtp_layers} multi-token prediction layer(s) of {options.load_dir} ({why})")

@@ -442,7 +442,7 @@ def test_mtp_layers_convert_both_ways_or_are_left_out(tmp_path, capsys):
     hf = add_mtp_layers(make_hf_checkpoint(shrink(real_config("deepseek-v3")), tmp_path / "hf"))
     assert main(["hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(tmp_path / "mcore"), "--tp", "2", "--pp", "2", "--ep", "2"]) == 0
     out = capsys.readouterr().out
-    assert "converted 1 multi-token prediction layer" in out and "--mtp-num-layers 1" in out
+    assert "converted 1 multi-token prediction layer" in out and "--mtp-num-layers 1" in out and "num_nextn_predict_layers" not in out
     shapes = DCPCheckpoint(tmp_path / "mcore" / RELEASE).shapes
     assert shapes["mtp.layers.0.eh_proj.weight"] == (64, 128)
     assert "mtp.layers.0.transformer_layer.mlp.experts.experts.linear_fc1.weight" in shapes
@@ -456,6 +456,19 @@ def test_mtp_layers_convert_both_ways_or_are_left_out(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "left out 1 multi-token prediction layer" in out and "--mtp-num-layers" not in out
     assert not any(key.startswith("mtp.") for key in DCPCheckpoint(tmp_path / "no-mtp" / RELEASE).shapes)
+
+
+def test_a_checkpoint_without_the_mtp_layers_its_config_names_converts_without_them_and_says_so(tmp_path, capsys):
+    """transformers' save_pretrained drops the multi-token prediction layers; config.json still names them. The
+    conversion is of what the checkpoint holds, and its summary says what config.json named (a peer converter
+    saves randomly initialized MTP layers there, silently)."""
+    hf = make_hf_checkpoint(shrink(real_config("deepseek-v3")), tmp_path / "hf")
+    assert json.loads((hf / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert main(["hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(tmp_path / "mcore")]) == 0
+    out = capsys.readouterr().out
+    assert f"note: config.json's num_nextn_predict_layers says 1 multi-token prediction layer(s), which {hf} does not hold" in out
+    assert "--mtp-num-layers" not in out
+    assert not any(key.startswith("mtp.") for key in DCPCheckpoint(tmp_path / "mcore" / RELEASE).shapes)
 
 
 def test_a_save_without_megatron_lms_args_takes_the_model_from_hf_config_and_its_mtp_layers_from_its_keys(tmp_path, capsys):

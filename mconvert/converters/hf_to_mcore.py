@@ -45,6 +45,8 @@ class Conversion:
     dropped_mtp_layers: int = 0
     # What the HF checkpoint held beside the model that the family's table leaves out, with its tensor count.
     left_out: tuple[tuple[str, int], ...] = ()
+    # (config.json's field, its count) where it names more multi-token prediction layers than the checkpoint holds.
+    mtp_not_held: tuple[str, int] | None = None
 
 
 def mtp_layers_held(family: Family, spec: ModelSpec, names) -> int:
@@ -66,6 +68,13 @@ def mtp_layers_held(family: Family, spec: ModelSpec, names) -> int:
     while held(count) and not (table.mtp_prefix and count == 1):  # a family keeping its MTP layer apart has one
         count += 1
     return count
+
+
+def mtp_layers_named(family: Family, config: dict) -> int:
+    """How many multi-token prediction layers config.json says the model has (0 where the family has no such field)."""
+    field = family.table.mtp_count_field
+    value = (config.get("text_config") or config).get(field) if field else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def mtp_left_out(family: Family, parallelism: Parallelism) -> str:
@@ -326,4 +335,6 @@ def convert_hf_to_mcore(
     for name in hf.tensors:
         if (what := family.table.left_out_by(name)) is not None:
             left_out[what] = left_out.get(what, 0) + 1
-    return Conversion(plan, args, flags, dropped_mtp_layers=0 if mtp else held, left_out=tuple(left_out.items()))
+    named = mtp_layers_named(family, config)
+    return Conversion(plan, args, flags, dropped_mtp_layers=0 if mtp else held, left_out=tuple(left_out.items()),
+                      mtp_not_held=(family.table.mtp_count_field, named) if named > held else None)

@@ -57,6 +57,7 @@ MTP_COPIES = (
 )
 
 TABLE = Table(
+    mtp_count_field="num_nextn_predict_layers",
     model=llama.MODEL,
     attention=MLA_ATTENTION,
     mtp=MTP,

@@ -51,6 +51,9 @@ class Table:
     # Why the multi-token prediction layers an HF checkpoint holds are left out (Megatron-LM builds none beside
     # the model's attention variant); empty where they convert.
     mtp_left_out: str = ""
+    # The config.json field (of its text_config where it has one) counting the multi-token prediction layers the
+    # model was trained with; a checkpoint may hold fewer (transformers drops them when it saves a model).
+    mtp_count_field: str = ""
     # HF tensors that a Megatron language-model checkpoint does not hold, by name prefix, with what they are (an
     # image-text checkpoint's vision tower): not converted, and the conversion's summary says so.
     left_out: tuple[tuple[str, str], ...] = ()

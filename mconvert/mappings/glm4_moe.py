@@ -13,6 +13,7 @@ from mconvert.mappings.family import Family, Table
 from mconvert.mappings.spec import ModelSpec, read_dense_spec, write_dense_config
 
 TABLE = Table(
+    mtp_count_field="num_nextn_predict_layers",
     model=llama.MODEL,
     attention=llama.ATTENTION,
     dense_mlp=llama.DENSE_MLP,

@@ -27,6 +27,7 @@ ROUTING_BIAS = Rename("mlp.router.expert_bias", "block_sparse_moe.e_score_correc
 MTP_LEFT_OUT = "transformers' MiniMax-M2 has no multi-token prediction modules to judge a conversion of them by"
 
 TABLE = Table(
+    mtp_count_field="num_mtp_modules",
     model=llama.MODEL,
     attention=llama.ATTENTION,
     dense_mlp=(),

@@ -76,6 +76,7 @@ MTP = (
 MTP_LEFT_OUT = "Megatron-LM 0.19.2 builds none beside gated delta-net in GPTModel; --model-class hybrid converts it"
 
 TABLE = Table(
+    mtp_count_field="mtp_num_hidden_layers",
     model=llama.MODEL,
     attention=llama.ATTENTION,
     linear_attention=LINEAR_ATTENTION,
