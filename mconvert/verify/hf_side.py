@@ -45,7 +45,7 @@ def load_hf_model(hf_dir: str | Path, dtype: torch.dtype):
             hf_config = transformers.AutoConfig.for_model(family.hf_model_type(config), **fields)
             model = getattr(transformers, architecture).from_pretrained(hf_dir, config=hf_config, **options)
     except (RuntimeError, ValueError) as error:  # e.g. its FP8 dequantization of blocks cut at a tensor's edge
-        # transformers' load report (with the tracebacks of its conversions) says why; its last error line, in one
+        # transformers' load report, its conversions' tracebacks included, says why: its last error line stands for it
         reasons = [line.strip() for text in held.texts for line in text.splitlines() if ERROR_LINE.match(line.strip())]
         reason = reasons[-1] if reasons else (str(error).strip().splitlines() or [type(error).__name__])[0]
         if tensor := [m.group(1) for text in held.texts for m in DESTINED.finditer(text)]:
