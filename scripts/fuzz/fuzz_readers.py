@@ -11,7 +11,8 @@ so that libFuzzer's limits hold per target):
 
   safetensors-header  a shard's header (mconvert.formats.safetensors.read_header)
   safetensors-index   model.safetensors.index.json (read_weight_map)
-  config              config.json, through its family's config rules (read_hf_config, get_mapping)
+  config              config.json, through its family's config rules (read_hf_config, get_mapping) into the plan
+                      and Megatron-LM's arguments, as hf-to-mcore makes them before it reads a weight
   dcp-metadata        a torch_dist checkpoint's .metadata pickle (DCPCheckpoint)
   common-pt           its common.pt, a torch.save zip of a pickle (read_args), then the model its args describe
   legacy-rank         a legacy per-rank model_optim_rng.pt (read_rank_files)
@@ -91,12 +92,16 @@ def readers(scratch: Path, seeds: Path):
     """Each target's reader of the bytes it is given, writing them where the real reader finds its file."""
     from mconvert.converters.fsdp_saves import FsdpCheckpoint
     from mconvert.converters.mcore_to_hf import plan_export
+    from mconvert.converters.plan import build_plan
     from mconvert.formats.dcp import DCPCheckpoint
     from mconvert.formats.hf_checkpoint import read_hf_config
     from mconvert.formats.legacy_torch import read_rank_files
     from mconvert.formats.safetensors import read_header, read_weight_map
     from mconvert.mappings import get_mapping
     from mconvert.mcore.checkpoint import TRACKER_FILE, iteration_dir, read_args
+    from mconvert.mcore.parallelism import Parallelism
+    from mconvert.megatron_lm.args import megatron_args
+    from mconvert.megatron_lm.flags import megatron_flags
     from mconvert.megatron_lm.spec_from_args import spec_from_args
 
     release = scratch / "release"
@@ -121,6 +126,11 @@ def readers(scratch: Path, seeds: Path):
     def fsdp_save(data: bytes) -> None:
         plan_export(FsdpCheckpoint(written(fsdp / ".metadata", data).parent))
 
+    def planned(data: bytes) -> None:
+        family, spec = get_mapping(read_hf_config(written(scratch / "config.json", data).parent, "--load-dir"))
+        plan = build_plan(family, spec, Parallelism())
+        megatron_flags(megatron_args(spec, Parallelism(), plan.dtype, "transformer_engine"))
+
     def common(data: bytes) -> None:
         written(release / "common.pt", data)
         spec_from_args(read_args(release), "qwen3_moe")
@@ -128,7 +138,7 @@ def readers(scratch: Path, seeds: Path):
     return {
         "safetensors-header": lambda data: read_header(written(scratch / "model.safetensors", data)),
         "safetensors-index": lambda data: read_weight_map(written(scratch / "model.safetensors.index.json", data)),
-        "config": lambda data: get_mapping(read_hf_config(written(scratch / "config.json", data).parent, "--load-dir")),
+        "config": planned,
         "dcp-metadata": lambda data: DCPCheckpoint(written(release / ".metadata", data).parent),
         "common-pt": common,
         "legacy-rank": lambda data: read_rank_files(written(rank_dir / "model_optim_rng.pt", data).parent.parent),
