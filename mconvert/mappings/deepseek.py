@@ -57,11 +57,11 @@ MTP_COPIES = (
 )
 
 TABLE = Table(
-    mtp_count_field="num_nextn_predict_layers",
     model=llama.MODEL,
     attention=MLA_ATTENTION,
     mtp=MTP,
     mtp_copies=MTP_COPIES,
+    mtp_count_field="num_nextn_predict_layers",
     dense_mlp=llama.DENSE_MLP,
     moe_mlp=MOE_MLP,
     experts=qwen2_moe.EXPERTS,

@@ -13,7 +13,6 @@ from mconvert.mappings.family import Family, Table
 from mconvert.mappings.spec import ModelSpec, read_dense_spec, write_dense_config
 
 TABLE = Table(
-    mtp_count_field="num_nextn_predict_layers",
     model=llama.MODEL,
     attention=llama.ATTENTION,
     dense_mlp=llama.DENSE_MLP,
@@ -22,6 +21,7 @@ TABLE = Table(
     fused_experts=qwen2_moe.FUSED_EXPERTS,
     mtp=deepseek.MTP,
     mtp_copies=deepseek.MTP_COPIES,
+    mtp_count_field="num_nextn_predict_layers",
 )
 
 

@@ -27,7 +27,6 @@ ROUTING_BIAS = Rename("mlp.router.expert_bias", "block_sparse_moe.e_score_correc
 MTP_LEFT_OUT = "transformers' MiniMax-M2 has no multi-token prediction modules to judge a conversion of them by"
 
 TABLE = Table(
-    mtp_count_field="num_mtp_modules",
     model=llama.MODEL,
     attention=llama.ATTENTION,
     dense_mlp=(),
@@ -37,6 +36,7 @@ TABLE = Table(
     fused_experts=qwen2_moe.FUSED_EXPERTS,
     fused_moe_mlp=(*qwen2_moe.ROUTER, Rename("mlp.router.expert_bias", "mlp.e_score_correction_bias")),
     mtp_left_out=MTP_LEFT_OUT,
+    mtp_count_field="num_mtp_modules",
 )
 
 

@@ -76,7 +76,6 @@ MTP = (
 MTP_LEFT_OUT = "Megatron-LM 0.19.2 builds none beside gated delta-net in GPTModel; --model-class hybrid converts it"
 
 TABLE = Table(
-    mtp_count_field="mtp_num_hidden_layers",
     model=llama.MODEL,
     attention=llama.ATTENTION,
     linear_attention=LINEAR_ATTENTION,
@@ -87,6 +86,7 @@ TABLE = Table(
     mtp=MTP,
     mtp_prefix="mtp.",
     mtp_left_out=MTP_LEFT_OUT,
+    mtp_count_field="mtp_num_hidden_layers",
 )
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,28 +35,20 @@ def load_hf_model(hf_dir: str | Path, dtype: torch.dtype):
     config = json.loads((Path(hf_dir) / "config.json").read_text())
     options = dict(dtype=dtype, local_files_only=True, **dequantized(config, hf_dir))
     taken = remote_code_architecture(config)
-    held = _HeldLog()
-    transformers.utils.logging.disable_default_handler()
-    transformers.utils.logging.add_handler(held)
-    try:
-        if taken is None:
-            model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **options)
-        else:
-            family, architecture = taken
-            fields = {key: value for key, value in config.items() if key not in ("auto_map", "model_type")}
-            hf_config = transformers.AutoConfig.for_model(family.hf_model_type(config), **fields)
-            model = getattr(transformers, architecture).from_pretrained(hf_dir, config=hf_config, **options)
-    except (RuntimeError, ValueError) as error:  # e.g. its FP8 dequantization of blocks cut at a tensor's edge
-        # transformers' load report, its conversions' tracebacks included, says why: its last error line stands for it
-        reasons = [line.strip() for text in held.texts for line in text.splitlines() if ERROR_LINE.match(line.strip())]
-        reason = reasons[-1] if reasons else (str(error).strip().splitlines() or [type(error).__name__])[0]
-        if tensor := [m.group(1) for text in held.texts for m in DESTINED.finditer(text)]:
-            reason += f" ({tensor[-1]})"
-        raise ConversionError(f"{Path(hf_dir)}: transformers {transformers.__version__} cannot load it as the judge: {reason}") from error
-    finally:
-        transformers.utils.logging.remove_handler(held)
-        transformers.utils.logging.enable_default_handler()
-    for text in held.texts:  # a load that went through: its report as transformers would have printed it
+    with transformers_log_held() as held:
+        try:
+            if taken is None:
+                model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **options)
+            else:
+                family, architecture = taken
+                fields = {key: value for key, value in config.items() if key not in ("auto_map", "model_type")}
+                hf_config = transformers.AutoConfig.for_model(family.hf_model_type(config), **fields)
+                model = getattr(transformers, architecture).from_pretrained(hf_dir, config=hf_config, **options)
+        except (RuntimeError, ValueError) as error:  # e.g. its FP8 dequantization of blocks cut at a tensor's edge
+            raise ConversionError(
+                f"{Path(hf_dir)}: transformers {transformers.__version__} cannot load it as the judge: {load_failure(held, error)}"
+            ) from error
+    for text in held:  # a load that went through: its report as transformers would have printed it
         print(text, file=sys.stderr)
     # transformers before 5.24 keeps dequantized MXFP4 experts in bf16 whatever dtype the model is loaded in (their
     # values are exact in either): an fp32 judgement would run them in bf16.
@@ -65,15 +59,34 @@ ERROR_LINE = re.compile(r"^\w+(Error|Exception): .+")
 DESTINED = re.compile(r"destined for (\S+?)\.? ")
 
 
-class _HeldLog(logging.Handler):
-    """transformers' log lines of one load, held back (warnings and worse, as its default handler prints them)."""
+@contextlib.contextmanager
+def transformers_log_held() -> Iterator[list[str]]:
+    """transformers' log lines (warnings and worse, as its default handler prints them) held back in a list while
+    the block runs, its default handler off."""
+    import transformers
 
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.texts: list[str] = []
+    class Held(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            texts.append(self.format(record))
 
-    def emit(self, record: logging.LogRecord) -> None:
-        self.texts.append(self.format(record))
+    texts: list[str] = []
+    handler = Held(logging.WARNING)
+    transformers.utils.logging.disable_default_handler()
+    transformers.utils.logging.add_handler(handler)
+    try:
+        yield texts
+    finally:
+        transformers.utils.logging.remove_handler(handler)
+        transformers.utils.logging.enable_default_handler()
+
+
+def load_failure(held: list[str], error: Exception) -> str:
+    """Why transformers failed to load a checkpoint, in one line: its load report (its conversions' tracebacks
+    included) says it in its last error line and names the tensor; else the exception's first line."""
+    reasons = [line.strip() for text in held for line in text.splitlines() if ERROR_LINE.match(line.strip())]
+    reason = reasons[-1] if reasons else (str(error).strip().splitlines() or [type(error).__name__])[0]
+    tensors = [match.group(1) for text in held for match in DESTINED.finditer(text)]
+    return f"{reason} ({tensors[-1]})" if tensors else reason
 
 
 def dequantized(config: dict, hf_dir: str | Path) -> dict:
