@@ -123,6 +123,11 @@ def _log_micro_batch(args, loss: torch.Tensor, num_tokens: torch.Tensor) -> None
         log.write(json.dumps(record) + "\n")
 
 
+# Whether this process has dumped its weights: each dumps once, at its first forward step (a file's presence would
+# tell it only what rank 0 has done).
+_dumped = False
+
+
 def _dump_weights(path: str, model) -> None:
     """The model's tensors by their names in the wrapped model, whole (a sharded DTensor gathered). Data-parallel
     ranks hold the same tensors; expert-parallel ranks hold different experts under the same local numbers: the
@@ -130,6 +135,8 @@ def _dump_weights(path: str, model) -> None:
     from megatron.core import parallel_state
     from torch.distributed.tensor import DTensor
 
+    global _dumped
+    _dumped = True
     try:
         named = [*model.named_parameters(), *model.named_buffers()]
         tensors = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone() for name, t in named}
@@ -148,7 +155,7 @@ def forward_step(data_iterator, model):
     from megatron.training import get_args
 
     args = get_args()
-    if args.dump_weights and not any(Path(args.dump_weights + end).exists() for end in ("", ".error")):
+    if args.dump_weights and not _dumped:
         _dump_weights(args.dump_weights, model)
     tokens, labels, loss_mask, position_ids = get_batch(data_iterator)
     # No attention mask: the layer specs apply the causal mask themselves, as pretrain_gpt.py's default
