@@ -19,6 +19,7 @@ from cli_runner import run_cli
 from safetensors.torch import load_file, save_file
 
 from mconvert.converters.fsdp_saves import FsdpCheckpoint
+from mconvert.formats.dcp import _stored_at
 from mconvert.converters.model_keyed import Where
 from mconvert.mcore.checkpoint import iteration_dir
 from mconvert.mcore.layout import EXPERTS_PREFIX
@@ -109,3 +110,16 @@ def test_the_export_gives_transformers_megatron_lms_loss(tmp_path):
     weights[first], weights[second] = weights[second], weights[first]
     save_file(weights, stored, metadata={"format": "pt"})
     assert abs(transformers_loss(tmp_path / "hf", tokens) - megatron) > 1e-6
+
+
+def test_chunks_of_a_data_parallel_save_read_in_each_others_place_are_caught():
+    """A save at data-parallel size 2 holds each weight in two chunks, one a rank (most of FSDP2's): a reader that
+    put one rank's chunk where the other's belongs would read equal shapes, wrong bytes."""
+    fixture = FIXTURES / "torch_dcp-deepseek-dp2"
+    save = FsdpCheckpoint(iteration_dir(fixture / "save"))
+    chunks = save.dcp.metadata.state_dict_metadata[key := "model.decoder.layers.0.mlp.linear_fc2.weight"].chunks
+    assert len(chunks) == 2 and chunks[0].sizes == chunks[1].sizes
+    first, second = (_stored_at(key, chunk.offsets) for chunk in chunks)
+    save.dcp._stored[first], save.dcp._stored[second] = save.dcp._stored[second], save.dcp._stored[first]
+    trained = json.loads((fixture / "weights.sha256.json").read_text())
+    assert mismatches(read_by_model_name(save), trained) == ["decoder.layers.0.mlp.linear_fc2.weight"]
