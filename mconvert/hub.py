@@ -4,7 +4,6 @@ online. huggingface_hub is imported only for hub ids, so conversion of local dir
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -43,7 +42,9 @@ def missing_files(directory: Path, weights: bool) -> list[str]:
     if weights:
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+            from mconvert.formats.safetensors import read_weight_map  # torch's import, only where an index is read
+
+            shards = sorted(set(read_weight_map(index).values()))
             missing += [shard for shard in shards if not (directory / shard).exists()]
         elif not any(directory.glob("*.safetensors")):
             missing.append("*.safetensors")

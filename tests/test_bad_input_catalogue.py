@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from test_mcore_to_hf_bad_input import checkpoint, private_checkpoint  # noqa: F401 (fixtures)
 from torch.distributed.checkpoint import FileSystemReader
 
+from mconvert.formats.bounded import JSON_FILE_BYTES, SAFETENSORS_HEADER_BYTES
 from mconvert.mcore.checkpoint import RELEASE, TRACKER_FILE
 
 LAYER_WEIGHT = "model.layers.1.mlp.down_proj.weight"
@@ -187,6 +188,25 @@ def test_a_config_nested_deeper_than_pythons_stack(hf, tmp_path):
 def test_an_index_nested_deeper_than_pythons_stack(hf, tmp_path):
     (hf / "model.safetensors.index.json").write_text('{"weight_map": ' + "[" * 200_000 + "]" * 200_000 + "}")
     refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "model.safetensors.index.json")
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_a_json_file_larger_than_any_real_one(hf, tmp_path, name):
+    """Read whole, a JSON file is first held to 100 MB (the largest index on the hub is about 11 MB); the file here
+    is sparse, so the test writes nothing of that size."""
+    with open(hf / name, "ab") as f:
+        f.truncate(JSON_FILE_BYTES + 1)
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", name, "more than any config or index holds")
+
+
+def test_a_safetensors_header_over_the_formats_limit(hf, tmp_path):
+    """A header length within the file but past the safetensors library's own limit (100 MB): refused before it is
+    read (a sparse file)."""
+    path = hf / "model.safetensors"
+    with open(path, "r+b") as f:
+        f.write(struct.pack("<Q", SAFETENSORS_HEADER_BYTES + 1))
+        f.truncate(SAFETENSORS_HEADER_BYTES + 100)
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", path, "over the safetensors limit")
 
 
 def test_a_config_field_of_the_wrong_type(hf, tmp_path):
@@ -406,6 +426,22 @@ def test_metadata_claiming_a_huge_memo_is_read_in_bounded_memory(private_checkpo
     message, peak_mb = done.stdout.splitlines()
     assert "holds a NoneType, not DCP metadata" in message and int(peak_mb) < 1000, done.stdout
     refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", metadata, "not DCP metadata")
+
+
+@pytest.mark.parametrize("claim", ["chunk", "shape"])
+def test_metadata_claiming_more_bytes_than_the_files_hold(private_checkpoint, tmp_path, claim):
+    """A tensor of 10^8 rows where the data file holds 256 (its chunk claiming them, or its shape alone): reading it
+    allocated 25.6 GB before it found the bytes missing. Every claim is now held against the files' sizes first."""
+    metadata = private_checkpoint / RELEASE / ".metadata"
+    stored = FileSystemReader(str(metadata.parent)).read_metadata()
+    entry = stored.state_dict_metadata["embedding.word_embeddings.weight"]
+    entry.size = torch.Size([10**8, *entry.size[1:]])
+    if claim == "chunk":
+        (chunk,) = entry.chunks
+        chunk.sizes = entry.size
+    metadata.write_bytes(pickle.dumps(stored))
+    said = "its record in __0_0.distcp holds" if claim == "chunk" else "its chunks hold"
+    refused(to_hf(private_checkpoint, tmp_path / "out"), tmp_path / "out", metadata, "embedding.word_embeddings.weight", said)
 
 
 def test_metadata_naming_a_data_file_outside_the_checkpoint(private_checkpoint, tmp_path):

@@ -19,8 +19,8 @@ from cli_runner import run_cli
 from safetensors.torch import load_file, save_file
 
 from mconvert.converters.fsdp_saves import FsdpCheckpoint
-from mconvert.formats.dcp import _stored_at
 from mconvert.converters.model_keyed import Where
+from mconvert.formats.dcp import _stored_at
 from mconvert.mcore.checkpoint import iteration_dir
 from mconvert.mcore.layout import EXPERTS_PREFIX
 

@@ -131,6 +131,48 @@ class DCPCheckpoint:
                 raise ConversionError(f"{path}: names data file {data_file!r}, not a file beside it")
             if not (directory / data_file).is_file():
                 raise ConversionError(f"{directory / data_file}: data file named in {path.name} is missing")
+        try:
+            self._check_claims(tensors, {name: (directory / name).stat().st_size for name in data_files})
+        except ConversionError:
+            raise
+        except Exception as e:  # noqa: BLE001 (chunk records of other types than torch writes, as above)
+            raise ConversionError(f"{path}: unreadable DCP metadata ({e})") from None
+
+    def _check_claims(self, tensors: dict[str, _TensorEntry], file_sizes: dict[str, int]) -> None:
+        """Every tensor's bytes are on disk: each chunk lies within its tensor, its bytes within its record, its record
+        within its data file, and the chunks hold at least the tensor's elements; every stored object's record lies
+        within its file. Reading a tensor, a region of it or an object then never allocates more than the checkpoint's
+        files hold, whatever sizes `.metadata` claims."""
+        path = self.directory / ".metadata"
+        for key, meta in tensors.items():
+            shape, itemsize, held = self.shapes[key], self.dtypes[key].itemsize, 0
+            for n, chunk in enumerate(meta.chunks):
+                offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+                if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                    o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)
+                ):
+                    raise ConversionError(f"{path}: chunk {n} of '{key}' ({list(sizes)} at {list(offsets)}) lies outside its shape {list(shape)}")
+                info = self._stored.get(_stored_at(key, offsets))
+                if info is None:
+                    raise ConversionError(f"{path}: chunk {n} of '{key}' is stored nowhere")
+                at, length = getattr(info, "offset", None), getattr(info, "length", None)
+                if not (isinstance(at, int) and isinstance(length, int) and at >= 0 and length >= 0):
+                    raise ConversionError(f"{path}: the record of where chunk {n} of '{key}' is stored has no place in its file")
+                data = self.directory / info.relative_path
+                if at + length > file_sizes[info.relative_path]:
+                    raise ConversionError(
+                        f"{data}: truncated (chunk {n} of '{key}' ends at byte {at + length}, the file has {file_sizes[info.relative_path]})"
+                    )
+                if math.prod(sizes) * itemsize > length:
+                    raise ConversionError(f"{path}: chunk {n} of '{key}' claims {math.prod(sizes) * itemsize} bytes, its record in {data.name} holds {length}")
+                held += math.prod(sizes)
+            if math.prod(shape) > held:
+                raise ConversionError(f"{path}: '{key}' of shape {list(shape)} claims {math.prod(shape)} elements, its chunks hold {held}")
+        for key in self.object_keys:
+            info = self._stored.get(_stored_at(key))
+            at, length = getattr(info, "offset", None), getattr(info, "length", None)
+            if isinstance(at, int) and isinstance(length, int) and at + length > file_sizes.get(info.relative_path, 0):
+                raise ConversionError(f"{self.directory / info.relative_path}: truncated (the object '{key}' ends at byte {at + length})")
 
     def _storage(self, key: str, offsets: Any = None) -> _Record:
         """Where an object (`key`) or a tensor's chunk (`key` at `offsets`) is stored: its data file's

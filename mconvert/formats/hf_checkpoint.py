@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from mconvert.errors import ConversionError
+from mconvert.formats.bounded import read_json_bytes
 from mconvert.formats.quantized import (
     FP8_DTYPES,
     MXFP4_BLOCKS,
@@ -42,7 +43,7 @@ def read_hf_config(directory: Path, flag: str) -> dict:
     if not path.exists():
         raise ConversionError(f"{flag} {directory}: no config.json (not an HF model directory)")
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(read_json_bytes(path))
     except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than Python's stack allows
         raise ConversionError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(config, dict):

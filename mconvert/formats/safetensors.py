@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from mconvert.errors import ConversionError
+from mconvert.formats.bounded import SAFETENSORS_HEADER_BYTES, read_json_bytes
 from mconvert.formats.copying import copy_range
 
 ST_DTYPES = {
@@ -83,6 +84,8 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
         (header_len,) = struct.unpack("<Q", prefix)
         if 8 + header_len > size:
             raise ConversionError(f"{path}: truncated (header of {header_len} bytes, file of {size})")
+        if header_len > SAFETENSORS_HEADER_BYTES:
+            raise ConversionError(f"{path}: a header of {header_len} bytes, over the safetensors limit of {SAFETENSORS_HEADER_BYTES}")
         try:
             header = json.loads(f.read(header_len))
         except (ValueError, RecursionError) as e:
@@ -110,7 +113,7 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
 def read_weight_map(index: Path) -> dict[str, str]:
     """The index's tensor -> shard file map; every shard a plain file name in the index's directory."""
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = json.loads(read_json_bytes(index))["weight_map"]
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise ConversionError(f"{index}: not a safetensors index (no readable 'weight_map': {e!r})") from None
     if not isinstance(weight_map, dict):
