@@ -4,6 +4,7 @@ online. huggingface_hub is imported only for hub ids, so conversion of local dir
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -42,9 +43,7 @@ def missing_files(directory: Path, weights: bool) -> list[str]:
     if weights:
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            from mconvert.formats.safetensors import read_weight_map  # torch's import, only where an index is read
-
-            shards = sorted(set(read_weight_map(index).values()))
+            shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
             missing += [shard for shard in shards if not (directory / shard).exists()]
         elif not any(directory.glob("*.safetensors")):
             missing.append("*.safetensors")
