@@ -119,6 +119,22 @@ def test_a_malformed_header_entry(hf, tmp_path):
     refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", path, LAYER_WEIGHT, "malformed header entry")
 
 
+def test_a_header_that_is_no_object_of_tensors(hf, tmp_path):
+    """Found by fuzzing a whole model's file (scripts/fuzz/fuzz_readers.py hf-sources): a header that is the JSON `0`
+    (AttributeError)."""
+    path = hf / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", 1) + b"0")
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", path, "a JSON int, not an object of tensors")
+
+
+def test_offsets_that_are_not_integers(hf, tmp_path):
+    path = hf / "model.safetensors"
+    header, body = header_of(path)
+    header[LAYER_WEIGHT]["data_offsets"] = ["0", "4"]
+    write_with_header(path, header, body)
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", path, LAYER_WEIGHT, "malformed header entry")
+
+
 def test_an_unexpected_dtype(hf, tmp_path):
     path = hf / "model.safetensors"
     header, body = header_of(path)

@@ -261,6 +261,23 @@ def write_pieces(
     run_pieces(mine, [sizes[i] for i in mine], load, store, workers, lambda index: progress.advance(1, sizes[index]))
 
 
+def import_plan(
+    load_dir: Path, config: dict, family: Family, spec: ModelSpec, parallelism: Parallelism, dtype: torch.dtype | None,
+    mtp: bool, allow_nonfinite: bool,
+) -> tuple[HFCheckpoint, Plan, int]:
+    """The HF checkpoint in `load_dir` opened (its headers read), the plan of converting it, every tensor it holds
+    checked against the plan, and how many MTP layers it holds (in the plan unless `mtp` is off or the layout
+    leaves them out)."""
+    hf = HFCheckpoint(load_dir, fp8_block_size(config), check_finite=not allow_nonfinite, mxfp4=is_mxfp4(config))
+    held = mtp_layers_held(family, spec, hf.tensors)
+    mtp = mtp and not mtp_left_out(family, parallelism)
+    spec = dataclasses.replace(spec, mtp_layers=held if mtp else 0)
+    plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers(family, spec, hf))
+    read = without_mtp_layers(family, spec, hf.tensors, held) if not mtp else hf.tensors
+    check_sources(plan, {name: hf.tensors[name].shape for name in read}, hf.where)
+    return hf, plan, held
+
+
 def convert_hf_to_mcore(
     load_dir: str | os.PathLike,
     save_dir: str | os.PathLike,
@@ -287,13 +304,8 @@ def convert_hf_to_mcore(
     config = read_hf_config(load_dir, "--load-dir")
     family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
     check_target(save_dir, overwrite)
-    hf = HFCheckpoint(load_dir, fp8_block_size(config), check_finite=not allow_nonfinite, mxfp4=is_mxfp4(config))
-    held = mtp_layers_held(family, spec, hf.tensors)
-    mtp = mtp and not mtp_left_out(family, parallelism)
-    spec = dataclasses.replace(spec, mtp_layers=held if mtp else 0)
-    plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers(family, spec, hf))
-    read = without_mtp_layers(family, spec, hf.tensors, held) if not mtp else hf.tensors
-    check_sources(plan, {name: hf.tensors[name].shape for name in read}, hf.where)
+    hf, plan, held = import_plan(load_dir, config, family, spec, parallelism, dtype, mtp, allow_nonfinite)
+    spec = plan.spec
     args = megatron_args(spec, parallelism, plan.dtype, transformer_impl, tokenizer_dir=load_dir)
     flags = megatron_flags(args)
 
@@ -336,5 +348,5 @@ def convert_hf_to_mcore(
         if (what := family.table.left_out_by(name)) is not None:
             left_out[what] = left_out.get(what, 0) + 1
     named = mtp_layers_named(family, config)
-    return Conversion(plan, args, flags, dropped_mtp_layers=0 if mtp else held, left_out=tuple(left_out.items()),
+    return Conversion(plan, args, flags, dropped_mtp_layers=held - spec.mtp_layers, left_out=tuple(left_out.items()),
                       mtp_not_held=(family.table.mtp_count_field, named) if named > held else None)

@@ -90,6 +90,8 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
             header = json.loads(f.read(header_len))
         except (ValueError, RecursionError) as e:
             raise ConversionError(f"{path}: unreadable safetensors header ({e})") from None
+    if not isinstance(header, dict):
+        raise ConversionError(f"{path}: unreadable safetensors header (a JSON {type(header).__name__}, not an object of tensors)")
     base = 8 + header_len
     tensors = {}
     for name, info in header.items():
@@ -97,6 +99,8 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
             continue
         try:
             dtype_name, (begin, end), shape = info["dtype"], info["data_offsets"], tuple(int(n) for n in info["shape"])
+            if not all(type(n) is int for n in (begin, end)):
+                raise TypeError("offsets that are not integers")
         except (TypeError, KeyError, ValueError):
             raise ConversionError(f"{path}: tensor '{name}' has a malformed header entry {info!r}") from None
         if dtype_name not in ST_DTYPES:

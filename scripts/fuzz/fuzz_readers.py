@@ -13,6 +13,8 @@ so that libFuzzer's limits hold per target):
   safetensors-index   model.safetensors.index.json (read_weight_map)
   config              config.json, through its family's config rules (read_hf_config, get_mapping) into the plan
                       and Megatron-LM's arguments, as hf-to-mcore makes them before it reads a weight
+  hf-sources          a whole small MoE model's model.safetensors, its tensors' names, dtypes and shapes held against
+                      the plan of converting it at EP 2 (import_plan: what hf-to-mcore checks before it reads a weight)
   dcp-metadata        a torch_dist checkpoint's .metadata pickle (DCPCheckpoint)
   common-pt           its common.pt, a torch.save zip of a pickle (read_args), then the model its args describe
   legacy-rank         a legacy per-rank model_optim_rng.pt (read_rank_files)
@@ -38,7 +40,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-TARGETS = ("safetensors-header", "safetensors-index", "config", "dcp-metadata", "common-pt", "legacy-rank", "tracker", "fsdp-save")
+TARGETS = ("safetensors-header", "safetensors-index", "config", "hf-sources", "dcp-metadata", "common-pt", "legacy-rank", "tracker",
+           "fsdp-save")
 # A save Megatron-LM made under FSDP2 on a GPU (tests/fixtures/fsdp): the fsdp-save target's seed and data file.
 FSDP_SAVE = REPO / "tests" / "fixtures" / "fsdp" / "torch_dcp-llama" / "save" / "iter_0000002"
 
@@ -71,6 +74,7 @@ def make_seeds(seeds: Path) -> None:
         "safetensors-header": [min(dense.glob("*.safetensors"), key=lambda p: p.stat().st_size)],
         "safetensors-index": [dense / "model.safetensors.index.json"],
         "config": sorted((REPO / "mconvert" / "configs").glob("*.json")),
+        "hf-sources": [moe / "model.safetensors"],
         "dcp-metadata": [release / ".metadata"],
         "common-pt": [release / "common.pt"],
         "fsdp-save": [FSDP_SAVE / ".metadata"],
@@ -91,6 +95,7 @@ def make_seeds(seeds: Path) -> None:
 def readers(scratch: Path, seeds: Path):
     """Each target's reader of the bytes it is given, writing them where the real reader finds its file."""
     from mconvert.converters.fsdp_saves import FsdpCheckpoint
+    from mconvert.converters.hf_to_mcore import import_plan
     from mconvert.converters.mcore_to_hf import plan_export
     from mconvert.converters.plan import build_plan
     from mconvert.formats.dcp import DCPCheckpoint
@@ -118,6 +123,9 @@ def readers(scratch: Path, seeds: Path):
             (fsdp / data.name).symlink_to(data)
     rank_dir = scratch / "legacy" / "mp_rank_00"
     rank_dir.mkdir(parents=True, exist_ok=True)
+    model = scratch / "hf"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_bytes((seeds / "work" / "moe" / "config.json").read_bytes())
 
     def written(path: Path, data: bytes) -> Path:
         path.write_bytes(data)
@@ -131,6 +139,12 @@ def readers(scratch: Path, seeds: Path):
         plan = build_plan(family, spec, Parallelism())
         megatron_flags(megatron_args(spec, Parallelism(), plan.dtype, "transformer_engine"))
 
+    def sources(data: bytes) -> None:
+        written(model / "model.safetensors", data)
+        config = read_hf_config(model, "--load-dir")
+        family, spec = get_mapping(config)
+        import_plan(model, config, family, spec, Parallelism(ep=2), None, mtp=True, allow_nonfinite=False)
+
     def common(data: bytes) -> None:
         written(release / "common.pt", data)
         spec_from_args(read_args(release), "qwen3_moe")
@@ -139,6 +153,7 @@ def readers(scratch: Path, seeds: Path):
         "safetensors-header": lambda data: read_header(written(scratch / "model.safetensors", data)),
         "safetensors-index": lambda data: read_weight_map(written(scratch / "model.safetensors.index.json", data)),
         "config": planned,
+        "hf-sources": sources,
         "dcp-metadata": lambda data: DCPCheckpoint(written(release / ".metadata", data).parent),
         "common-pt": common,
         "legacy-rank": lambda data: read_rank_files(written(rank_dir / "model_optim_rng.pt", data).parent.parent),
@@ -152,7 +167,9 @@ def fuzz_one(target: str, out: Path, libfuzzer_flags: list[str]) -> None:
     import atheris
 
     with atheris.instrument_imports(include=["mconvert"]):
-        import mconvert.formats.dcp  # noqa: F401  (instrumented: its coverage steers the fuzzer)
+        import mconvert.converters.hf_to_mcore  # noqa: F401  (instrumented: its coverage steers the fuzzer)
+        import mconvert.converters.plan  # noqa: F401
+        import mconvert.formats.dcp  # noqa: F401
         import mconvert.formats.hf_checkpoint  # noqa: F401
         import mconvert.formats.legacy_torch  # noqa: F401
         import mconvert.formats.pickles  # noqa: F401
