@@ -501,6 +501,26 @@ def test_metadata_storing_an_object_nowhere(tmp_path):
     refused(to_hf(save, tmp_path / "out"), tmp_path / "out", metadata, "the record of where 'args' is stored has no place")
 
 
+@pytest.mark.parametrize("where", [".metadata", "common.pt"])
+def test_pickles_holding_cyclic_references(private_checkpoint, tmp_path, where):
+    """A pickle whose objects refer to themselves (a dict inside itself in `.metadata`, args that hold themselves and a
+    list inside itself in common.pt): read as any other, nothing walks the cycle; the conversion is the plain one."""
+    release = private_checkpoint / RELEASE
+    if where == ".metadata":
+        stored = FileSystemReader(str(release)).read_metadata()
+        stored.state_dict_metadata["loop"] = stored.state_dict_metadata
+        (release / ".metadata").write_bytes(pickle.dumps(stored))
+    else:
+        common = torch.load(release / "common.pt", weights_only=False)
+        loop = [1]
+        loop.append(loop)
+        common["args"].itself, common["args"].loop = common["args"], loop
+        torch.save(common, release / "common.pt")
+    done = to_hf(private_checkpoint, tmp_path / "out")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    assert (tmp_path / "out" / "config.json").exists()
+
+
 @pytest.mark.parametrize("where", ["common.pt", "legacy"])
 def test_a_torch_save_file_whose_zip_records_are_garbled(private_checkpoint, tmp_path, where):
     """torch.load fails inside its archive reader in ways of its own (UnicodeDecodeError, ValueError: an endianness
