@@ -60,11 +60,11 @@ def family_for_config(config: dict[str, Any], source: str = "config.json") -> Fa
     if (taken := remote_code_architecture(config)) is not None:
         return taken[0]
     known = sorted(t for family in FAMILIES.values() for t in family.model_types)
-    if "auto_map" in config:  # the model's code ships with the checkpoint (transformers' trust_remote_code)
+    if "auto_map" in config:  # code shipped with the checkpoint (transformers' trust_remote_code), perhaps for a built-in model
         code = config["auto_map"].get("AutoModelForCausalLM", "none") if isinstance(config["auto_map"], dict) else "none"
         raise ConversionError(
-            f"{source}: model_type '{model_type}' needs the checkpoint's own code (auto_map: {code}), which mconvert "
-            f"never runs, and that is no class mconvert maps (supported: {', '.join(known)})"
+            f"{source}: model_type '{model_type}' is not one mconvert maps, nor is the class of the checkpoint's own code "
+            f"(auto_map: {code}), which mconvert never runs (supported: {', '.join(known)})"
         )
     raise ConversionError(f"{source}: model_type '{model_type}' is not supported (supported: {', '.join(known)})")
 
