@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+from mconvert.bounds import read_json_bytes
 from mconvert.errors import ConversionError
 
 # Files of an HF model directory besides its weights and config.json that describe how to use it (copied
@@ -43,7 +44,10 @@ def missing_files(directory: Path, weights: bool) -> list[str]:
     if weights:
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+            try:
+                shards = sorted(set(json.loads(read_json_bytes(index))["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+                raise ConversionError(f"{index}: not a safetensors index (no readable 'weight_map': {e!r})") from None
             missing += [shard for shard in shards if not (directory / shard).exists()]
         elif not any(directory.glob("*.safetensors")):
             missing.append("*.safetensors")

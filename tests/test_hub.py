@@ -72,6 +72,18 @@ def test_offline_errors_name_what_is_missing(hf_model_factory, tmp_path, offline
         resolve_hf_dir(REPO, "--load-dir", revision="v9", cache_dir=cache)
 
 
+def test_a_cached_index_that_is_no_index(hf_model_factory, tmp_path, offline):
+    """The cache's index is read to list the shards a snapshot lacks: one that is not an index is a one-line error,
+    as the conversion's own read of it is."""
+    cache = tmp_path / "hub"
+    snapshot = add_snapshot(cache, REPO, COMMIT, hf_model_factory("qwen2.5-7b-instruct", max_shard_size="200KB"))
+    index = snapshot / "model.safetensors.index.json"
+    index.unlink()
+    index.write_text("[1, 2]")
+    with pytest.raises(ConversionError, match=r"model.safetensors.index.json: not a safetensors index"):
+        resolve_hf_dir(REPO, "--load-dir", cache_dir=cache)
+
+
 def test_not_a_directory_nor_an_id(tmp_path):
     with pytest.raises(ConversionError, match=r"--load-dir .*: no such directory \(nor a hub id\)"):
         resolve_hf_dir(str(tmp_path / "a" / "b" / "c"), "--load-dir")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
+from mconvert.bounds import read_json_bytes
 from mconvert.errors import ConversionError
-from mconvert.formats.bounded import read_json_bytes
 from mconvert.formats.quantized import (
     FP8_DTYPES,
     MXFP4_BLOCKS,

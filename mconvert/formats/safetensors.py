@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
+from mconvert.bounds import SAFETENSORS_HEADER_BYTES, read_json_bytes
 from mconvert.errors import ConversionError
-from mconvert.formats.bounded import SAFETENSORS_HEADER_BYTES, read_json_bytes
 from mconvert.formats.copying import copy_range
 
 ST_DTYPES = {
