@@ -4,12 +4,11 @@ online. huggingface_hub is imported only for hub ids, so conversion of local dir
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from mconvert.bounds import read_json_bytes
 from mconvert.errors import ConversionError
+from mconvert.json_files import read_weight_map
 
 # Files of an HF model directory besides its weights and config.json that describe how to use it (copied
 # along on export, read by verify --prompts).
@@ -44,10 +43,7 @@ def missing_files(directory: Path, weights: bool) -> list[str]:
     if weights:
         index = directory / "model.safetensors.index.json"
         if index.exists():
-            try:
-                shards = sorted(set(json.loads(read_json_bytes(index))["weight_map"].values()))
-            except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-                raise ConversionError(f"{index}: not a safetensors index (no readable 'weight_map': {e!r})") from None
+            shards = sorted(set(read_weight_map(index).values()))
             missing += [shard for shard in shards if not (directory / shard).exists()]
         elif not any(directory.glob("*.safetensors")):
             missing.append("*.safetensors")

@@ -21,7 +21,8 @@ from safetensors.torch import load_file, save_file
 from test_mcore_to_hf_bad_input import checkpoint, private_checkpoint  # noqa: F401 (fixtures)
 from torch.distributed.checkpoint import FileSystemReader
 
-from mconvert.bounds import JSON_FILE_BYTES, SAFETENSORS_HEADER_BYTES
+from mconvert.formats.safetensors import SAFETENSORS_HEADER_BYTES
+from mconvert.json_files import JSON_FILE_BYTES
 from mconvert.mcore.checkpoint import RELEASE, TRACKER_FILE
 
 LAYER_WEIGHT = "model.layers.1.mlp.down_proj.weight"

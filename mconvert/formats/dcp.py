@@ -90,6 +90,11 @@ class _MetadataUnpickler(pickle._Unpickler):
         raise pickle.UnpicklingError(f"'{module}.{name}' is not allowed in DCP metadata")
 
 
+def _placed(info: Any) -> bool:
+    """Whether a storage record says where its bytes are: a non-negative `offset` and `length`."""
+    return all(isinstance(getattr(info, field, None), int) and getattr(info, field) >= 0 for field in ("offset", "length"))
+
+
 def _stored_at(fqn: str, offsets: Any = None) -> tuple[str, tuple[int, ...] | None]:
     """Where `.metadata` files a stored item: its key, and a tensor chunk's global offsets."""
     return fqn, None if offsets is None else tuple(offsets)
@@ -155,24 +160,21 @@ class DCPCheckpoint:
                 info = self._stored.get(_stored_at(key, offsets))
                 if info is None:
                     raise ConversionError(f"{path}: chunk {n} of '{key}' is stored nowhere")
-                at, length = getattr(info, "offset", None), getattr(info, "length", None)
-                if not (isinstance(at, int) and isinstance(length, int) and at >= 0 and length >= 0):
+                if not _placed(info):
                     raise ConversionError(f"{path}: the record of where chunk {n} of '{key}' is stored has no place in its file")
-                data = self.directory / info.relative_path
-                if at + length > file_sizes[info.relative_path]:
-                    raise ConversionError(
-                        f"{data}: truncated (chunk {n} of '{key}' ends at byte {at + length}, the file has {file_sizes[info.relative_path]})"
-                    )
-                if math.prod(sizes) * itemsize > length:
-                    raise ConversionError(f"{path}: chunk {n} of '{key}' claims {math.prod(sizes) * itemsize} bytes, its record in {data.name} holds {length}")
-                held += math.prod(sizes)
+                data, end = self.directory / info.relative_path, info.offset + info.length
+                if end > file_sizes[info.relative_path]:
+                    raise ConversionError(f"{data}: truncated (chunk {n} of '{key}' ends at byte {end}, the file has {file_sizes[info.relative_path]})")
+                elements = math.prod(sizes)
+                if elements * itemsize > info.length:
+                    raise ConversionError(f"{path}: chunk {n} of '{key}' claims {elements * itemsize} bytes, its record in {data.name} holds {info.length}")
+                held += elements
             if math.prod(shape) > held:
                 raise ConversionError(f"{path}: '{key}' of shape {list(shape)} claims {math.prod(shape)} elements, its chunks hold {held}")
         for key in self.object_keys:
             info = self._stored.get(_stored_at(key))
-            at, length = getattr(info, "offset", None), getattr(info, "length", None)
-            if isinstance(at, int) and isinstance(length, int) and at + length > file_sizes.get(info.relative_path, 0):
-                raise ConversionError(f"{self.directory / info.relative_path}: truncated (the object '{key}' ends at byte {at + length})")
+            if _placed(info) and info.offset + info.length > file_sizes.get(info.relative_path, 0):
+                raise ConversionError(f"{self.directory / info.relative_path}: truncated (the object '{key}' ends at byte {info.offset + info.length})")
 
     def _storage(self, key: str, offsets: Any = None) -> _Record:
         """Where an object (`key`) or a tensor's chunk (`key` at `offsets`) is stored: its data file's
@@ -180,7 +182,7 @@ class DCPCheckpoint:
         info = self._stored[_stored_at(key, offsets)]
         if getattr(info, "transform_descriptors", None):
             raise ConversionError(f"{self.directory}: '{key}' is stored transformed ({info.transform_descriptors}), which is not supported")
-        if not all(isinstance(getattr(info, field, None), int) and getattr(info, field) >= 0 for field in ("offset", "length")):
+        if not _placed(info):
             raise ConversionError(f"{self.directory / '.metadata'}: the record of where '{key}' is stored has no place in its file")
         return info
 

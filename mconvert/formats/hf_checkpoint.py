@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from mconvert.bounds import read_json_bytes
 from mconvert.errors import ConversionError
 from mconvert.formats.quantized import (
     FP8_DTYPES,
@@ -24,7 +23,8 @@ from mconvert.formats.quantized import (
     dequantize_fp8_blocks,
     dequantize_mxfp4,
 )
-from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, Part, Rows, StoredTensor, read_header, read_weight_map
+from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, Part, Rows, StoredTensor, read_header
+from mconvert.json_files import read_json_bytes, read_weight_map
 
 # Floating-point dtypes whose values are checked to be finite as they are read (float8 has no min/max kernels).
 _CHECKED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)

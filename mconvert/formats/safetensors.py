@@ -15,10 +15,11 @@ from pathlib import Path
 
 import torch
 
-from mconvert.bounds import SAFETENSORS_HEADER_BYTES, read_json_bytes
 from mconvert.errors import ConversionError
 from mconvert.formats.copying import copy_range
 
+# The safetensors library's own limit on a header (its MAX_HEADER_SIZE).
+SAFETENSORS_HEADER_BYTES = 100 * 10**6
 ST_DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -112,21 +113,6 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
             raise ConversionError(f"{path}: truncated (tensor '{name}' ends at byte {base + end}, file has {size})")
         tensors[name] = StoredTensor(path, dtype, shape, base + begin, base + end)
     return tensors
-
-
-def read_weight_map(index: Path) -> dict[str, str]:
-    """The index's tensor -> shard file map; every shard a plain file name in the index's directory."""
-    try:
-        weight_map = json.loads(read_json_bytes(index))["weight_map"]
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise ConversionError(f"{index}: not a safetensors index (no readable 'weight_map': {e!r})") from None
-    if not isinstance(weight_map, dict):
-        raise ConversionError(f"{index}: 'weight_map' is not an object of tensor names to files")
-    for name, file in weight_map.items():
-        if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
-            raise ConversionError(f"{index}: tensor '{name}' names shard {file!r}, not a file beside the index")
-    return weight_map
-
 
 
 _ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}

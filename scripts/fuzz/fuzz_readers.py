@@ -101,7 +101,8 @@ def readers(scratch: Path, seeds: Path):
     from mconvert.formats.dcp import DCPCheckpoint
     from mconvert.formats.hf_checkpoint import read_hf_config
     from mconvert.formats.legacy_torch import read_rank_files
-    from mconvert.formats.safetensors import read_header, read_weight_map
+    from mconvert.formats.safetensors import read_header
+    from mconvert.json_files import read_weight_map
     from mconvert.mappings import get_mapping
     from mconvert.mcore.checkpoint import TRACKER_FILE, iteration_dir, read_args
     from mconvert.mcore.parallelism import Parallelism
@@ -174,6 +175,7 @@ def fuzz_one(target: str, out: Path, libfuzzer_flags: list[str]) -> None:
         import mconvert.formats.legacy_torch  # noqa: F401
         import mconvert.formats.pickles  # noqa: F401
         import mconvert.formats.safetensors  # noqa: F401
+        import mconvert.json_files  # noqa: F401
         import mconvert.mappings  # noqa: F401
         import mconvert.mcore.checkpoint  # noqa: F401
         import mconvert.megatron_lm.spec_from_args  # noqa: F401

@@ -282,7 +282,7 @@ def main() -> int:
             shutil.rmtree(kept, ignore_errors=True)
             shutil.copytree(hf, kept / "hf")
             shutil.copytree(work / "save0", kept / "save")
-            for kept_file in ("tokens.npy", "judge.json", *(dump.name for dump in work.glob("weights.pt*"))):
+            for kept_file in ("tokens.npy", "weights.pt", "weights.pt.error", "judge.json"):
                 if (work / kept_file).exists():
                     shutil.copy(work / kept_file, kept / kept_file)
             shutil.copytree(work / "log0", kept / "log0", dirs_exist_ok=True)

@@ -129,10 +129,7 @@ _dumped = False
 
 
 def _dump_weights(path: str, model) -> None:
-    """The model's tensors by their names in the wrapped model, whole (a sharded DTensor gathered). Data-parallel
-    ranks hold the same tensors; expert-parallel ranks hold different experts under the same local numbers: the
-    first rank of expert-parallel rank k > 0 writes its tensors to PATH.ep{k}."""
-    from megatron.core import parallel_state
+    """The model's tensors by their names in the wrapped model, whole (a sharded DTensor gathered)."""
     from torch.distributed.tensor import DTensor
 
     global _dumped
@@ -143,12 +140,8 @@ def _dump_weights(path: str, model) -> None:
     except Exception as e:  # noqa: BLE001 (a wrapper whose tensors cannot be gathered so: said beside, the run goes on)
         Path(path + ".error").write_text(f"{type(e).__name__}: {e}")
         return
-    expert_rank = parallel_state.get_expert_model_parallel_rank()
     if torch.distributed.get_rank() == 0:
         torch.save(tensors, path)
-    elif expert_rank > 0 and parallel_state.get_expert_data_parallel_rank() == 0 and \
-            parallel_state.get_expert_tensor_parallel_rank() == 0:
-        torch.save(tensors, f"{path}.ep{expert_rank}")
 
 
 def forward_step(data_iterator, model):
