@@ -59,6 +59,8 @@
 #               MTP); their HF configs, tokens, losses and --lr 0 saves come back as fixtures
 #   fsdp-dp2    on two GPUs: the FSDP saves at data-parallel size 2 kept as fixtures, and FSDP2 at data-parallel size 2
 #               from a torch_dist conversion
+#   fsdp-dp2-train  on two GPUs: FSDP2 at data-parallel size 2 with its lr 1e-4 run, and a Megatron-FSDP save at EP 2
+#   fp8-bench   conversion from FP8 hub weights (Kimi-K2's and MiniMax-M2.7's shapes, cut) on this host's cores and disk
 #   hybrid-pp2  on two GPUs: a Megatron-LM HybridModel training save at PP 2 (with MTP), exported bit for bit
 #   train-distopt  on one GPU: Megatron-LM training steps with --use-distributed-optimizer (Qwen2.5-0.5B's shape and
 #               Qwen3-30B-A3B's first 2 layers), whose saves hold that optimizer's state beside the weights
@@ -386,6 +388,39 @@ for stage in "$@"; do
       [ -d "$WORK/fsdp-dp2-saves" ] && tar -czf "$OUT/fsdp-dp2-saves.tar.gz" -C "$WORK" fsdp-dp2-saves
     done
     [ "$code" = 3 ] || mark "$stage"
+    ;;
+  fsdp-dp2-train)
+    # On two GPUs: what fsdp-dp2 left. FSDP2 at data-parallel size 2 from the Llama conversion at TP 2 with its lr 1e-4
+    # run (the loss falls); Megatron-FSDP at EP 2 (DeepSeek-V3's architecture with MTP, bf16, random init: the dense
+    # weights sharded over the two data-parallel ranks, each rank's experts its own), its save judged by transformers'
+    # loss on the export and kept (fsdp-dp2-saves.tar.gz).
+    one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1)
+    runs=("--fsdp torch ${one_run[*]}|$LLAMA_TINY:tp2"
+          "--fsdp megatron --dtype bf16 --from-scratch --mtp --steps 0 --keep-saves $WORK/fsdp-dp2-saves|$DEEPSEEK_TINY:ep2")
+    code=0
+    for run in "${runs[@]}"; do
+      env -u CUDA_DEVICE_MAX_CONNECTIONS python3 scripts/gpu/gpu_train.py --nproc 2 ${run%%|*} --work "$WORK/train" \
+        --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" ${run#*|} >> "$OUT/$stage.log" 2>&1
+      last=$?
+      note "$stage ${run%%|*}: exit $last"
+      [ "$last" = 3 ] && code=3
+      [ -d "$WORK/fsdp-dp2-saves" ] && tar -czf "$OUT/fsdp-dp2-saves.tar.gz" -C "$WORK" fsdp-dp2-saves
+    done
+    [ "$code" = 3 ] || mark "$stage"
+    ;;
+  fp8-bench)
+    # Conversion time and memory from FP8 hub weights on this host (scripts/bench/bench_convert.py, docs/performance.md):
+    # Kimi-K2 as released cut to its first dense and first MoE layer (384 experts of 7168 x 2048: about 22 GB of
+    # source, 40 GB written), then MiniMax-M2.7's first two layers; each source removed after its model.
+    for model in ${FP8_MODELS:-kimi-k2-instruct@2 minimax-m2.7@2}; do
+      [ "$(left)" -lt 120 ] && { note "fp8-bench $model: skipped, deadline"; continue; }
+      timeout "$(left)" python3 scripts/bench/bench_convert.py --models "$model" --quantized --ep 8 --work-dir "$WORK/fp8" \
+        --conditions warm --repeats 2 >> "$OUT/$stage.log" 2>&1
+      note "fp8-bench $model: exit $?"
+      rm -rf "$WORK/fp8"
+    done
+    nproc >> "$OUT/$stage.log"; free -g >> "$OUT/$stage.log"; df -h "$WORK" >> "$OUT/$stage.log"
+    mark "$stage"
     ;;
   hybrid-pp2)
     # On two GPUs: a Megatron-LM HybridModel training save made at PP 2 (MLA with a dense first layer, MoE and MTP: the
