@@ -5,6 +5,7 @@ for bit; what cannot be written or read, in one line. Megatron-LM's judgement of
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import torch
 from cli_runner import assert_nothing_left, assert_one_line_error, run_cli
@@ -102,3 +103,27 @@ def test_a_save_whose_pattern_is_no_run_of_gpt_layers_is_refused_in_one_line(hf_
         assert_one_line_error(result, "a HybridModel checkpoint", "has no HybridModel", code=2)
     else:
         assert_one_line_error(result, f"hybrid_layer_pattern {pattern!r}", *names, code=2)
+
+
+HYBRID_SAVES = Path(__file__).parent / "fixtures" / "hybrid"
+
+
+def test_a_megatron_lm_hybrid_training_save_at_pp2_exports_bit_for_bit(tmp_path):
+    """A save Megatron-LM 0.19.2 made on two GPUs (fixtures/hybrid/MADE.md): a HybridModel at PP 2 under Transformer
+    Engine's spec, with an MTP layer, trained at lr 0 from mconvert's hybrid checkpoint of `hf`. Its export must be
+    `hf` again, every tensor bit for bit; the comparison itself catches two stages' tensors exchanged."""
+    fixture = HYBRID_SAVES / "deepseek-mtp-pp2"
+    inspected = run_cli("inspect", fixture / "save")
+    assert "written for: HybridModel TP=1 PP=2 EP=1 ETP=1 --hybrid-layer-pattern '+-|+E/+E'" in inspected.stdout
+    done = run_cli("mcore-to-hf", "--load-dir", fixture / "save", "--save-dir", tmp_path / "hf", "--hf-config", fixture / "hf",
+                   "--quiet")
+    assert done.returncode == 0, done.stderr
+    original, back = weights(fixture / "hf"), weights(tmp_path / "hf")
+
+    def differing(exported: dict[str, torch.Tensor]) -> list[str]:
+        return sorted(k for k, v in original.items() if not torch.equal(exported[k].to(v.dtype), v))
+
+    assert back.keys() == original.keys() and not differing(back)
+    first, second = "model.layers.0.self_attn.o_proj.weight", "model.layers.1.self_attn.o_proj.weight"
+    back[first], back[second] = back[second], back[first]
+    assert differing(back) == [first, second]
