@@ -7,9 +7,9 @@
 #   there:  bash scripts/gpu/gpu_session.sh part N                   # N = 1..4, one call each, carrying .tepN
 #   there:  bash scripts/gpu/gpu_session.sh run 540 install train    # carrying .tep5, .tebuild and .whl
 #
-# A call carries the tracked tree too (22 MB with the FSDP fixtures), which leaves no room for a 56 MiB part beside
+# A call carries the tracked tree too (32 MB with the training-save fixtures), which leaves no room for a 56 MiB part beside
 # it: cut the five parts into chunks that fit, and carry those instead, one a call, in order:
-#   here:   bash scripts/gpu/gpu_session.sh chunks                   # build/tepc/0 ... (36 MiB each, or $CHUNK_MB)
+#   here:   bash scripts/gpu/gpu_session.sh chunks                   # build/tepc/0 ... (28 MiB each, or $CHUNK_MB)
 #   there:  bash scripts/gpu/gpu_session.sh chunk N                  # N = 0, 1, ..., carrying build/tepc/N
 #   there:  bash scripts/gpu/gpu_session.sh run 540 install ...      # carrying .tebuild and .whl: the parts made anew
 #   there:  bash scripts/gpu/gpu_session.sh run 540 install verify   # carrying .tebuild and .whl (install: done)
@@ -102,7 +102,7 @@ prepare)
   ;;
 chunks)
   rm -rf build/tepc && mkdir -p build/tepc
-  cat .tep1/tepart_0 .tep2/tepart_1 .tep3/tepart_2 .tep4/tepart_3 .tep5/tepart_4 | split -b "${CHUNK_MB:-36}M" -d -a 1 - build/tepc/chunk_
+  cat .tep1/tepart_0 .tep2/tepart_1 .tep3/tepart_2 .tep4/tepart_3 .tep5/tepart_4 | split -b "${CHUNK_MB:-28}M" -d -a 1 - build/tepc/chunk_
   for chunk in build/tepc/chunk_*; do mkdir -p "build/tepc/${chunk##*_}" && mv "$chunk" "build/tepc/${chunk##*_}/"; done
   du -sh build/tepc/*
   exit
