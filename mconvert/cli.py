@@ -138,6 +138,11 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
         print(f"note: Megatron's norms multiply by 1 + w, so {shifted[0]} and {len(shifted) - 1} more are stored as w - 1: in "
               f"{dtype} a weight outside [0.5, 2] rounds by its last bit, as Megatron's own {dtype} parameter would; "
               f"--dtype fp32 stores each exactly")
+    if result.narrowed:
+        (first, wider), dtype = result.narrowed[0], str(plan.dtype).removeprefix("torch.")
+        print(f"note: {first} and {len(result.narrowed) - 1} more are {str(wider).removeprefix('torch.')} in "
+              f"{options.load_dir} and stored in {dtype}, the checkpoint's dtype, as Megatron's own {dtype} parameters "
+              f"hold them: their values round; --dtype fp32 stores each exactly")
     if result.mtp_not_held:
         field, named = result.mtp_not_held
         print(f"note: config.json's {field} says {named} multi-token prediction layer(s), which {options.load_dir} does not "

@@ -73,3 +73,29 @@ def test_converted_checkpoint_loads_with_expected_values(tmp_path, tp):
         assert tensors[key].dtype == torch.bfloat16 and torch.equal(tensors[key], value), key
     extra_states = [value for key, value in state.items() if "_extra_state" in key]
     assert extra_states and all(len(value) == 1 and value[0].numel() == 0 for value in extra_states)
+
+
+def test_tensors_wider_than_the_checkpoint_are_said_to_round(tmp_path, capsys):
+    """transformers keeps DeepSeek-V3.2's indexer weights_proj in fp32 in a bf16 model (`_keep_in_fp32_modules`), so a
+    checkpoint it saves holds them so. A bf16 conversion rounds them, as Megatron's bf16 parameters would: said, and
+    the way back gives their rounded values (the rest bit for bit, the routing bias that Megatron keeps in fp32 too);
+    --dtype fp32 keeps them and says nothing."""
+    from safetensors.torch import save_file
+
+    hf_dir = make_hf_checkpoint(shrink(real_config("deepseek-v3.2"), layers=2), tmp_path / "hf", dtype="bfloat16")
+    (stored,) = hf_dir.glob("*.safetensors")
+    weights = load_file(stored)
+    wide = [name for name in weights if name.endswith("indexer.weights_proj.weight")]
+    for name in wide:
+        weights[name] = torch.randn(weights[name].shape, generator=torch.Generator().manual_seed(0)) * 0.1
+    save_file(weights, stored, metadata={"format": "pt"})
+    assert cli.main(["hf-to-mcore", "--load-dir", str(hf_dir), "--save-dir", str(tmp_path / "mc")]) == 0
+    printed = capsys.readouterr().out
+    assert f"note: {wide[0]} and 1 more are float32 in {hf_dir} and stored in bfloat16" in printed
+    assert cli.main(["mcore-to-hf", "--load-dir", str(tmp_path / "mc"), "--save-dir", str(tmp_path / "back")]) == 0
+    back = {k: v for path in (tmp_path / "back").glob("*.safetensors") for k, v in load_file(path).items()}
+    assert back.keys() == weights.keys()
+    assert all(torch.equal(back[k], v.to(torch.bfloat16) if k in wide else v) for k, v in weights.items())
+    assert not all(torch.equal(back[k].float(), weights[k]) for k in wide)
+    assert cli.main(["hf-to-mcore", "--load-dir", str(hf_dir), "--save-dir", str(tmp_path / "mc32"), "--dtype", "fp32"]) == 0
+    assert "are float32 in" not in capsys.readouterr().out

@@ -47,6 +47,8 @@ class Conversion:
     left_out: tuple[tuple[str, int], ...] = ()
     # (config.json's field, its count) where it names more multi-token prediction layers than the checkpoint holds.
     mtp_not_held: tuple[str, int] | None = None
+    # HF tensors stored in a wider dtype than the checkpoint holds them in (their values round), with that dtype.
+    narrowed: tuple[tuple[str, torch.dtype], ...] = ()
 
 
 def mtp_layers_held(family: Family, spec: ModelSpec, names) -> int:
@@ -348,5 +350,7 @@ def convert_hf_to_mcore(
         if (what := family.table.left_out_by(name)) is not None:
             left_out[what] = left_out.get(what, 0) + 1
     named = mtp_layers_named(family, config)
+    narrowed = plan.narrowed({name: stored.dtype for name, stored in hf.tensors.items()})
     return Conversion(plan, args, flags, dropped_mtp_layers=held - spec.mtp_layers, left_out=tuple(left_out.items()),
-                      mtp_not_held=(family.table.mtp_count_field, named) if named > held else None)
+                      mtp_not_held=(family.table.mtp_count_field, named) if named > held else None,
+                      narrowed=tuple((name, hf.tensors[name].dtype) for name in narrowed))

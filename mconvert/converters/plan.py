@@ -108,6 +108,13 @@ class Plan:
         return sorted({ref.name for piece in self.pieces if isinstance(piece.entry, Shift) and self.dtype_of(piece).itemsize == 2
                        for ref in piece.sources})
 
+    def narrowed(self, stored: dict[str, torch.dtype]) -> list[str]:
+        """The HF tensors of `stored` dtypes (the source's) that the checkpoint holds in a narrower floating-point
+        dtype, where their values round (an fp32 tensor in a bf16 checkpoint)."""
+        return sorted({ref.name for piece in self.pieces for ref in piece.sources
+                       if (source := stored.get(ref.name)) is not None and source.is_floating_point
+                       and source.itemsize > self.dtype_of(piece).itemsize})
+
     def key_dtypes(self) -> dict[str, torch.dtype]:
         return {key: self.dtype_of(piece) for piece in self.pieces for key in piece.keys}
 
