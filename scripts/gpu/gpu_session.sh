@@ -61,6 +61,8 @@
 #               from a torch_dist conversion
 #   fsdp-dp2-train  on two GPUs: FSDP2 at data-parallel size 2 with its lr 1e-4 run, and a Megatron-FSDP save at EP 2
 #   fp8-bench   conversion from FP8 hub weights (Kimi-K2's and MiniMax-M2.7's shapes, cut) on this host's cores and disk
+#   nemotron-h  on one GPU: Nemotron-H (Mamba-2) as HybridModel: verify --spec te at real width, and Megatron-LM training
+#               steps (carry .whl: mamba_ssm built without its CUDA extension, einops)
 #   hybrid-pp2  on two GPUs: a Megatron-LM HybridModel training save at PP 2 (with MTP), exported bit for bit
 #   train-distopt  on one GPU: Megatron-LM training steps with --use-distributed-optimizer (Qwen2.5-0.5B's shape and
 #               Qwen3-30B-A3B's first 2 layers), whose saves hold that optimizer's state beside the weights
@@ -421,6 +423,28 @@ for stage in "$@"; do
     done
     nproc >> "$OUT/$stage.log"; free -g >> "$OUT/$stage.log"; df -h "$WORK" >> "$OUT/$stage.log"
     mark "$stage"
+    ;;
+  nemotron-h)
+    # Nemotron-H (Mamba-2 layers beside attention and MoE) as HybridModel on one GPU: mamba_ssm from a wheel built without
+    # its CUDA extension (carried in .whl with einops; scripts/gpu/mamba_stand_in stands in for the extension, which
+    # megatron-core's Mamba-2 layers never call). Without causal_conv1d (a CUDA build) megatron-core's fused training
+    # path cannot run: the runs take its other path (--disable-mamba-mem-eff-path, the same function). Nemotron 3 Nano's
+    # first 6 layers (M E M E M *) at real width with 16 of its 128 experts: verify --spec te at TP 1 from a TP 2 x EP 2
+    # save and as written; then Megatron-LM training steps.
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/mamba_ssm-*.whl .whl/einops-*.whl \
+      >> "$OUT/session.log" 2>&1
+    export PYTHONPATH=$PWD/scripts/gpu/mamba_stand_in:$PYTHONPATH
+    python3 -c "import mamba_ssm; print('mamba_ssm', mamba_ssm.__version__)" >> "$OUT/session.log" 2>&1
+    NEMOTRON_H=${NEMOTRON_H:-'nemotron-3-nano-30b-a3b@6+n_routed_experts=16'}
+    python3 scripts/gpu/gpu_verify.py --spec te --model-class hybrid --work "$WORK/verify" --out "$OUT/verify" \
+      --deadline-s "$(($(left) / 2))" "$NEMOTRON_H:tp2ep2>tp1" "$NEMOTRON_H:tp1" > "$OUT/$stage.log" 2>&1
+    note "$stage verify: exit $?"
+    python3 scripts/gpu/gpu_train.py --nproc 1 --model-class hybrid --megatron-flag=--disable-mamba-mem-eff-path \
+      --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" "$NEMOTRON_H+hidden_size=1024:tp1" \
+      >> "$OUT/$stage.log" 2>&1
+    code=$?
+    note "$stage train: exit $code"
+    [ "$code" = 3 ] || mark "$stage"
     ;;
   hybrid-pp2)
     # On two GPUs: a Megatron-LM HybridModel training save made at PP 2 (MLA with a dense first layer, MoE and MTP: the
