@@ -34,8 +34,9 @@ def model_config(model: str) -> dict[str, Any]:
     if layers:
         text = config.get("text_config") or config  # an image-text model's language model
         text["num_hidden_layers"] = int(layers)
-        if text.get("layer_types"):
-            text["layer_types"] = text["layer_types"][: int(layers)]
+        for per_layer in ("layer_types", "hybrid_override_pattern"):  # a list or a string, one entry a layer
+            if text.get(per_layer):
+                text[per_layer] = text[per_layer][: int(layers)]
     for field in fields:
         key, _, value = field.partition("=")
         *path, key = key.split(".")  # text_config.num_experts: a field of a nested config
