@@ -200,7 +200,9 @@ def verify(request: VerifyRequest) -> Report:
         raise ConversionError("--pipeline-model-parallel-layout: verify runs one stage a rank (no virtual pipeline stages)")
     if pattern:
         # HybridModel's stages are its pattern's `|`, placed anew for this run's split.
-        pipeline = {"hybrid_layer_pattern": hybrid.restaged(pattern, par.pipeline.stage_layers(par.pp, hf_spec.num_layers))}
+        pipeline = {"hybrid_layer_pattern": hybrid.restaged(
+            pattern, par.pipeline.stage_layers(par.pp, hf_spec.num_layers), hybrid.blocks_per_layer(hf_spec)
+        )}
     vocab_size = hf_spec.vocab_size
     prompts = (
         text_prompts(request.prompts_file, request.hf_dir)
