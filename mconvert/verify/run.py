@@ -62,6 +62,9 @@ def builtin_prompts(vocab_size: int) -> list[torch.Tensor]:
     return [torch.randint(0, vocab_size, (length,), generator=generator) for length in (7, 16, 32, 64)]
 
 
+# The chunk of megatron-core's Mamba scan (MambaMixer's chunk_size, which Megatron-LM does not set).
+MAMBA_CHUNK = 128
+
 # What a tokenizer saved by transformers leaves in a model directory (any one of them).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer_config.json")
 
@@ -187,6 +190,7 @@ def verify(request: VerifyRequest) -> Report:
     pattern = getattr(stored, "hybrid_layer_pattern", None)
     if pattern:
         require_hybrid_model(request.mcore_dir)
+        par = dataclasses.replace(par, model_class="hybrid")  # the run's layout for a HybridModel checkpoint
     # A HybridModel checkpoint's args are compared as the GPT model's they were made from.
     stored_gpt = gpt_view(stored, f"--mcore {request.mcore_dir}")
     hf_spec = check_architecture(request.hf_dir, stored_gpt)
@@ -226,6 +230,10 @@ def verify(request: VerifyRequest) -> Report:
             # Only a prompt longer than the top-k makes the indexer choose: one of top-k + 64 tokens joins them.
             prompts.append(torch.randint(0, vocab_size, (top_k + 64,), generator=torch.Generator().manual_seed(top_k)))
             notes.append(f"sparse attention keeps the best {top_k} tokens: prompt {len(prompts) - 1} ({top_k + 64} tokens) makes its indexer choose")
+    if getattr(stored, "mamba_num_heads", None) and not request.prompts_file:
+        # megatron-core's Mamba layers scan in chunks of 128 tokens: a prompt of two makes the state pass between them.
+        prompts.append(torch.randint(0, vocab_size, (MAMBA_CHUNK + 32,), generator=torch.Generator().manual_seed(MAMBA_CHUNK)))
+        notes.append(f"Mamba layers scan in chunks of {MAMBA_CHUNK} tokens: prompt {len(prompts) - 1} ({MAMBA_CHUNK + 32} tokens) spans two")
     dtype = DTYPES[request.dtype]
     seconds = {}
     started = time.perf_counter()
