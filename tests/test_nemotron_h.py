@@ -6,6 +6,7 @@ the GPT model class, refused in one line. megatron-core's and Megatron-LM's judg
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -83,3 +84,10 @@ def test_what_megatron_core_fixes_is_refused_in_one_line_naming_the_field(field,
     result = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "out", "--model-class", "hybrid")
     assert_one_line_error(result, field, "megatron-core")
     assert_nothing_left(tmp_path / "out")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is not None, reason="mamba_ssm is installed here")
+def test_verify_without_mamba_ssm_says_what_to_install_in_one_line(hf, tmp_path):
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(model_class="hybrid"))
+    result = run_cli("verify", "--hf", hf, "--mcore", tmp_path / "mcore", "--device", "cpu")
+    assert_one_line_error(result, "Mamba layers", "mamba_ssm", "MAMBA_SKIP_CUDA_BUILD=TRUE", code=2)

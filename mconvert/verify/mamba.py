@@ -6,11 +6,12 @@ distribution, built without its CUDA extension here (scripts/install312.sh); its
 of it is Triton, which cannot run on CPU: the chunked scan and the gated RMSNorm, replaced by mamba_ssm's own PyTorch
 references (ssd_chunk_scan_combined_ref, rms_norm_ref) on the path without the fused kernel
 (`use_mamba_mem_eff_path` off); the convolution is a plain conv1d where `causal_conv1d` is absent. Install these only
-in processes that run megatron-core on CPU, before megatron-core's Mamba modules are imported."""
+in processes that run megatron-core on CPU."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import sys
 import types
@@ -64,6 +65,8 @@ def mamba_mixer_on_cpu() -> None:
     mamba_ssm_importable()
     from megatron.core.ssm import mamba_mixer
 
+    if not mamba_mixer.HAVE_MAMBA_SSM:  # imported before the stand-in (Megatron-LM's import of its models): again
+        importlib.reload(mamba_mixer)
     mamba_mixer.mamba_chunk_scan_combined = _chunk_scan
     mamba_mixer.ExtendedRMSNorm.forward = _gated_rms_norm
 

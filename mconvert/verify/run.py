@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mconvert.converters.fsdp_saves import is_fsdp_save
-from mconvert.dependencies import VERIFY, VERIFY_INSTALL, require
+from mconvert.dependencies import MAMBA, MAMBA_INSTALL, VERIFY, VERIFY_INSTALL, require
 from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import read_hf_config
 from mconvert.mappings import ModelSpec, get_mapping
@@ -188,6 +188,8 @@ def verify(request: VerifyRequest) -> Report:
         )
     stored = read_args(iteration_dir(request.mcore_dir))
     pattern = getattr(stored, "hybrid_layer_pattern", None)
+    if getattr(stored, "mamba_num_heads", None):
+        require(MAMBA, "mconvert verify of Mamba layers", MAMBA_INSTALL)
     if pattern:
         require_hybrid_model(request.mcore_dir)
         par = dataclasses.replace(par, model_class="hybrid")  # the run's layout for a HybridModel checkpoint
