@@ -68,21 +68,43 @@ def test_the_hybrid_checkpoint_has_megatron_cores_mamba_keys_and_converts_back_b
     ]
 
 
+def test_inspect_shows_the_pattern(hf, tmp_path):
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, model_class="hybrid"))
+    result = run_cli("inspect", tmp_path / "mcore")
+    assert result.returncode == 0, result.stderr
+    assert f"HybridModel TP=2 PP=1 EP=1 ETP=2 --hybrid-layer-pattern '{PATTERN}'" in result.stdout, result.stdout
+
+
+def test_a_mamba_tensor_of_another_shape_than_the_config_says_is_refused_in_one_line(hf, tmp_path):
+    """Twice the heads in config.json: in_proj's rows (2 x inner + 2 x groups x state + heads) are not the stored ones."""
+    (tmp_path / "hf").mkdir()
+    for path in hf.iterdir():
+        (tmp_path / "hf" / path.name).symlink_to(path)
+    (tmp_path / "hf" / "config.json").unlink()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**json.loads((hf / "config.json").read_text()), "mamba_num_heads": 16}))
+    result = run_cli("hf-to-mcore", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "out", "--model-class", "hybrid")
+    assert_one_line_error(result, "backbone.layers.0.mixer.in_proj.weight", "[200, 64]", "[336, 64]")
+    assert_nothing_left(tmp_path / "out")
+
+
 def test_the_gpt_model_class_is_refused_in_one_line(hf, tmp_path):
     result = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "out")
     assert_one_line_error(result, "--model-class gpt", "only HybridModel", "use --model-class hybrid")
     assert_nothing_left(tmp_path / "out")
 
 
-@pytest.mark.parametrize("field, value", [("conv_kernel", 3), ("chunk_size", 256), ("mamba_hidden_act", "gelu"),
-                                          ("use_conv_bias", False), ("mlp_hidden_act", "silu"), ("layer_norm_epsilon", 1e-6),
-                                          ("moe_latent_size", 16)])
-def test_what_megatron_core_fixes_is_refused_in_one_line_naming_the_field(field, value, tmp_path):
+@pytest.mark.parametrize("field, value, why", [
+    ("conv_kernel", 3, "megatron-core"), ("chunk_size", 256, "megatron-core"), ("mamba_hidden_act", "gelu", "megatron-core"),
+    ("use_conv_bias", False, "megatron-core"), ("use_bias", True, "megatron-core"), ("layer_norm_epsilon", 1e-6, "megatron-core"),
+    ("mlp_hidden_act", "silu", "converts 'relu2' only"), ("moe_latent_size", 16, "converts None only"),
+    ("num_nextn_predict_layers", 1, "not converted"),
+])
+def test_what_megatron_core_fixes_or_is_not_converted_is_refused_in_one_line_naming_the_field(field, value, why, tmp_path):
     config = shrink(real_config(CONFIG), layers=4, hybrid_override_pattern="M*-E")
     hf = make_hf_checkpoint(config, tmp_path / "hf")
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**json.loads((hf / "config.json").read_text()), field: value}))
     result = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "out", "--model-class", "hybrid")
-    assert_one_line_error(result, field, "megatron-core")
+    assert_one_line_error(result, field, why)
     assert_nothing_left(tmp_path / "out")
 
 

@@ -83,11 +83,15 @@ TABLE = Table(
 
 # transformers 5's names of the blocks (`layers_block_type`, what it writes when it saves), by symbol.
 HF_BLOCK_TYPES = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
-# What megatron-core's MambaMixer and Megatron-LM fix, by the config field that could say otherwise.
-FIXED = {
+# What megatron-core's MambaMixer fixes (its convolution's taps and bias, its scan's chunk, its activation, no bias on
+# its projections: `use_bias` is theirs in transformers), by the config field that could say otherwise.
+FIXED_BY_MEGATRON_CORE = {
     "conv_kernel": 4, "chunk_size": 128, "mamba_hidden_act": "silu", "use_conv_bias": True, "mamba_proj_bias": False,
-    "use_bias": False, "mlp_hidden_act": "relu2", "attention_bias": False, "mlp_bias": False, "moe_latent_size": None,
+    "use_bias": False,
 }
+# What the family's other blocks are as converted: relu^2 MLPs, no biases, experts at the model's width (Nemotron 3
+# Super's latent experts are not converted yet).
+CONVERTED = {"mlp_hidden_act": "relu2", "attention_bias": False, "mlp_bias": False, "moe_latent_size": None}
 # megatron-core's gated RMSNorm in the Mamba mixer has epsilon 1e-5 whatever the model's; transformers uses
 # layer_norm_epsilon for both.
 MAMBA_NORM_EPS = 1e-5
@@ -107,9 +111,12 @@ def layer_blocks(config: dict[str, Any], source: str) -> str:
 
 
 def read_config(config: dict[str, Any], source: str = "config.json") -> ModelSpec:
-    for name, fixed in FIXED.items():
+    for name, fixed in FIXED_BY_MEGATRON_CORE.items():
         if config.get(name, fixed) != fixed:
-            raise ConversionError(f"{source}: {name} {config[name]!r}: megatron-core's hybrid model has {fixed!r} only")
+            raise ConversionError(f"{source}: {name} {config[name]!r}: megatron-core's Mamba mixer has {fixed!r} only")
+    for name, converted in CONVERTED.items():
+        if config.get(name, converted) != converted:
+            raise ConversionError(f"{source}: {name} {config[name]!r}: nemotron_h converts {converted!r} only")
     if config.get("num_nextn_predict_layers"):
         raise ConversionError(f"{source}: num_nextn_predict_layers {config['num_nextn_predict_layers']}: nemotron_h's multi-token prediction is not converted")
     eps = float(config.get("layer_norm_epsilon", config.get("norm_eps", 1e-5)))
@@ -148,17 +155,18 @@ def write_config(spec: ModelSpec) -> dict[str, Any]:
             "the nemotron_h family has Mamba layers beside attention without position embeddings and MLPs without a gate, one block a layer"
         )
     config = write_dense_config(spec, "nemotron_h", "NemotronHForCausalLM")
-    for name in ("hidden_act", "rope_theta", "rope_scaling", "rms_norm_eps", "num_hidden_layers", "layers_block_type"):
+    for name in ("hidden_act", "rms_norm_eps"):
         config.pop(name, None)
     mamba = spec.mamba
     config.update(
         hybrid_override_pattern=spec.layer_blocks,
+        layers_block_type=[HF_BLOCK_TYPES[symbol] for symbol in spec.layer_blocks],  # what transformers 5 reads first
         mamba_num_heads=mamba.num_heads,
         mamba_head_dim=mamba.head_dim,
         n_groups=mamba.num_groups,
         ssm_state_size=mamba.state_dim,
         layer_norm_epsilon=spec.norm_eps,
-        **{name: fixed for name, fixed in FIXED.items() if fixed is not None},
+        **{name: value for name, value in {**FIXED_BY_MEGATRON_CORE, **CONVERTED}.items() if value is not None},
     )
     moe = spec.moe
     if moe is not None:

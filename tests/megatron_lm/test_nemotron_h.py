@@ -1,6 +1,6 @@
 """megatron-core 0.19.2 and Megatron-LM 0.19.2 judge mconvert's Nemotron-H checkpoints (Python 3.12; CPU gloo ranks,
-fp32): megatron-core's HybridModel, built from the checkpoint's args alone (`mconvert verify`), strict-loads them at TP 1
-and at TP 2 x EP 2 and gives transformers' logits, on a prompt of two of the Mamba scan's 128-token chunks too;
+fp32): megatron-core's HybridModel, built from the checkpoint's args alone (`mconvert verify`), strict-loads them at TP 1,
+TP 2 x EP 2 and PP 2 and gives transformers' logits, on a prompt of two of the Mamba scan's 128-token chunks too;
 Megatron-LM's parser reads the printed flags as the stored model, its pretrain_hybrid.py builder and own
 `load_checkpoint` give transformers' logits, and its own save exports to the HF weights bit for bit. On CPU ranks the
 Mamba mixer runs mamba_ssm's PyTorch references in place of its Triton kernels (mconvert.verify.mamba). Planted
@@ -30,7 +30,7 @@ from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
 from mconvert.mappings import nemotron_h  # noqa: E402
 from mconvert.mappings.transforms import Section  # noqa: E402
 from mconvert.mcore.checkpoint import iteration_dir, read_args  # noqa: E402
-from mconvert.mcore.parallelism import Parallelism  # noqa: E402
+from mconvert.mcore.parallelism import Parallelism, PipelineSplit  # noqa: E402
 from mconvert.synthetic import write_word_tokenizer  # noqa: E402
 from mconvert.verify.distributed import run_ranks  # noqa: E402
 from mconvert.verify.megatron_lm import (  # noqa: E402
@@ -48,7 +48,12 @@ CONFIG = "nemotron-3-nano-30b-a3b"
 PATTERN = "M-M*EME"
 # Two of the Mamba scan's 128-token chunks.
 TOKENS = torch.randint(0, 1000, (2, 160), generator=torch.Generator().manual_seed(0))
-LAYOUTS = {"tp1": Parallelism(model_class="hybrid"), "tp2ep2": Parallelism(tp=2, ep=2, model_class="hybrid")}
+LAYOUTS = {
+    "tp1": Parallelism(model_class="hybrid"),
+    "tp2ep2": Parallelism(tp=2, ep=2, model_class="hybrid"),
+    # Two stages, the pattern's `|` after the third layer: 'M-M|*EME'.
+    "pp2": Parallelism(pp=2, pipeline=PipelineSplit(first_stage_layers=3), model_class="hybrid"),
+}
 # What the hybrid tests hold megatron-core's logits to (tests/megatron_lm/test_hybrid.py).
 TOLERANCE = 1e-4
 
