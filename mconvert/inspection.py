@@ -47,6 +47,10 @@ def _model(spec: ModelSpec) -> dict[str, Any]:
     model = {name: getattr(spec, name) for name in _MODEL_FIELDS}
     if spec.moe is not None:
         model |= {"num_experts": spec.moe.num_experts, "moe_router_topk": spec.moe.top_k, "moe_ffn_hidden_size": spec.moe.ffn_hidden_size}
+    if spec.layer_blocks is not None:  # one block a layer, as HybridModel's pattern names them
+        model["layer_blocks"] = spec.layer_blocks
+    if spec.mamba is not None:
+        model |= {f"mamba_{name}": getattr(spec.mamba, name) for name in ("num_heads", "head_dim", "num_groups", "state_dim")}
     if spec.linear_attention is not None:
         la = spec.linear_attention
         model |= {

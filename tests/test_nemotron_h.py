@@ -68,11 +68,14 @@ def test_the_hybrid_checkpoint_has_megatron_cores_mamba_keys_and_converts_back_b
     ]
 
 
-def test_inspect_shows_the_pattern(hf, tmp_path):
+def test_inspect_shows_the_pattern_of_both_checkpoints(hf, tmp_path):
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, model_class="hybrid"))
     result = run_cli("inspect", tmp_path / "mcore")
     assert result.returncode == 0, result.stderr
     assert f"HybridModel TP=2 PP=1 EP=1 ETP=2 --hybrid-layer-pattern '{PATTERN}'" in result.stdout, result.stdout
+    result = run_cli("inspect", hf)
+    assert result.returncode == 0, result.stderr
+    assert f"layer_blocks={PATTERN}, mamba_num_heads=8, mamba_head_dim=8, mamba_num_groups=2, mamba_state_dim=16" in result.stdout, result.stdout
 
 
 def test_a_mamba_tensor_of_another_shape_than_the_config_says_is_refused_in_one_line(hf, tmp_path):

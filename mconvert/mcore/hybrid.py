@@ -2,8 +2,8 @@
 `--hybrid-layer-pattern` (megatron-core 0.19's hybrid_layer_allocation). A GPT layer i is a pair of hybrid
 layers: its attention (`*`, MLA `+`, gated delta-net `G`, sparse attention `D`) then its MLP (`-` dense, `E`
 MoE). A model whose HF layers are one block each (ModelSpec.layer_blocks: Nemotron-H, with Mamba layers `M`)
-has HF layer i as hybrid layer i. Keys are per layer, never stacked: `decoder.layers.<h>.<name>` with the same names within a layer as
-GPTModel's Transformer Engine spec; the final norm is `decoder.final_norm`; an MTP layer's sub-blocks sit in
+has HF layer i as hybrid layer i. Keys are per layer, never stacked: `decoder.layers.<h>.<name>` with the same
+names within a layer as GPTModel's Transformer Engine spec; the final norm is `decoder.final_norm`; an MTP layer's sub-blocks sit in
 its own small stack, `mtp.layers.<m>.mtp_model_layer.layers.<j>.<name>`. `|` separates pipeline stages and
 `/` starts each MTP layer's pattern."""
 
@@ -82,9 +82,8 @@ def gpt_layers_of(pattern: str, source: str = "args") -> tuple[str, list[str]]:
         for h, symbol in enumerate(part):
             expected = ATTENTION_SYMBOLS if h % 2 == 0 else MLP_SYMBOLS
             if symbol not in expected:
-                what = f"'{symbol}'"
                 raise ConversionError(
-                    f"{source}: hybrid_layer_pattern {pattern!r}{where}: layer {h} is {what} where a GPT layer's "
+                    f"{source}: hybrid_layer_pattern {pattern!r}{where}: layer {h} is '{symbol}' where a GPT layer's "
                     f"{'attention' if h % 2 == 0 else 'MLP'} ({' '.join(expected)}) is expected"
                 )
         if len(part) % 2:
@@ -100,7 +99,7 @@ def sub_block(name: str) -> int:
 
 
 def hybrid_layer_key(name: str, layer: int, spec: ModelSpec) -> str:
-    """The HybridModel key of GPT layer `layer`'s tensor `name` (layers from num_layers on: the MTP layers')."""
+    """The HybridModel key of HF layer `layer`'s tensor `name` (layers from num_layers on: the MTP layers')."""
     if spec.layer_blocks is not None:
         return f"decoder.layers.{layer}.{name}"
     if layer >= spec.num_layers:
