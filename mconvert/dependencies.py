@@ -24,6 +24,10 @@ class Requirement:
 # the newest, in 4.51), so one minimum covers all families.
 VERIFY = (Requirement("megatron-core", "megatron.core", "0.13"), Requirement("transformers", "transformers", "4.56"))
 VERIFY_INSTALL = "pip install 'mconvert[verify]'"
+# megatron-core's Mamba layers (Nemotron-H's) refuse to build without mamba_ssm and einops. The package index has
+# mamba_ssm as a source distribution only; built without its CUDA extension, it serves CPU ranks (mconvert.verify.mamba).
+MAMBA = (Requirement("mamba_ssm", "mamba_ssm", "2.0"), Requirement("einops", "einops", "0.6"))
+MAMBA_INSTALL = "MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install --no-build-isolation mamba_ssm einops"
 # transformers loads FP8 checkpoints (DeepSeek-V3's, MiniMax-M2's) only with accelerate installed, even to dequantize
 # them; the `verify` extra has it too.
 ACCELERATE = Requirement("accelerate", "accelerate", "1.0")

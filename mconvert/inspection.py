@@ -47,6 +47,10 @@ def _model(spec: ModelSpec) -> dict[str, Any]:
     model = {name: getattr(spec, name) for name in _MODEL_FIELDS}
     if spec.moe is not None:
         model |= {"num_experts": spec.moe.num_experts, "moe_router_topk": spec.moe.top_k, "moe_ffn_hidden_size": spec.moe.ffn_hidden_size}
+    if spec.layer_blocks is not None:  # one block a layer, as HybridModel's pattern names them
+        model["layer_blocks"] = spec.layer_blocks
+    if spec.mamba is not None:
+        model |= {f"mamba_{name}": getattr(spec.mamba, name) for name in ("num_heads", "head_dim", "num_groups", "state_dim")}
     if spec.linear_attention is not None:
         la = spec.linear_attention
         model |= {
@@ -69,14 +73,15 @@ def suitable_layouts(spec: ModelSpec, stored_vocab_rows: int | None = None, divi
     `stored_vocab_rows`, a TP must also pad the vocabulary to those rows, as Megatron-LM computes the
     embedding's shape from the TP it runs at and a torch_dist load of another shape fails."""
     powers = [2**k for k in range(7)]
+    held_by = {"model_class": "hybrid"} if spec.layer_blocks is not None else {}  # what only HybridModel holds
     tps = [
         tp for tp in powers
-        if _fits(Parallelism(tp=tp, etp=1 if spec.moe else None), spec)
+        if _fits(Parallelism(tp=tp, etp=1 if spec.moe else None, **held_by), spec)
         and (stored_vocab_rows is None or padded_vocab_size(spec.vocab_size, Parallelism(tp=tp, make_vocab_size_divisible_by=divisible_by)) == stored_vocab_rows)
     ]
-    pps = [pp for pp in range(1, spec.num_layers + 1) if _fits(Parallelism(pp=pp), spec)]
+    pps = [pp for pp in range(1, spec.num_layers + 1) if _fits(Parallelism(pp=pp, **held_by), spec)]
     experts = spec.moe.num_experts if spec.moe else 1
-    eps = [ep for ep in range(1, experts + 1) if _fits(Parallelism(ep=ep, etp=1 if spec.moe else None), spec)]
+    eps = [ep for ep in range(1, experts + 1) if _fits(Parallelism(ep=ep, etp=1 if spec.moe else None, **held_by), spec)]
     return {"tp": tps, "pp": pps, "ep": eps}
 
 

@@ -101,6 +101,10 @@ def shrink(config: dict[str, Any], layers: int = 2, **overrides: Any) -> dict[st
     if "linear_num_key_heads" in config:
         # Gated delta-net: 2 key heads each read by 2 of the 4 value heads, key and value widths apart.
         small.update(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=24)
+    if "mamba_num_heads" in config:
+        # Mamba-2: 8 heads of 8 in 2 groups (so that TP 2 splits both), a state of 16; the pattern cut to the layers.
+        small.update(mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, moe_shared_expert_intermediate_size=48)
+        small["hybrid_override_pattern"] = config["hybrid_override_pattern"][:layers]
     if "rotary_dim" in config:  # MiniMax-M2's rope on part of each head, as its config says it
         small["rotary_dim"] = small.get("head_dim", 16) // 2
     if "attn_type_list" in config:

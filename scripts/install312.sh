@@ -23,4 +23,12 @@ fi
 # torch 2.13 from PyPI is the CUDA build on 3.12 (about 5 GB); it runs on the CPU here.
 "$VENV312/bin/pip" install -q --disable-pip-version-check torch==2.13.0 >&2
 "$VENV312/bin/pip" install -q --disable-pip-version-check -e '.[test]' 'megatron-core==0.19.2' >&2
+# megatron-core's Mamba layers (Nemotron-H) refuse to build without mamba_ssm and einops. The index has mamba_ssm as a
+# source distribution only: built here without its CUDA extension (its kernels are Triton; CPU ranks run PyTorch
+# references in their place, mconvert/verify/mamba.py), against the torch above, hence no build isolation.
+if ! "$VENV312/bin/python" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("mamba_ssm") is None or u.find_spec("einops") is None)'; then
+  "$VENV312/bin/pip" install -q --disable-pip-version-check setuptools wheel packaging >&2
+  MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE "$VENV312/bin/pip" install -q --disable-pip-version-check \
+    --no-build-isolation 'mamba_ssm==2.3.2.post1' einops >&2
+fi
 echo "$(cd "$VENV312" && pwd)/bin/python"

@@ -19,7 +19,7 @@ from mconvert.formats.safetensors import Part, Rows
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
 from mconvert.mappings.transforms import Entry, Section, Shift
-from mconvert.mcore.hybrid import hybrid_layer_key, hybrid_model_key
+from mconvert.mcore.hybrid import ATTENTION, MAMBA, MLP, MOE, hybrid_layer_key, hybrid_model_key
 from mconvert.mcore.layout import (
     EXPERTS_PREFIX,
     EXTRA_STATE_ONLY_MODULES,
@@ -216,12 +216,16 @@ def build_plan(
         attention = table.linear_attention if spec.layer_is_linear(decoder_layer) else table.attention
         if spec.layer_has_indexer(decoder_layer):
             attention += table.indexer
-        for entry in _active(attention + (moe_mlp if is_moe else table.dense_mlp), spec):
+        if spec.layer_blocks is not None:  # one block a layer, its entries by its symbol
+            block = {MAMBA: table.mamba, ATTENTION: attention, MLP: table.dense_mlp, MOE: moe_mlp}[spec.layer_blocks[layer]]
+        else:
+            block = attention + (moe_mlp if is_moe else table.dense_mlp)
+        for entry in _active(block, spec):
             names = checkpoint_names(entry.mcore, spec, is_moe)
             keys = [located(name, layer) for name in names]
             layout = tensor_layout(entry.mcore, spec, parallelism)
             add(tuple(k for k, _ in keys), keys[0][1], layers, layout, entry, [prefix + n for n in entry.hf_names])
-        for module in EXTRA_STATE_ONLY_MODULES:
+        for module in EXTRA_STATE_ONLY_MODULES if spec.layer_blocks is None or spec.layer_blocks[layer] == ATTENTION else ():
             key, offsets = located(module, layer)
             modules[key, offsets] = layers
         if not is_moe:

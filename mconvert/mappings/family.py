@@ -48,6 +48,9 @@ class Table:
     linear_attention: tuple[Entry, ...] = ()
     # The sparse-attention indexer of layers that run one (ModelSpec.sparse_attention), beside `attention`.
     indexer: tuple[Entry, ...] = ()
+    # A Mamba-2 layer's tensors, norm included, for models whose HF layer is one block (ModelSpec.layer_blocks):
+    # their `M` layers; `attention`, `dense_mlp` and `moe_mlp` (with the experts) are their other blocks, each with its norm.
+    mamba: tuple[Entry, ...] = ()
     # Why the multi-token prediction layers an HF checkpoint holds are left out (Megatron-LM builds none beside
     # the model's attention variant); empty where they convert.
     mtp_left_out: str = ""

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from mconvert.errors import ConversionError
+from mconvert.mappings.mamba_spec import MambaSpec
 from mconvert.mappings.rope import RopeScaling, read_rope
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -152,7 +153,8 @@ class ModelSpec:
     # Megatron's softmax_type: "learnable" adds a learned per-head logit to every softmax (gpt-oss's sinks).
     softmax_type: str = "vanilla"
     # The gated MLP: SwiGLU ("silu"), or "quick_gelu" (x * sigmoid(1.702 x)) on the gate with the linear half
-    # offset by `glu_linear_offset` and both halves clamped at `activation_clamp` (gpt-oss).
+    # offset by `glu_linear_offset` and both halves clamped at `activation_clamp` (gpt-oss); or the MLP without a
+    # gate, "squared_relu" (relu(x)^2, Megatron's --squared-relu: Nemotron-H).
     activation: str = "silu"
     glu_linear_offset: float = 0.0
     activation_clamp: float | None = None
@@ -170,6 +172,13 @@ class ModelSpec:
     zero_centered_norms: bool = False
     # Dropout on attention probabilities in training (HF `attention_dropout`); no effect on the weights.
     attention_dropout: float = 0.0
+    # Models whose HF layer is one block (Nemotron-H): each layer's megatron-core hybrid symbol (`M` Mamba, `*`
+    # attention, `-` MLP, `E` MoE); None where every HF layer is attention then an MLP.
+    layer_blocks: str | None = None
+    # The Mamba-2 mixers of the `M` layers.
+    mamba: MambaSpec | None = None
+    # Attention's position embeddings: "rope", or "none" (Nemotron-H's, beside Mamba layers that see the order).
+    position_embeddings: str = "rope"
     # What megatron-core computes differently from transformers for this model, where no setting reconciles them
     # (each conversion says so; the verifier measures it).
     computed_differently: tuple[str, ...] = field(default=(), compare=False)
@@ -184,7 +193,13 @@ class ModelSpec:
     def uniform_layers(self) -> bool:
         """Megatron stacks layers along one axis only when all layers have the same modules."""
         shared_top_k = self.sparse_attention is not None and not all(self.sparse_attention.indexer_layers)
-        return (self.moe is None or len(set(self.moe.moe_layers)) == 1) and self.linear_attention is None and not shared_top_k
+        uniform_moe = self.moe is None or len(set(self.moe.moe_layers)) == 1
+        return uniform_moe and self.linear_attention is None and not shared_top_k and self.layer_blocks is None
+
+    @property
+    def gated_mlp(self) -> bool:
+        """Whether fc1 holds a gate beside its up projection (all but the squared-ReLU MLP)."""
+        return self.activation != "squared_relu"
 
     def layer_has_indexer(self, layer: int) -> bool:
         return self.sparse_attention is not None and self.sparse_attention.indexer_layers[layer]

@@ -1,8 +1,9 @@
 """Megatron-Core's HybridModel layout: every sub-block its own layer, named by one symbol of
 `--hybrid-layer-pattern` (megatron-core 0.19's hybrid_layer_allocation). A GPT layer i is a pair of hybrid
 layers: its attention (`*`, MLA `+`, gated delta-net `G`, sparse attention `D`) then its MLP (`-` dense, `E`
-MoE). Keys are per layer, never stacked: `decoder.layers.<h>.<name>` with the same names within a layer as
-GPTModel's Transformer Engine spec; the final norm is `decoder.final_norm`; an MTP layer's sub-blocks sit in
+MoE). A model whose HF layers are one block each (ModelSpec.layer_blocks: Nemotron-H, with Mamba layers `M`)
+has HF layer i as hybrid layer i. Keys are per layer, never stacked: `decoder.layers.<h>.<name>` with the same
+names within a layer as GPTModel's Transformer Engine spec; the final norm is `decoder.final_norm`; an MTP layer's sub-blocks sit in
 its own small stack, `mtp.layers.<m>.mtp_model_layer.layers.<j>.<name>`. `|` separates pipeline stages and
 `/` starts each MTP layer's pattern."""
 
@@ -39,17 +40,25 @@ def layer_pair(spec: ModelSpec, layer: int) -> str:
     return attention + (MOE if spec.layer_is_moe(layer) else MLP)
 
 
+def blocks_per_layer(spec: ModelSpec) -> int:
+    """Hybrid layers per HF layer: 1 where each HF layer is one block, else 2 (a GPT layer's attention and MLP)."""
+    return 1 if spec.layer_blocks is not None else 2
+
+
 def hybrid_pattern(spec: ModelSpec, stage_layers: list[int]) -> str:
-    """The unified pattern of `spec`'s layers split into pipeline stages of `stage_layers` GPT layers each,
+    """The unified pattern of `spec`'s layers split into pipeline stages of `stage_layers` HF layers each,
     then one `/`-led pattern per MTP layer."""
+    if spec.layer_blocks is not None:
+        return restaged(spec.layer_blocks, stage_layers, 1)
     pairs = "".join(layer_pair(spec, layer) for layer in range(spec.num_layers))
     return restaged(pairs + (MTP_SEPARATOR + layer_pair(spec, spec.num_layers)) * spec.mtp_layers, stage_layers)
 
 
-def restaged(pattern: str, stage_layers: list[int]) -> str:
-    """`pattern` with its `|` placed anew: pipeline stages of `stage_layers` GPT layers (attention-MLP pairs) each."""
+def restaged(pattern: str, stage_layers: list[int], width: int = 2) -> str:
+    """`pattern` with its `|` placed anew: pipeline stages of `stage_layers` HF layers each, every one `width` hybrid
+    layers (2: a GPT layer's attention-MLP pair)."""
     main, mtp = split_pattern(pattern)
-    starts = [2 * sum(stage_layers[:stage]) for stage in range(len(stage_layers) + 1)]
+    starts = [width * sum(stage_layers[:stage]) for stage in range(len(stage_layers) + 1)]
     return PIPE.join(main[start:end] for start, end in zip(starts, starts[1:])) + "".join(MTP_SEPARATOR + part for part in mtp)
 
 
@@ -57,6 +66,12 @@ def split_pattern(pattern: str) -> tuple[str, list[str]]:
     """(the main pattern without pipes, each MTP layer's pattern)."""
     main, *mtp = pattern.split(MTP_SEPARATOR)
     return main.replace(PIPE, ""), mtp
+
+
+def has_mamba(pattern: str) -> bool:
+    """Whether the pattern has Mamba layers: then each of its layers is one block of an HF layer (Nemotron-H's),
+    not half of a GPT layer."""
+    return MAMBA in split_pattern(pattern)[0]
 
 
 def gpt_layers_of(pattern: str, source: str = "args") -> tuple[str, list[str]]:
@@ -67,9 +82,8 @@ def gpt_layers_of(pattern: str, source: str = "args") -> tuple[str, list[str]]:
         for h, symbol in enumerate(part):
             expected = ATTENTION_SYMBOLS if h % 2 == 0 else MLP_SYMBOLS
             if symbol not in expected:
-                what = "a Mamba layer, which no converted family has" if symbol == MAMBA else f"'{symbol}'"
                 raise ConversionError(
-                    f"{source}: hybrid_layer_pattern {pattern!r}{where}: layer {h} is {what} where a GPT layer's "
+                    f"{source}: hybrid_layer_pattern {pattern!r}{where}: layer {h} is '{symbol}' where a GPT layer's "
                     f"{'attention' if h % 2 == 0 else 'MLP'} ({' '.join(expected)}) is expected"
                 )
         if len(part) % 2:
@@ -85,7 +99,9 @@ def sub_block(name: str) -> int:
 
 
 def hybrid_layer_key(name: str, layer: int, spec: ModelSpec) -> str:
-    """The HybridModel key of GPT layer `layer`'s tensor `name` (layers from num_layers on: the MTP layers')."""
+    """The HybridModel key of HF layer `layer`'s tensor `name` (layers from num_layers on: the MTP layers')."""
+    if spec.layer_blocks is not None:
+        return f"decoder.layers.{layer}.{name}"
     if layer >= spec.num_layers:
         return f"mtp.layers.{layer - spec.num_layers}.mtp_model_layer.layers.{sub_block(name)}.{name}"
     return f"decoder.layers.{2 * layer + sub_block(name)}.{name}"

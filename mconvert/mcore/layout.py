@@ -81,6 +81,8 @@ def tensor_layout(name: str, spec: ModelSpec, par: Parallelism, expert: bool = F
     scope, _, within = name.partition(".")
     if spec.linear_attention is not None and scope == "self_attention" and within.split(".")[0] in GATED_DELTA_NET_MODULES:
         return _gated_delta_net_layout(within, spec, par)
+    if spec.mamba is not None and scope == "mixer":
+        return _mamba_layout(within, spec, par)
     if name == "eh_proj.weight":
         return TensorLayout((H, 2 * H), 0, par.tp)
     if name == "self_attention.core_attention.softmax_offset":  # attention sinks: one logit per head
@@ -110,7 +112,8 @@ def tensor_layout(name: str, spec: ModelSpec, par: Parallelism, expert: bool = F
     if module.endswith("linear_proj"):
         return TensorLayout((H, spec.num_attention_heads * d), 1, tp) if param == "weight" else TensorLayout((H,))
     if module.endswith("linear_fc1"):
-        return TensorLayout((2 * ffn, H) if param == "weight" else (2 * ffn,), 0, 2 * tp)
+        halves = 2 if spec.gated_mlp else 1
+        return TensorLayout((halves * ffn, H) if param == "weight" else (halves * ffn,), 0, halves * tp)
     if module.endswith("linear_fc2"):
         return TensorLayout((H, ffn), 1, tp) if param == "weight" else TensorLayout((H,))
     if name == "mlp.router.weight":
@@ -144,6 +147,32 @@ def _gated_delta_net_layout(name: str, spec: ModelSpec, par: Parallelism) -> Ten
     }
     if name not in layouts:
         raise ConversionError(f"no Megatron layout known for gated delta-net tensor 'self_attention.{name}'")
+    return layouts[name]
+
+
+def _mamba_layout(name: str, spec: ModelSpec, par: Parallelism) -> TensorLayout:
+    """megatron-core's MambaMixer: its sharded state dict stores in_proj's sections (z, x, B, C, dt) and the
+    convolution's (x, B, C) under keys of their own, each split across TP ranks by rows, as are A_log, D, dt_bias
+    (one per head) and the gated norm; out_proj splits its input."""
+    mamba, H = spec.mamba, spec.hidden_size
+    module, _, section = name.rpartition(".")
+    in_proj, conv = dict(mamba.in_proj_sections()), dict(mamba.conv_sections())
+    if module == "in_proj.weight" and section in in_proj:
+        return TensorLayout((in_proj[section], H), 0, par.tp)
+    if module == "conv1d.weight" and section in conv:
+        return TensorLayout((conv[section], 1, 4), 0, par.tp)
+    if module == "conv1d.bias" and section in conv:
+        return TensorLayout((conv[section],), 0, par.tp)
+    layouts = {
+        "in_proj.layer_norm_weight": TensorLayout((H,)),
+        "A_log": TensorLayout((mamba.num_heads,), 0, par.tp),
+        "D": TensorLayout((mamba.num_heads,), 0, par.tp),
+        "dt_bias": TensorLayout((mamba.num_heads,), 0, par.tp),
+        "norm.weight": TensorLayout((mamba.inner,), 0, par.tp),
+        "out_proj.weight": TensorLayout((H, mamba.inner), 1, par.tp),
+    }
+    if name not in layouts:
+        raise ConversionError(f"no Megatron layout known for Mamba tensor 'mixer.{name}'")
     return layouts[name]
 
 

@@ -203,6 +203,8 @@ class Parallelism:
             checks.append(("--tp", self.tp, "the fused QKV's rows", rows))
         if spec.moe is None or not all(spec.moe.moe_layers):
             checks.append(("--tp", self.tp, "intermediate_size", spec.ffn_hidden_size))
+        if spec.mamba is not None:
+            checks += [("--tp", self.tp, "mamba_num_heads", spec.mamba.num_heads), ("--tp", self.tp, "n_groups", spec.mamba.num_groups)]
         if spec.linear_attention is not None:
             checks += [
                 ("--tp", self.tp, "linear_num_key_heads", spec.linear_attention.key_heads),
@@ -225,6 +227,11 @@ class Parallelism:
                 raise ConversionError(f"{flag} {size} does not divide {what} ({value})")
         if self.model_class not in MODEL_CLASSES:
             raise ConversionError(f"--model-class {self.model_class}: one of {', '.join(MODEL_CLASSES)}")
+        if spec.layer_blocks is not None and self.model_class != "hybrid":
+            raise ConversionError(
+                f"--model-class {self.model_class}: {spec.family}'s layers are single blocks (Mamba, attention, MLP or MoE) "
+                "that only HybridModel holds: use --model-class hybrid"
+            )
         if self.model_class == "hybrid":
             # Megatron-LM's validate_args: a hybrid layer pattern's `|` separators are its pipeline split.
             for flag, used in (("--account-for-embedding-in-pipeline-split", self.pipeline.embedding_counts),

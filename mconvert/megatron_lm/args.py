@@ -96,7 +96,10 @@ def megatron_args(
     """The Megatron-LM arguments that describe the model, as `--use-checkpoint-args` reads them from common.pt.
     `tokenizer_dir`: the HF directory, recorded as the tokenizer when it has tokenizer files."""
     rope: RopeScaling | None = spec.rope_scaling
-    position_embedding_type = "yarn" if rope is not None and rope.kind == "yarn" and spec.mla is None else "rope"
+    if spec.position_embeddings == "none":
+        position_embedding_type = "none"
+    else:
+        position_embedding_type = "yarn" if rope is not None and rope.kind == "yarn" and spec.mla is None else "rope"
     linear_factor = None
     if rope is not None and rope.kind == "linear":
         linear_factor = _integral(rope.factor, "--rotary-seq-len-interpolation-factor", "rope_scaling factor")
@@ -117,7 +120,7 @@ def megatron_args(
         # off beside sparse attention, where megatron-core refuses it.
         apply_rope_fusion=position_embedding_type == "rope" and spec.sparse_attention is None,
         add_position_embedding=False,
-        use_rotary_position_embeddings=True,
+        use_rotary_position_embeddings=position_embedding_type != "none",
         rotary_base=_integral(spec.rope_theta, "--rotary-base", "rope_theta"),
         rotary_percent=spec.rotary_percent,
         rotary_interleaved=False,
@@ -131,6 +134,7 @@ def megatron_args(
         apply_layernorm_1p=spec.zero_centered_norms,
         attention_output_gate=spec.attention_output_gate,
         swiglu=spec.activation == "silu",
+        squared_relu=spec.activation == "squared_relu",
         quick_geglu=spec.activation == "quick_gelu",
         glu_linear_offset=spec.glu_linear_offset,
         activation_func_clamp_value=spec.activation_clamp,

@@ -47,7 +47,7 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         f"--rotary-base {a.rotary_base}",
         "--normalization RMSNorm",
         f"--norm-epsilon {a.layernorm_epsilon:g}",
-        "--quick-geglu" if getattr(a, "quick_geglu", False) else "--swiglu",
+        "--quick-geglu" if getattr(a, "quick_geglu", False) else "--squared-relu" if getattr(a, "squared_relu", False) else "--swiglu",
         f"--attention-dropout {a.attention_dropout:g}",
         f"--hidden-dropout {a.hidden_dropout:g}",
         f"--vocab-size {a.vocab_size}",
@@ -59,6 +59,8 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
     ]
     if getattr(a, "hybrid_layer_pattern", None):
         flags.append(f"--hybrid-layer-pattern {shlex.quote(a.hybrid_layer_pattern)}")
+    if getattr(a, "mamba_num_heads", None):
+        flags += [f"--mamba-{name.replace('_', '-')} {getattr(a, 'mamba_' + name)}" for name in ("state_dim", "head_dim", "num_groups", "num_heads")]
     if getattr(a, "sequence_parallel", False):
         flags.append("--sequence-parallel")
     if not getattr(a, "apply_rope_fusion", True) and stored_arg(a, "position_embedding_type", "rope") == "rope":

@@ -27,7 +27,7 @@ def hybrid_args(args: dict[str, Any], spec: ModelSpec, par: Parallelism) -> dict
     pattern = hybrid.hybrid_pattern(spec, par.pipeline.stage_layers(par.pp, spec.num_layers))
     updates: dict[str, Any] = dict(
         hybrid_layer_pattern=pattern,
-        num_layers=2 * spec.num_layers,
+        num_layers=hybrid.blocks_per_layer(spec) * spec.num_layers,
         spec=list(QK_NORM_ACROSS_HEADS_HYBRID) if spec.qk_norm_across_heads else HYBRID_STACK_SPEC,
         # The pattern's `|` separators are the split (virtual stages included), which Megatron-LM takes no flag beside.
         decoder_first_pipeline_num_layers=None,
@@ -42,6 +42,13 @@ def hybrid_args(args: dict[str, Any], spec: ModelSpec, par: Parallelism) -> dict
         updates["linear_attention_freq"] = [int(symbol == hybrid.GATED_DELTA_NET) for symbol in hybrid.split_pattern(pattern)[0]]
     if args.get("dsa_indexer_topk_freq", 1) != 1:
         updates.update(hybrid_shared_top_k(args["dsa_indexer_topk_freq"], args["dsa_indexer_skip_topk_offset"]))
+    if spec.mamba is not None:
+        updates.update(
+            mamba_state_dim=spec.mamba.state_dim,
+            mamba_head_dim=spec.mamba.head_dim,
+            mamba_num_groups=spec.mamba.num_groups,
+            mamba_num_heads=spec.mamba.num_heads,
+        )
     return updates
 
 
@@ -62,6 +69,8 @@ def gpt_view(args: argparse.Namespace, source: str = "args") -> argparse.Namespa
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if not pattern:
         return args
+    if hybrid.has_mamba(pattern):
+        return _block_view(args, pattern)
     main, mtp = hybrid.gpt_layers_of(pattern, source)
     attention, mlp = main[0::2], main[1::2]
     view = argparse.Namespace(**vars(args))
@@ -88,6 +97,25 @@ def gpt_view(args: argparse.Namespace, source: str = "args") -> argparse.Namespa
         view.multi_latent_attention = True
     stack = tuple(getattr(args, "spec", None) or ())
     view.spec = {tuple(HYBRID_STACK_SPEC): None, QK_NORM_ACROSS_HEADS_HYBRID: list(QK_NORM_ACROSS_HEADS)}.get(stack, getattr(args, "spec", None))
+    return view
+
+
+def _block_view(args: argparse.Namespace, pattern: str) -> argparse.Namespace:
+    """The args of a model whose every hybrid layer is one HF layer (Mamba layers beside the others): its layers, MoE
+    schedule and pipeline stages as the pattern says them; `layer_blocks` (spec_from_args) reads the pattern itself."""
+    main, mtp = hybrid.split_pattern(pattern)
+    if mtp:
+        raise ConversionError(f"args: hybrid_layer_pattern {pattern!r}: MTP layers beside Mamba layers are not converted")
+    view = argparse.Namespace(**vars(args))
+    view.num_layers = len(main)
+    view.decoder_first_pipeline_num_layers = view.decoder_last_pipeline_num_layers = None
+    stages = pattern.split(hybrid.PIPE)
+    pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
+    view.pipeline_model_parallel_layout = PipelineSplit.of_stages([len(stage) for stage in stages], pp, 0).layout
+    if hybrid.MOE in main:
+        view.moe_layer_freq = [int(symbol == hybrid.MOE) for symbol in main]
+    if tuple(getattr(args, "spec", None) or ()) == tuple(HYBRID_STACK_SPEC):
+        view.spec = None
     return view
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from mconvert.errors import ConversionError
+from mconvert.mappings.mamba_spec import MambaSpec
 from mconvert.mappings.rope import RopeScaling
 from mconvert.mappings.spec import (
     LinearAttentionSpec,
@@ -18,6 +19,7 @@ from mconvert.mappings.spec import (
     SparseAttentionSpec,
     dsa_indexer_layers,
 )
+from mconvert.mcore import hybrid
 from mconvert.megatron_lm.args import MLA_YARN_DEFAULTS, stored_arg
 from mconvert.megatron_lm.hybrid_args import gpt_view
 from mconvert.megatron_lm.layer_specs import QK_NORM_ACROSS_HEADS
@@ -54,6 +56,8 @@ def spec_from_args(
     mconvert.mappings.family_for_spec). `vocab_size` is the real vocabulary when args lack it (Megatron-LM
     takes it from the tokenizer and may store only the padded size). Features no family has are errors."""
 
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    blocks = hybrid.split_pattern(pattern)[0] if pattern and hybrid.has_mamba(pattern) else None
     args = gpt_view(args)
 
     def arg(name: str, default: Any = None) -> Any:
@@ -61,8 +65,8 @@ def spec_from_args(
 
     unsupported = [
         (arg("normalization", "LayerNorm") != "RMSNorm", f"normalization {arg('normalization', 'LayerNorm')} (RMSNorm is supported)"),
-        (not arg("swiglu", False) and not arg("quick_geglu", False), "an MLP without SwiGLU or quick-GEGLU"),
-        (arg("position_embedding_type", "learned_absolute") not in ("rope", "yarn"), f"position embeddings '{arg('position_embedding_type', 'learned_absolute')}' (rope and yarn are supported)"),
+        (not arg("swiglu", False) and not arg("quick_geglu", False) and not arg("squared_relu", False), "an MLP without SwiGLU, quick-GEGLU or squared ReLU"),
+        (arg("position_embedding_type", "learned_absolute") not in ("rope", "yarn", "none"), f"position embeddings '{arg('position_embedding_type', 'learned_absolute')}' (rope, yarn and none are supported)"),
         (arg("experimental_attention_variant") not in (None, "gated_delta_net", "dsa"), f"the attention variant '{arg('experimental_attention_variant')}' (gated_delta_net and dsa are supported)"),
         (not arg("dsa_indexer_scoring_relu", True), "sparse-attention indexer scores without ReLU"),
         (arg("rotary_interleaved", False), "interleaved rotary embeddings"),
@@ -154,6 +158,16 @@ def spec_from_args(
             indexer_layers=dsa_indexer_layers(arg("dsa_indexer_topk_freq", 1) or 1, arg("dsa_indexer_skip_topk_offset", 0) or 0, args.num_layers),
             key_norm_eps=float(norm_eps if norm_eps is not None else arg("layernorm_epsilon", 1e-5)),
         )
+    mamba: MambaSpec | None = None
+    if blocks is not None:
+        # Megatron-LM's defaults (TransformerConfig's); no heads given: hidden_size x 2 / head_dim of them.
+        head_dim = arg("mamba_head_dim", 64)
+        mamba = MambaSpec(
+            num_heads=arg("mamba_num_heads", 2 * args.hidden_size // head_dim),
+            head_dim=head_dim,
+            num_groups=arg("mamba_num_groups", 8),
+            state_dim=arg("mamba_state_dim", 128),
+        )
     layer_spec = tuple(arg("spec") or ())
     if layer_spec not in ((), QK_NORM_ACROSS_HEADS) and layer_spec[0] != "local":
         raise ConversionError(f"args: spec {' '.join(layer_spec)}: a layer spec of its own, whose layers mconvert does not know")
@@ -194,7 +208,7 @@ def spec_from_args(
         sliding_window=window[0] + 1 if window is not None else None,
         sliding_layers=sliding_layers if sliding_layers is None or not all(sliding_layers) else None,
         softmax_type=arg("softmax_type", "vanilla"),
-        activation="quick_gelu" if arg("quick_geglu", False) else "silu",
+        activation="quick_gelu" if arg("quick_geglu", False) else "squared_relu" if arg("squared_relu", False) else "silu",
         glu_linear_offset=float(arg("glu_linear_offset", 0.0)),
         activation_clamp=arg("activation_func_clamp_value"),
         attention_dropout=float(arg("attention_dropout", 0.1)),
@@ -202,5 +216,8 @@ def spec_from_args(
         sparse_attention=sparse_attention,
         attention_output_gate=bool(arg("attention_output_gate", False)),
         zero_centered_norms=bool(arg("layernorm_zero_centered_gamma", False)),
+        layer_blocks=blocks,
+        mamba=mamba,
+        position_embeddings="none" if arg("position_embedding_type") == "none" else "rope",
         hf_config=dict(hf_config or {}),
     )

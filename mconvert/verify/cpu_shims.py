@@ -14,6 +14,8 @@ import types
 
 import torch
 
+from mconvert.verify.mamba import mamba_ssm_importable
+
 _installed = False
 
 
@@ -55,6 +57,7 @@ def install_cpu_shims() -> None:
     global _installed
     if _installed:
         return
+    mamba_ssm_importable()  # before megatron-core's Mamba modules look for it
 
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as tp_random

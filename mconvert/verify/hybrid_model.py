@@ -2,7 +2,8 @@
 CPU judges use, since megatron-core builds HybridModel's default stack (hybrid_stack_spec) from Transformer Engine
 modules only. Each hybrid layer is the matching half of a local GPT layer, keyed as the Transformer Engine stack
 keys it: the attention layers (`*`, `+`, `G`, `D`) keep the GPT layer's attention and its input norm, the MLP
-layers (`-`, `E`) its MLP and the norm before it."""
+layers (`-`, `E`) its MLP and the norm before it; the Mamba layers (`M`) are megatron-core's own MambaLayer with
+local projections (mconvert.verify.mamba)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import importlib
 import torch
 
 from mconvert.megatron_lm import layer_specs
-from mconvert.verify import cpu_shims
+from mconvert.verify import cpu_shims, mamba
 
 
 def _without_mlp(layer: object) -> object:
@@ -91,6 +92,9 @@ def local_hybrid_stack_spec(config: object, args: argparse.Namespace) -> object:
             )]),
         ),
     )
+    if config.mamba_num_heads:
+        config.use_mamba_mem_eff_path = False  # the fused kernel is Triton; the other path runs the PyTorch references
+        submodules.mamba_layer = mamba.local_mamba_layer(norm)
     if config.experimental_attention_variant == "gated_delta_net":
         config.deterministic_mode = True  # GatedDeltaNet's PyTorch delta rule (cpu_shims.gated_delta_net_without_fla)
         submodules.gdn_layer = cpu_shims.local_gated_delta_net_layer(dense, norm)

@@ -14,6 +14,7 @@ import megatron.core
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.activations import squared_relu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
@@ -33,6 +34,7 @@ from mconvert.megatron_lm import layer_specs
 from mconvert.megatron_lm.args import stored_arg
 from mconvert.megatron_lm.flags import unnormalized_mla_query
 from mconvert.verify import cpu_shims
+from mconvert.verify.mamba import mamba_settings
 
 try:
     import transformer_engine  # noqa: F401  (only probing whether it is installed)
@@ -183,8 +185,11 @@ def transformer_config_from_args(
         normalization=args.normalization,
         layernorm_epsilon=stored_arg(args, "layernorm_epsilon", 1e-5),
         gated_linear_unit=args.swiglu or getattr(args, "quick_geglu", False),
-        activation_func=F.silu if args.swiglu else quick_gelu() if getattr(args, "quick_geglu", False) else F.gelu,
+        activation_func=F.silu if args.swiglu else quick_gelu() if getattr(args, "quick_geglu", False) else (
+            squared_relu if getattr(args, "squared_relu", False) else F.gelu
+        ),
         **activation_settings(args),
+        **mamba_settings(args),
         **linear_attention_settings(args),
         **sparse_attention_settings(args),
         add_bias_linear=args.add_bias_linear,

@@ -159,9 +159,10 @@ def _forward(
 
 def _decoder_layers(chunk: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
     """(the global decoder layer index, the module whose output ends that layer) of this stage: a GPT layer, or a
-    HybridModel's MLP layer, which ends the GPT layer it is the second half of."""
+    HybridModel's MLP layer, which ends the GPT layer it is the second half of (every layer where the pattern has
+    Mamba layers: each is an HF layer)."""
     types = getattr(chunk.decoder, "layer_type_list", None)
-    if types is None:
+    if types is None or hybrid.MAMBA in types:  # GPT layers, or hybrid layers that are one HF layer each
         return [(layer.layer_number - 1, layer) for layer in chunk.decoder.layers]
     return [
         ((layer.layer_number - 1) // 2, layer) for layer, symbol in zip(chunk.decoder.layers, types) if symbol in hybrid.MLP_SYMBOLS

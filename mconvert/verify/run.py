@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mconvert.converters.fsdp_saves import is_fsdp_save
-from mconvert.dependencies import VERIFY, VERIFY_INSTALL, require
+from mconvert.dependencies import MAMBA, MAMBA_INSTALL, VERIFY, VERIFY_INSTALL, require
 from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import read_hf_config
 from mconvert.mappings import ModelSpec, get_mapping
@@ -61,6 +61,9 @@ def builtin_prompts(vocab_size: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(20261122)
     return [torch.randint(0, vocab_size, (length,), generator=generator) for length in (7, 16, 32, 64)]
 
+
+# The chunk of megatron-core's Mamba scan (MambaMixer's chunk_size, which Megatron-LM does not set).
+MAMBA_CHUNK = 128
 
 # What a tokenizer saved by transformers leaves in a model directory (any one of them).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tokenizer_config.json")
@@ -185,8 +188,11 @@ def verify(request: VerifyRequest) -> Report:
         )
     stored = read_args(iteration_dir(request.mcore_dir))
     pattern = getattr(stored, "hybrid_layer_pattern", None)
+    if getattr(stored, "mamba_num_heads", None):
+        require(MAMBA, "mconvert verify of Mamba layers", MAMBA_INSTALL)
     if pattern:
         require_hybrid_model(request.mcore_dir)
+        par = dataclasses.replace(par, model_class="hybrid")  # the run's layout for a HybridModel checkpoint
     # A HybridModel checkpoint's args are compared as the GPT model's they were made from.
     stored_gpt = gpt_view(stored, f"--mcore {request.mcore_dir}")
     hf_spec = check_architecture(request.hf_dir, stored_gpt)
@@ -200,7 +206,9 @@ def verify(request: VerifyRequest) -> Report:
         raise ConversionError("--pipeline-model-parallel-layout: verify runs one stage a rank (no virtual pipeline stages)")
     if pattern:
         # HybridModel's stages are its pattern's `|`, placed anew for this run's split.
-        pipeline = {"hybrid_layer_pattern": hybrid.restaged(pattern, par.pipeline.stage_layers(par.pp, hf_spec.num_layers))}
+        pipeline = {"hybrid_layer_pattern": hybrid.restaged(
+            pattern, par.pipeline.stage_layers(par.pp, hf_spec.num_layers), hybrid.blocks_per_layer(hf_spec)
+        )}
     vocab_size = hf_spec.vocab_size
     prompts = (
         text_prompts(request.prompts_file, request.hf_dir)
@@ -224,6 +232,10 @@ def verify(request: VerifyRequest) -> Report:
             # Only a prompt longer than the top-k makes the indexer choose: one of top-k + 64 tokens joins them.
             prompts.append(torch.randint(0, vocab_size, (top_k + 64,), generator=torch.Generator().manual_seed(top_k)))
             notes.append(f"sparse attention keeps the best {top_k} tokens: prompt {len(prompts) - 1} ({top_k + 64} tokens) makes its indexer choose")
+    if getattr(stored, "mamba_num_heads", None) and not request.prompts_file:
+        # megatron-core's Mamba layers scan in chunks of 128 tokens: a prompt of two makes the state pass between them.
+        prompts.append(torch.randint(0, vocab_size, (MAMBA_CHUNK + 32,), generator=torch.Generator().manual_seed(MAMBA_CHUNK)))
+        notes.append(f"Mamba layers scan in chunks of {MAMBA_CHUNK} tokens: prompt {len(prompts) - 1} ({MAMBA_CHUNK + 32} tokens) spans two")
     dtype = DTYPES[request.dtype]
     seconds = {}
     started = time.perf_counter()

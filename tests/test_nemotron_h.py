@@ -1,0 +1,118 @@
+"""Nemotron-H (`nemotron_h`): Mamba-2 layers beside attention without rope, relu^2 MLPs and sigmoid-routed experts,
+one block an HF layer, which only HybridModel holds. Converted at TP 2 x EP 2 into the keys megatron-core 0.19.2's
+MambaMixer stores (in_proj's z, x, B, C, dt and the convolution's x, B, C under keys of their own), and back bit for
+bit with a config.json transformers builds the same model from; what megatron-core fixes and a config varies, and
+the GPT model class, refused in one line. megatron-core's and Megatron-LM's judgement: tests/megatron_lm/test_nemotron_h.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+from mconvert.formats.dcp import DCPCheckpoint
+from mconvert.mcore.checkpoint import iteration_dir, read_args
+from mconvert.mcore.parallelism import Parallelism
+from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
+from tests.cli_runner import assert_nothing_left, assert_one_line_error, run_cli
+
+CONFIG = "nemotron-3-nano-30b-a3b"
+PATTERN = "M-M*EME"
+
+
+@pytest.fixture(scope="module")
+def hf(hf_model_factory):
+    return hf_model_factory(CONFIG, layers=len(PATTERN), weight_std=0.1, hybrid_override_pattern=PATTERN)
+
+
+def weights(directory):
+    return {name: tensor for path in sorted(directory.glob("*.safetensors")) for name, tensor in load_file(path).items()}
+
+
+def test_the_hybrid_checkpoint_has_megatron_cores_mamba_keys_and_converts_back_bit_for_bit(hf, tmp_path):
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, ep=2, model_class="hybrid"))
+    args = read_args(iteration_dir(tmp_path / "mcore"))
+    assert args.hybrid_layer_pattern == PATTERN and args.num_layers == len(PATTERN)
+    assert (args.mamba_num_heads, args.mamba_head_dim, args.mamba_num_groups, args.mamba_state_dim) == (8, 8, 2, 16)
+    assert args.squared_relu and not args.swiglu and args.position_embedding_type == "none"
+    dcp = DCPCheckpoint(iteration_dir(tmp_path / "mcore"))
+    stored = lambda key: dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key])  # noqa: E731
+    original = weights(hf)
+    in_proj = original["backbone.layers.0.mixer.in_proj.weight"]
+    conv = original["backbone.layers.0.mixer.conv1d.weight"]
+    for name, rows in zip("z x B C dt".split(), in_proj.split([64, 64, 32, 32, 8])):
+        assert torch.equal(stored(f"decoder.layers.0.mixer.in_proj.weight.{name}"), rows), name
+    for name, rows in zip("x B C".split(), conv.split([64, 32, 32])):
+        assert torch.equal(stored(f"decoder.layers.0.mixer.conv1d.weight.{name}"), rows), name
+    assert {"decoder.layers.0.mixer.in_proj.layer_norm_weight", "decoder.layers.0.mixer.conv1d.bias.C",
+            "decoder.layers.3.self_attention.linear_qkv.weight", "decoder.layers.4.mlp.experts.experts.linear_fc1.weight",
+            "decoder.layers.4.mlp.router.expert_bias", "decoder.final_norm.weight"} <= set(dcp.shapes)
+    assert dcp.shapes["decoder.layers.1.mlp.linear_fc1.weight"] == (128, 64)  # no gate: ffn rows, not 2 x ffn
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back")
+    back = weights(tmp_path / "back")
+    assert back.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert config["hybrid_override_pattern"] == PATTERN
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert [layer.block_type for layer in model.model.layers] == [
+        "linear_attention", "mlp", "linear_attention", "full_attention", "moe", "linear_attention", "moe"
+    ]
+
+
+def test_inspect_shows_the_pattern_of_both_checkpoints(hf, tmp_path):
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, model_class="hybrid"))
+    result = run_cli("inspect", tmp_path / "mcore")
+    assert result.returncode == 0, result.stderr
+    assert f"HybridModel TP=2 PP=1 EP=1 ETP=2 --hybrid-layer-pattern '{PATTERN}'" in result.stdout, result.stdout
+    result = run_cli("inspect", hf)
+    assert result.returncode == 0, result.stderr
+    assert f"layer_blocks={PATTERN}, mamba_num_heads=8, mamba_head_dim=8, mamba_num_groups=2, mamba_state_dim=16" in result.stdout, result.stdout
+
+
+def test_a_mamba_tensor_of_another_shape_than_the_config_says_is_refused_in_one_line(hf, tmp_path):
+    """Twice the heads in config.json: in_proj's rows (2 x inner + 2 x groups x state + heads) are not the stored ones."""
+    (tmp_path / "hf").mkdir()
+    for path in hf.iterdir():
+        (tmp_path / "hf" / path.name).symlink_to(path)
+    (tmp_path / "hf" / "config.json").unlink()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**json.loads((hf / "config.json").read_text()), "mamba_num_heads": 16}))
+    result = run_cli("hf-to-mcore", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "out", "--model-class", "hybrid")
+    assert_one_line_error(result, "backbone.layers.0.mixer.in_proj.weight", "[200, 64]", "[336, 64]")
+    assert_nothing_left(tmp_path / "out")
+
+
+def test_the_gpt_model_class_is_refused_in_one_line(hf, tmp_path):
+    result = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "out")
+    assert_one_line_error(result, "--model-class gpt", "only HybridModel", "use --model-class hybrid")
+    assert_nothing_left(tmp_path / "out")
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("conv_kernel", 3, "megatron-core"), ("chunk_size", 256, "megatron-core"), ("mamba_hidden_act", "gelu", "megatron-core"),
+    ("use_conv_bias", False, "megatron-core"), ("use_bias", True, "megatron-core"), ("layer_norm_epsilon", 1e-6, "megatron-core"),
+    ("mlp_hidden_act", "silu", "converts 'relu2' only"), ("moe_latent_size", 16, "converts None only"),
+    ("num_nextn_predict_layers", 1, "not converted"),
+])
+def test_what_megatron_core_fixes_or_is_not_converted_is_refused_in_one_line_naming_the_field(field, value, why, tmp_path):
+    config = shrink(real_config(CONFIG), layers=4, hybrid_override_pattern="M*-E")
+    hf = make_hf_checkpoint(config, tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**json.loads((hf / "config.json").read_text()), field: value}))
+    result = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "out", "--model-class", "hybrid")
+    assert_one_line_error(result, field, why)
+    assert_nothing_left(tmp_path / "out")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mamba_ssm") is not None, reason="mamba_ssm is installed here")
+def test_verify_without_mamba_ssm_says_what_to_install_in_one_line(hf, tmp_path):
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(model_class="hybrid"))
+    result = run_cli("verify", "--hf", hf, "--mcore", tmp_path / "mcore", "--device", "cpu")
+    assert_one_line_error(result, "Mamba layers", "mamba_ssm", "MAMBA_SKIP_CUDA_BUILD=TRUE", code=2)
