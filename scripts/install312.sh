@@ -28,7 +28,10 @@ fi
 # references in their place, mconvert/verify/mamba.py), against the torch above, hence no build isolation.
 if ! "$VENV312/bin/python" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("mamba_ssm") is None or u.find_spec("einops") is None)'; then
   "$VENV312/bin/pip" install -q --disable-pip-version-check setuptools wheel packaging >&2
+  # --no-deps: what megatron-core imports of it needs torch, triton and einops alone; its other requirements (tilelang,
+  # quack-kernels, nvidia-cutlass-dsl: hundreds of MB) serve Mamba-3 kernels, whose import it guards.
   MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE "$VENV312/bin/pip" install -q --disable-pip-version-check \
-    --no-build-isolation 'mamba_ssm==2.3.2.post1' einops >&2
+    --no-build-isolation --no-deps 'mamba_ssm==2.3.2.post1' >&2
+  "$VENV312/bin/pip" install -q --disable-pip-version-check einops >&2
 fi
 echo "$(cd "$VENV312" && pwd)/bin/python"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import importlib.util
 
 import torch
 
@@ -141,6 +142,10 @@ def build_hybrid_model(
     if uses_transformer_engine(transformer_impl):
         module, name = args.spec
         stack = getattr(importlib.import_module(module), name)
+        if config.mamba_num_heads and importlib.util.find_spec("causal_conv1d") is None:
+            # The fused Mamba path calls causal_conv1d's CUDA kernels; megatron-core's other path (a plain conv1d, the
+            # same chunked scan) computes the same function without them.
+            config.use_mamba_mem_eff_path = False
     else:
         stack = local_hybrid_stack_spec(config, args)
         if tuple(args.spec or ()) == layer_specs.QK_NORM_ACROSS_HEADS_HYBRID:
