@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from mconvert.full_size import write_random_hf_checkpoint  # noqa: E402
-from mconvert.synthetic import model_config  # noqa: E402
+from mconvert.synthetic import make_hf_checkpoint, model_config  # noqa: E402
 
 MCONVERT = [sys.executable, "-m", "mconvert.cli"]
 LAYOUT = re.compile(r"(?:tp(?P<tp>\d+))?(?:pp(?P<pp>\d+))?(?:ep(?P<ep>\d+))?(?:etp(?P<etp>\d+))?$")
@@ -52,6 +52,11 @@ def loaded_sizes(job: str) -> dict[str, str]:
     return layout_sizes(loaded or written)
 
 
+# Families whose hub names write_random_hf_checkpoint (transformers' in-memory names) does not give: a model built and
+# saved by transformers' save_pretrained, which writes the hub's (Nemotron-H: `backbone.`, one tensor an expert).
+SAVED_BY_TRANSFORMERS = {"nemotron_h"}
+
+
 def write_hf_model(model: str, hf: Path, device: str, quantized: bool = False) -> float:
     """The random-init bf16 HF checkpoint of MODEL in `hf` unless there (`quantized`: as the hub stores it); the
     seconds it took."""
@@ -60,7 +65,10 @@ def write_hf_model(model: str, hf: Path, device: str, quantized: bool = False) -
     config = model_config(model)
     config["torch_dtype"] = "bfloat16"
     started = time.perf_counter()
-    write_random_hf_checkpoint(config, hf, device=device, quantized=quantized)
+    if config.get("model_type") in SAVED_BY_TRANSFORMERS:
+        make_hf_checkpoint(config, hf, dtype="bfloat16")
+    else:
+        write_random_hf_checkpoint(config, hf, device=device, quantized=quantized)
     return round(time.perf_counter() - started, 1)
 
 
