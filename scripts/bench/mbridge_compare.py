@@ -55,6 +55,7 @@ CASES = [
     ("Qwen3-30B-A3B", "qwen3-30b-a3b", {}, False, 1, 2, "0.13.1"),
     ("DeepSeek-V3, no MTP", "deepseek-v3", NO_MTP, False, 1, 1, "0.16.1"),
     ("DeepSeek-V3, no MTP", "deepseek-v3", NO_MTP, False, 1, 1, "0.13.1"),
+    ("DeepSeek-V3, no MTP", "deepseek-v3", NO_MTP, False, 2, 1, "0.13.1"),
     ("DeepSeek-V3, no MTP", "deepseek-v3", NO_MTP, False, 1, 2, "0.13.1"),
     ("DeepSeek-V3, 2 layers + 1 MTP layer", "deepseek-v3", {}, True, 1, 1, "0.13.1"),
     # mbridge converts DeepSeek-V3's MTP layer only after 61 layers: all 61, shrunk.
