@@ -158,6 +158,21 @@ QWEN3_MOE_TINY="qwen3-30b-a3b@2$TINY+head_dim=16+num_experts=8+num_experts_per_t
 DEEPSEEK_TINY="deepseek-v3@2$TINY+num_key_value_heads=4+q_lora_rank=48+kv_lora_rank=32+qk_nope_head_dim=32+qk_rope_head_dim=16"
 DEEPSEEK_TINY+="+v_head_dim=32+n_routed_experts=8+n_group=4+topk_group=2+num_experts_per_tok=4+moe_intermediate_size=32"
 DEEPSEEK_TINY+="+first_k_dense_replace=1"
+# Each of "$@" is "OPTIONS|JOBS": gpu_train.py on two GPUs with them (FSDP wants CUDA_DEVICE_MAX_CONNECTIONS unset), the
+# saves kept in $WORK/fsdp-dp2-saves archived after each, so that a call cut short returns what it made.
+two_gpu_fsdp_runs() {
+  local stage=$1 code=0 last run
+  shift
+  for run in "$@"; do
+    env -u CUDA_DEVICE_MAX_CONNECTIONS python3 scripts/gpu/gpu_train.py --nproc 2 ${run%%|*} --work "$WORK/train" \
+      --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" ${run#*|} >> "$OUT/$stage.log" 2>&1
+    last=$?
+    note "$stage ${run%%|*}: exit $last"
+    [ "$last" = 3 ] && code=3
+    [ -d "$WORK/fsdp-dp2-saves" ] && tar -czf "$OUT/fsdp-dp2-saves.tar.gz" -C "$WORK" fsdp-dp2-saves
+  done
+  [ "$code" = 3 ] || mark "$stage"
+}
 install_fla() {
   # fla's kernels with one autotune config each (scripts/gpu/fla_one_config/sitecustomize.py): no compiling and
   # timing of every config on a machine that keeps no Triton cache.
@@ -380,16 +395,7 @@ for stage in "$@"; do
     runs=("--fsdp megatron --dtype bf16 --from-scratch --mtp ${keep[*]}|$DEEPSEEK_TINY:tp1"
           "--fsdp torch --ckpt-format torch_dcp --from-scratch --mtp ${keep[*]}|$DEEPSEEK_TINY:tp1"
           "--fsdp torch ${one_run[*]}|$LLAMA_TINY:tp2")
-    code=0
-    for run in "${runs[@]}"; do
-      env -u CUDA_DEVICE_MAX_CONNECTIONS python3 scripts/gpu/gpu_train.py --nproc 2 ${run%%|*} --work "$WORK/train" \
-        --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" ${run#*|} >> "$OUT/$stage.log" 2>&1
-      last=$?
-      note "$stage ${run%%|*}: exit $last"
-      [ "$last" = 3 ] && code=3
-      [ -d "$WORK/fsdp-dp2-saves" ] && tar -czf "$OUT/fsdp-dp2-saves.tar.gz" -C "$WORK" fsdp-dp2-saves
-    done
-    [ "$code" = 3 ] || mark "$stage"
+    two_gpu_fsdp_runs "$stage" "${runs[@]}"
     ;;
   fsdp-dp2-train)
     # On two GPUs: what fsdp-dp2 left. FSDP2 at data-parallel size 2 from the Llama conversion at TP 2 with its lr 1e-4
@@ -399,16 +405,7 @@ for stage in "$@"; do
     one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1)
     runs=("--fsdp torch ${one_run[*]}|$LLAMA_TINY:tp2"
           "--fsdp megatron --dtype bf16 --from-scratch --mtp --steps 0 --keep-saves $WORK/fsdp-dp2-saves|$DEEPSEEK_TINY:ep2")
-    code=0
-    for run in "${runs[@]}"; do
-      env -u CUDA_DEVICE_MAX_CONNECTIONS python3 scripts/gpu/gpu_train.py --nproc 2 ${run%%|*} --work "$WORK/train" \
-        --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" ${run#*|} >> "$OUT/$stage.log" 2>&1
-      last=$?
-      note "$stage ${run%%|*}: exit $last"
-      [ "$last" = 3 ] && code=3
-      [ -d "$WORK/fsdp-dp2-saves" ] && tar -czf "$OUT/fsdp-dp2-saves.tar.gz" -C "$WORK" fsdp-dp2-saves
-    done
-    [ "$code" = 3 ] || mark "$stage"
+    two_gpu_fsdp_runs "$stage" "${runs[@]}"
     ;;
   fp8-bench)
     # Conversion time and memory from FP8 hub weights on this host (scripts/bench/bench_convert.py, docs/performance.md):
