@@ -182,8 +182,9 @@ def add_mtp_layers(hf_dir: str | os.PathLike, seed: int = 0) -> Path:
         return (values * 0.05 if tensor.dim() > 1 else values * 0.5 + 1.0).to(tensor.dtype)
 
     last = table.layer_prefix.format(layer=spec.num_layers - 1)
-    dtype = next(iter(model.values())).dtype
     hf_of = {entry.mcore: entry.hf_names[0] for entry in table.model}
+    # The model's dtype, as its embedding holds it (a router's bias may be stored in fp32 beside bf16 weights).
+    dtype = model[hf_of["embedding.word_embeddings.weight"]].dtype
     mtp = {}
     for m in range(1 if table.mtp_prefix else config.get("num_nextn_predict_layers") or 0):
         own, prefix = table.mtp_prefixes(spec.num_layers, m)
