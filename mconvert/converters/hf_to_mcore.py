@@ -16,11 +16,10 @@ import torch
 
 from mconvert.converters.manifest import hashed_while_written
 from mconvert.converters.output import atomic_directory, check_target
-from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces, torchrun_rank
+from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces
 from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
 from mconvert.converters.progress import NoProgress, Progress
-from mconvert.formats import dcp_metadata, dcp_writer
-from mconvert.formats.dcp_metadata import MetadataMaker
+from mconvert.formats import dcp_writer
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
 from mconvert.formats.quantized import fp8_block_size, is_mxfp4
 from mconvert.formats.safetensors import Rows
@@ -311,10 +310,7 @@ def convert_hf_to_mcore(
     args = megatron_args(spec, parallelism, plan.dtype, transformer_impl, tokenizer_dir=load_dir)
     flags = megatron_flags(args)
 
-    # Rank 0 makes `.metadata`, started before the ranks' threads and the output's lock (MetadataMaker).
-    helper = dcp_metadata.helper_pays(sum(plan.nbytes(piece) for piece in plan.pieces if not piece.copy))
-    maker = MetadataMaker(helper) if torchrun_rank()[0] == 0 else contextlib.nullcontext()
-    with maker as metadata, Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
+    with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
         release = work / RELEASE
         if ranks.is_first:
             release.mkdir()
@@ -340,7 +336,7 @@ def convert_hf_to_mcore(
         ranks.settle()  # every rank's chunks are on disk
         parts = ranks.gather(writer.local_part())
         if ranks.is_first:
-            writer.finish(parts, metadata)
+            writer.finish(parts)
             write_common(release, args)
             (work / ARGS_SCRIPT).write_text(args_script(args, save_dir))
             launch.write_launch(work, save_dir, parallelism)

@@ -1,6 +1,6 @@
 """Writing `torch_dist` checkpoints' DCP part (the directory: mconvert.mcore.checkpoint): the chunks streamed
-into data files as they come, their places recorded as plain tuples, from which `.metadata` is made with torch's
-own DCP classes (mconvert.formats.dcp_metadata), at the end."""
+into data files as they come, their places recorded as plain tuples, from which `.metadata` is made at the end
+(mconvert.formats.dcp_metadata)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch.serialization import skip_data
 from torch.utils.serialization import config as serialization_config
 
 from mconvert.formats.copying import copy_range
-from mconvert.formats.dcp_metadata import MetadataMaker, Place, Shape, WrittenPart
+from mconvert.formats.dcp_metadata import Place, Shape, WrittenPart, write_metadata
 from mconvert.formats.torch_save import tensor_data_start
 
 # Bytes of another file: (path, first byte, length).
@@ -186,11 +186,9 @@ class DCPWriter:
         self.abort()
         return self._written
 
-    def finish(self, parts: list[WrittenPart] | None = None, maker: MetadataMaker | None = None) -> None:
-        """Write `.metadata`: of what this writer wrote, or of every rank's `local_part` (`parts`), by `maker`
-        (by default, in this process)."""
-        parts = parts if parts is not None else [self.local_part()]
-        (maker or MetadataMaker()).make(self.directory, parts, self._declared)
+    def finish(self, parts: list[WrittenPart] | None = None) -> None:
+        """Write `.metadata`: of what this writer wrote, or of every rank's `local_part` (`parts`)."""
+        write_metadata(self.directory, parts if parts is not None else [self.local_part()], self._declared)
 
     def abort(self) -> None:
         for _, f in self._files:

@@ -2,8 +2,7 @@
 at one worker on a 16-core host"). Three measurements, page cache warm, each a command:
 
   variants  hf-to-mcore of MODEL launched in several ways (as shipped; --allow-nonfinite; without hashing;
-            torch's DCP package imported first, on a thread, or in a helper process; a 0.5 or 0.1 ms switch
-            interval of the interpreter's lock; torch on one thread; the check by reads into memory) and `cp -r`, ROUNDS rounds in the same order, after one unrecorded `cp -r` (the first
+            a 0.5 or 0.1 ms switch interval of the interpreter's lock; torch on one thread; the check by reads into memory) and `cp -r`, ROUNDS rounds in the same order, after one unrecorded `cp -r` (the first
             model-sized write on a fresh virtual machine is the slowest: scripts/bench/bench_scaling.py)
   writer    the writing thread's loop: DCPWriter.copy_chunk of 3 MB chunks (one Qwen3-30B-A3B expert projection
             each) of a file of GB gigabytes, against copy_file_range of the same chunks; alone, and with the
@@ -52,10 +51,6 @@ VARIANTS = {
         "h.hashed_while_written = lambda *a, **k: contextlib.nullcontext(); m._hash = lambda path: '0' * 64",
         ["--allow-nonfinite"],
     ),
-    "DCP imported first": ("import sys, torch.distributed.checkpoint.default_planner", []),
-    # torch's DCP package imported on a thread beside the writing, as without the helper process (dcp_metadata).
-    "DCP import on a thread": ("import sys, mconvert.formats.dcp_metadata as m; m.HELPER_BYTES = float('inf')", []),
-    "DCP import in a helper": ("import sys, mconvert.formats.dcp_metadata as m; m.HELPER_BYTES, m.HELPER_CORES = 0, 1", []),
     "switch interval 0.5 ms": ("import sys; sys.setswitchinterval(0.0005)", []),
     "switch interval 0.1 ms": ("import sys; sys.setswitchinterval(0.0001)", []),
     "torch on one thread": ("import sys, torch; torch.set_num_threads(1)", []),
@@ -264,7 +259,6 @@ _ONCE = {
     "read HF headers": ("mconvert.converters.hf_to_mcore", "HFCheckpoint"),
     "build the plan": ("mconvert.converters.hf_to_mcore", "build_plan"),
     "check the sources": ("mconvert.converters.hf_to_mcore", "check_sources"),
-    "MetadataMaker (a thread or a helper starts)": ("mconvert.formats.dcp_metadata", "MetadataMaker.__init__"),
     "write the pieces": ("mconvert.converters.hf_to_mcore", "write_pieces"),
     "writer.abort (flush, close)": ("mconvert.formats.dcp_writer", "DCPWriter.abort"),
     "writer.finish (.metadata)": ("mconvert.formats.dcp_writer", "DCPWriter.finish"),
