@@ -14,7 +14,6 @@ import megatron.core
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.activations import squared_relu
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
@@ -44,6 +43,7 @@ except ImportError:
     HAVE_TRANSFORMER_ENGINE = False
 
 TransformerImpl = Literal["transformer_engine", "local"]
+
 
 
 def uses_transformer_engine(transformer_impl: TransformerImpl) -> bool:
@@ -186,7 +186,9 @@ def transformer_config_from_args(
         layernorm_epsilon=stored_arg(args, "layernorm_epsilon", 1e-5),
         gated_linear_unit=args.swiglu or getattr(args, "quick_geglu", False),
         activation_func=F.silu if args.swiglu else quick_gelu() if getattr(args, "quick_geglu", False) else (
-            squared_relu if getattr(args, "squared_relu", False) else F.gelu
+            # megatron-core's own relu(x)^2 (--squared-relu), imported only for such models: 0.13 lacks the module
+            importlib.import_module("megatron.core.activations").squared_relu
+            if getattr(args, "squared_relu", False) else F.gelu
         ),
         **activation_settings(args),
         **mamba_settings(args),
