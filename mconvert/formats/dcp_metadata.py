@@ -92,43 +92,43 @@ def metadata_state(parts: list[WrittenPart], declared: dict[str, tuple[torch.dty
     """The Metadata of every rank's written part, as `create_default_global_save_plan` makes it: the ranks' items in
     order, each chunk numbered within its tensor (the index hint readers probe first); a tensor's chunks must cover
     exactly its declared elements."""
-    chunks: dict[str, list[_Instance]] = {}  # by tensor, in the order first written; None: an object
+    chunks: dict[str, list[tuple[Shape, Shape]] | None] = {}  # (offsets, shape) by tensor, in the order first written; None: an object
     storage: list[tuple[_Instance, _Instance]] = []
     for part in parts:
         for key, offsets, shape, place in part.chunks:
             written = chunks.setdefault(key, [])
             storage.append((_index(key, offsets, len(written)), _storage(place)))
-            written.append(_Instance(_Global(METADATA, "ChunkStorageMetadata"), {"offsets": _size(offsets), "sizes": _size(shape)}))
+            written.append((offsets, shape))
         for key, place in part.objects:
             if key in chunks:
                 raise AssertionError(f"'{key}' is written twice")
             chunks[key] = None
             storage.append((_index(key), _storage(place)))
     for key, (_, size) in declared.items():
-        filled = sum(math.prod(_shape_of(chunk)) for chunk in chunks.get(key) or ())
+        filled = sum(math.prod(shape) for _, shape in chunks.get(key) or ())
         if filled != math.prod(size):
             raise AssertionError(f"'{key}': chunks cover {filled} of {math.prod(size)} elements")
-    entries = {
-        key: _Instance(_Global(METADATA, "BytesStorageMetadata")) if written is None else _Instance(
-            _Global(METADATA, "TensorStorageMetadata"),
-            {"properties": _tensor_properties(declared[key][0]), "size": _size(declared[key][1]), "chunks": written},
-        )
-        for key, written in chunks.items()
-    }
+
+    def entry(key: str, written: list[tuple[Shape, Shape]] | None) -> _Instance:
+        if written is None:
+            return _Instance(_Global(METADATA, "BytesStorageMetadata"))
+        dtype, size = declared[key]
+        return _Instance(_Global(METADATA, "TensorStorageMetadata"), {
+            "properties": _tensor_properties(dtype), "size": _size(size),
+            "chunks": [_Instance(_Global(METADATA, "ChunkStorageMetadata"), {"offsets": _size(offsets), "sizes": _size(shape)})
+                       for offsets, shape in written],
+        })
+
     return _Instance(_Global(METADATA, "Metadata"), {
-        "state_dict_metadata": entries, "planner_data": None, "storage_data": _Pairs(storage), "storage_meta": None,
-        "version": VERSION,
+        "state_dict_metadata": {key: entry(key, written) for key, written in chunks.items()}, "planner_data": None,
+        "storage_data": _Pairs(storage), "storage_meta": None, "version": VERSION,
     })
-
-
-def _shape_of(chunk: _Instance) -> Shape:
-    return chunk.state["sizes"].args[0]
 
 
 class _Pickle:
     """Pickle protocol 2's opcodes for the values above: None, bools, ints, strings, tuples, lists, dicts, and the
-    stand-ins. Each global is written once and
-    fetched from the memo after (as pickle.dump does, keeping a file of many chunks small)."""
+    stand-ins. Each global is written once and fetched from the memo after (as pickle.dump does, keeping a file of
+    many chunks small)."""
 
     def __init__(self):
         self.out = bytearray(b"\x80\x02")
@@ -152,19 +152,12 @@ class _Pickle:
             encoded = value.encode()
             out += b"X" + struct.pack("<I", len(encoded)) + encoded
         elif isinstance(value, tuple):
-            out += b"("
-            for item in value:
-                self.save(item)
-            out += b"t"
-        elif isinstance(value, _Pairs):
-            self._items(value.items)
+            self._run(b"(", value, b"t")
         elif isinstance(value, list):
-            out += b"]("
-            for item in value:
-                self.save(item)
-            out += b"e"
-        elif isinstance(value, dict):
-            self._items(list(value.items()))
+            self._run(b"](", value, b"e")
+        elif isinstance(value, (dict, _Pairs)):
+            pairs = value.items() if isinstance(value, dict) else value.items
+            self._run(b"}(", [item for pair in pairs for item in pair], b"u")
         elif isinstance(value, _Global):
             self._global(value)
         elif isinstance(value, _Call):
@@ -180,12 +173,12 @@ class _Pickle:
         else:
             raise TypeError(f"no pickle of {type(value).__name__} here")
 
-    def _items(self, pairs: list[tuple[object, object]]) -> None:
-        self.out += b"}("
-        for key, item in pairs:
-            self.save(key)
+    def _run(self, start: bytes, items, end: bytes) -> None:
+        """`items` between a start (a MARK, after an empty list or dict) and the opcode that takes them."""
+        self.out += start
+        for item in items:
             self.save(item)
-        self.out += b"u"
+        self.out += end
 
     def _global(self, value: _Global) -> None:
         if value in self.memo:
