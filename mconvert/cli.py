@@ -19,9 +19,9 @@ DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 def _dtype(name: str | None):
     if name is None:
         return None
-    import torch
+    from mconvert.dtypes import BY_NAME
 
-    return getattr(torch, DTYPE_NAMES[name])
+    return BY_NAME[DTYPE_NAMES[name]]
 
 
 def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
@@ -385,11 +385,12 @@ def _import_torch_frozen() -> None:
 
 def run() -> NoReturn:
     """The `mconvert` command (and `python -m mconvert`): main, with torch imported out of the garbage
-    collector's way (`_import_torch_frozen`; every command needs torch), and what is left at exit frozen too:
-    the interpreter's last collection walked torch's objects once more, 0.35-0.4 s of every run on a 2-core
-    box (files are closed and renamed by then; the standard streams are flushed at exit as before)."""
+    collector's way (`_import_torch_frozen`) by the commands that need it (all but hf-to-mcore, which never
+    imports torch outside torchrun), and what is left at exit frozen too: the interpreter's last collection walked
+    torch's objects once more, 0.35-0.4 s of every run on a 2-core box (files are closed and renamed by then; the
+    standard streams are flushed at exit as before)."""
     options = build_parser().parse_args()  # --help, --version and usage errors exit here, before any import
-    code = _execute(options, first=_import_torch_frozen)
+    code = _execute(options, first=(lambda: None) if options.run is _hf_to_mcore else _import_torch_frozen)
     gc.freeze()
     sys.exit(code)
 

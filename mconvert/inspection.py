@@ -9,6 +9,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from mconvert.converters.manifest import MANIFEST
@@ -27,7 +28,7 @@ _MODEL_FIELDS = (
 )
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def _dtype_name(dtype: Any) -> str:  # torch's or numpy's
     return str(dtype).removeprefix("torch.")
 
 
@@ -38,7 +39,7 @@ def _jsonable(value: Any) -> Any:
         return [_jsonable(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, torch.dtype):
+    if isinstance(value, (torch.dtype, np.dtype)):
         return _dtype_name(value)
     return str(value)
 
@@ -140,7 +141,7 @@ def inspect_megatron(load_dir: Path) -> dict[str, Any]:
         "iteration_dir": source.location,
         "family": plan.family.name,
         "architecture": config["architectures"][0],
-        "dtype": _dtype_name(source.weights_dtype or spec.dtype),
+        "dtype": _dtype_name(source.weights_dtype if source.weights_dtype is not None else spec.dtype),
         "model": _model(spec),
         "vocab": {
             "size": spec.vocab_size,

@@ -125,11 +125,11 @@ def test_overwrite_killed_between_its_renames(stopper, hf, reference, tmp_path):
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_interrupted_while_torch_is_imported_it_says_so_in_one_line(stopper, hf, tmp_path, sig):
-    """The command imports torch before the conversion starts (cli.run): an interruption there is the same
-    one line and exit code as one during the conversion, no traceback, and nothing is written."""
+def test_interrupted_while_torch_is_imported_it_says_so_in_one_line(stopper, reference, tmp_path, sig):
+    """mcore-to-hf imports torch before the conversion starts (cli.run; hf-to-mcore never does): an interruption there
+    is the same one line and exit code as one during the conversion, no traceback, and nothing is written."""
     out = tmp_path / "ckpt"
-    stopped = stopped_at(stopper, ("import", "torch.nn", 1), sig, "hf-to-mcore", "--load-dir", hf, "--save-dir", out)
+    stopped = stopped_at(stopper, ("import", "torch.nn", 1), sig, "mcore-to-hf", "--load-dir", reference, "--save-dir", out)
     assert stopped.returncode == 128 + getattr(signal, sig), stopped.stderr
     assert stopped.stderr.strip() == f"mconvert: interrupted by {sig}; no output was kept"
     assert not out.exists() and list(tmp_path.iterdir()) == []

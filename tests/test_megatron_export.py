@@ -21,6 +21,7 @@ from mconvert.cli import main
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.rank_export import gather_hf_weights
 from mconvert.converters.state_dict import mcore_to_hf_state_dict
+from mconvert.dtypes import as_torch
 from mconvert.formats.hf_checkpoint import HFCheckpoint
 from mconvert.mcore.checkpoint import RELEASE, TRACKER_FILE, read_args
 from mconvert.mcore.parallelism import Parallelism
@@ -33,7 +34,7 @@ load_model, gather_global_state = megatron_side.load_model, megatron_side.gather
 
 def read_hf(directory: Path) -> dict[str, torch.Tensor]:
     checkpoint = HFCheckpoint(directory)
-    return {name: checkpoint.read(name) for name in checkpoint.tensors}
+    return {name: as_torch(checkpoint.read(name)) for name in checkpoint.tensors}
 
 
 def legacy_rank_dir(iteration_dir: Path) -> Path:

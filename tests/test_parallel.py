@@ -134,13 +134,14 @@ def test_a_writer_goes_on_in_new_data_files_and_megatron_loads_them(hf_model_fac
 
 
 def test_each_record_is_what_torch_save_writes_for_its_chunk(tmp_path):
-    """DCPWriter makes a layout's record with torch.save once and reuses its bytes around each later chunk's
-    data: every record, written from memory (contiguous, a slice, a strided view) or copied from a file, holds
-    torch.save's bytes for that chunk (without CRC32s, as DCP's own writer can be set to), which torch.load
-    reads back."""
+    """DCPWriter makes a layout's record once (mconvert.formats.torch_save, without torch) and reuses its bytes
+    around each later chunk's data: every record, written from memory (contiguous, a slice, a strided view) or
+    copied from a file, is torch.save's archive of that chunk (its members, their places but for the pickle's
+    memo entries, the storage 64-byte aligned), which torch.load reads back."""
     import io
+    import zipfile
 
-    from torch.utils.serialization import config
+    from mconvert.formats.torch_save import tensor_data_start
 
     chunks = [torch.randn(3, 5).to(torch.bfloat16) for _ in range(4)] + [torch.randn(5, 3).to(torch.bfloat16).t(), torch.arange(5.0)]
     source = tmp_path / "source.bin"
@@ -158,9 +159,11 @@ def test_each_record_is_what_torch_save_writes_for_its_chunk(tmp_path):
     for (_, _, shape, (name, offset, length)), chunk in zip(writer.local_part().chunks, chunks):
         record = (tmp_path / "out" / name).read_bytes()[offset : offset + length]
         expected = io.BytesIO()
-        with config.patch({"save.compute_crc32": False}):
-            torch.save(chunk.contiguous().reshape(shape), expected)
-        assert record == expected.getvalue()
+        torch.save(chunk.contiguous().reshape(shape), expected)
+        ours, torchs = (zipfile.ZipFile(io.BytesIO(data)).infolist() for data in (record, expected.getvalue()))
+        assert [(i.filename, i.file_size) for i in ours if i.filename != "archive/data.pkl"] == \
+               [(i.filename, i.file_size) for i in torchs if i.filename != "archive/data.pkl"]
+        assert tensor_data_start(tmp_path / "out" / name, offset, length) % 64 == 0
         assert torch.equal(torch.load(io.BytesIO(record)), chunk.reshape(shape))
 
 

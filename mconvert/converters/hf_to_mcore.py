@@ -11,14 +11,16 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import torch
+import numpy as np
 
 from mconvert.converters.manifest import hashed_while_written
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces
 from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
 from mconvert.converters.progress import NoProgress, Progress
+from mconvert.dtypes import dtype_of
 from mconvert.formats import dcp_writer
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
 from mconvert.formats.quantized import fp8_block_size, is_mxfp4
@@ -47,7 +49,7 @@ class Conversion:
     # (config.json's field, its count) where it names more multi-token prediction layers than the checkpoint holds.
     mtp_not_held: tuple[str, int] | None = None
     # HF tensors stored in a wider dtype than the checkpoint holds them in (their values round), with that dtype.
-    narrowed: tuple[tuple[str, torch.dtype], ...] = ()
+    narrowed: tuple[tuple[str, np.dtype], ...] = ()
 
 
 def mtp_layers_held(family: Family, spec: ModelSpec, names) -> int:
@@ -103,22 +105,22 @@ def fused_expert_layers(family: Family, spec: ModelSpec, hf: HFCheckpoint) -> fr
     return frozenset(layer for layer, prefix in enumerate(prefixes) if prefix + fused_name in hf.tensors)
 
 
-def piece_parts(piece: Piece, sources: list[torch.Tensor], spec: ModelSpec, dtype: torch.dtype) -> list[torch.Tensor]:
+def piece_parts(piece: Piece, sources: list[np.ndarray], spec: ModelSpec, dtype: np.dtype) -> list[np.ndarray]:
     """The Megatron tensor region of `piece` from its HF tensors, transformed, padded and in the target dtype,
     as consecutive parts along dim 0 (the region is their concatenation)."""
-    parts = [part.to(dtype) for part in piece.entry.to_mcore_parts(sources, spec)]
+    parts = [part.astype(dtype, copy=False) for part in piece.entry.to_mcore_parts(sources, spec)]
     rows = sum(part.shape[0] for part in parts)
     if piece.layout.real_rows is not None and piece.layout.shape[0] > rows:
-        parts.append(parts[0].new_zeros(piece.layout.shape[0] - rows, *parts[0].shape[1:]))
+        parts.append(np.zeros((piece.layout.shape[0] - rows, *parts[0].shape[1:]), dtype=dtype))
     return parts
 
 
-def piece_tensor(piece: Piece, sources: list[torch.Tensor], spec: ModelSpec, dtype: torch.dtype) -> torch.Tensor:
-    """The Megatron tensor region of `piece` from its HF tensors, as one tensor."""
+def piece_tensor(piece: Piece, sources: list[np.ndarray], spec: ModelSpec, dtype: np.dtype) -> np.ndarray:
+    """The Megatron tensor region of `piece` from its HF tensors, as one array."""
     return rows_of(piece_parts(piece, sources, spec, dtype), slice(None))
 
 
-def rows_of(parts: list[torch.Tensor], rows: slice) -> torch.Tensor:
+def rows_of(parts: list[np.ndarray], rows: slice) -> np.ndarray:
     """Rows `rows` of the concatenation of `parts`: a view when one part holds them all (fc1's gate or up
     half, one TP chunk of either), a copy otherwise."""
     start, stop, _ = rows.indices(sum(part.shape[0] for part in parts))
@@ -128,7 +130,7 @@ def rows_of(parts: list[torch.Tensor], rows: slice) -> torch.Tensor:
         if start < end and stop > offset:
             selected.append(part[max(start - offset, 0) : min(stop, end) - offset])
         offset = end
-    return selected[0] if len(selected) == 1 else torch.cat(selected)
+    return selected[0] if len(selected) == 1 else np.concatenate(selected)
 
 
 # A chunk copied file to file: its offsets within the piece's region, its shape, and the runs of stored HF
@@ -149,24 +151,25 @@ class FileCopies:
         # same for every layer and expert.
         self._parts: dict[tuple, list[tuple[int, int, tuple[int, ...]]] | None] = {}
 
-    def parts(self, entry, shapes: tuple[tuple[int, ...], ...], dtype: torch.dtype) -> list[tuple[int, int, tuple[int, ...]]] | None:
+    def parts(self, entry, shapes: tuple[tuple[int, ...], ...], dtype: np.dtype) -> list[tuple[int, int, tuple[int, ...]]] | None:
         """Where each part of `entry`'s result lies in its sources, when each is a contiguous view of one:
         found by applying the transform to stand-ins (memory allocated, never touched unless the transform
-        copies: meta tensors would do, but copying ones, QKV's concatenation, import torch's compiler)."""
+        copies)."""
         key = (entry, shapes, dtype)
         if key not in self._parts:
-            sources = [torch.empty(shape, dtype=dtype) for shape in shapes]
+            sources = [np.empty(shape, dtype=dtype) for shape in shapes]
             found = []
             for part in entry.to_mcore_parts(sources, self.spec):
-                number = next((i for i, source in enumerate(sources) if part is source or part._base is source), None)
-                if number is None or part.dim() == 0 or not part.is_contiguous():
+                number = next((i for i, source in enumerate(sources) if part is source or part.base is source), None)
+                if number is None or part.ndim == 0 or not part.flags.c_contiguous:
                     found = None
                     break
-                found.append((number, part.storage_offset(), tuple(part.shape)))
+                first = (part.ctypes.data - sources[number].ctypes.data) // dtype.itemsize
+                found.append((number, first, tuple(part.shape)))
             self._parts[key] = found
         return self._parts[key]
 
-    def chunks(self, piece: Piece, dtype: torch.dtype) -> list[FileChunk] | None:
+    def chunks(self, piece: Piece, dtype: np.dtype) -> list[FileChunk] | None:
         """For a piece whose tensor-parallel chunks are each runs of its HF tensors' stored bytes (renames,
         fc1's gate and up, whole or cut into column-parallel chunks; in the stored dtype): each chunk, with its
         runs. None otherwise: QKV's regrouping, a cast, a dequantized FP8 weight, vocabulary padding and
@@ -201,8 +204,8 @@ class FileCopies:
 
 
 def build_piece(
-    piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: torch.dtype, buffers: Buffers, copies: FileCopies
-) -> tuple[list[torch.Tensor], list[torch.Tensor]] | list[FileChunk]:
+    piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: np.dtype, buffers: Buffers, copies: FileCopies
+) -> tuple[list[np.ndarray], list[np.ndarray]] | list[FileChunk]:
     """`piece_parts` of HF tensors read from files into reused buffers, and those buffers, to hand back once
     the region is written; or, for a piece whose chunks are runs of stored bytes (`FileCopies.chunks`), those
     chunks, once its HF tensors are checked for NaN and Inf (`HFCheckpoint.check`)."""
@@ -216,7 +219,7 @@ def build_piece(
     return piece_parts(piece, sources, spec, dtype), taken
 
 
-def write_piece(writer: dcp_writer.DCPWriter, piece: Piece, parts: list[torch.Tensor], stream: int = 0) -> None:
+def write_piece(writer: dcp_writer.DCPWriter, piece: Piece, parts: list[np.ndarray], stream: int = 0) -> None:
     axis = piece.layout.split_axis or 0
     # Chunks along dim 0 are cut from the parts directly; along another axis from the whole region.
     whole = parts if axis == 0 else [rows_of(parts, slice(None))]
@@ -244,10 +247,10 @@ def write_pieces(
     progress.start(len(mine), sum(sizes[i] for i in mine))
     buffers, copies = Buffers(), FileCopies(hf, plan.spec, writer.directory)
 
-    def load(index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | list[FileChunk]:
+    def load(index: int) -> tuple[list[np.ndarray], list[np.ndarray]] | list[FileChunk]:
         return build_piece(pieces[index], hf, plan.spec, plan.dtype_of(pieces[index]), buffers, copies)
 
-    def store(worker: int, index: int, built: tuple[list[torch.Tensor], list[torch.Tensor]] | list[FileChunk]) -> None:
+    def store(worker: int, index: int, built: tuple[list[np.ndarray], list[np.ndarray]] | list[FileChunk]) -> None:
         piece = pieces[index]
         if isinstance(built, list):
             for offsets, shape, spans in built:
@@ -263,7 +266,7 @@ def write_pieces(
 
 
 def import_plan(
-    load_dir: Path, config: dict, family: Family, spec: ModelSpec, parallelism: Parallelism, dtype: torch.dtype | None,
+    load_dir: Path, config: dict, family: Family, spec: ModelSpec, parallelism: Parallelism, dtype: np.dtype | None,
     mtp: bool, allow_nonfinite: bool,
 ) -> tuple[HFCheckpoint, Plan, int]:
     """The HF checkpoint in `load_dir` opened (its headers read), the plan of converting it, every tensor it holds
@@ -285,7 +288,7 @@ def convert_hf_to_mcore(
     *,
     parallelism: Parallelism = Parallelism(),
     model_size: str | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: Any = None,
     transformer_impl: str = "transformer_engine",
     overwrite: bool = False,
     workers: int = 1,
@@ -302,6 +305,7 @@ def convert_hf_to_mcore(
     rank 0 merges their metadata and writes the tracker file last, once all succeeded."""
     check_workers(workers)
     load_dir, save_dir = Path(load_dir), Path(save_dir)
+    dtype = dtype_of(dtype) if dtype is not None else None
     config = read_hf_config(load_dir, "--load-dir")
     family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
     check_target(save_dir, overwrite)

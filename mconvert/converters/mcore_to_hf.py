@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from mconvert.converters.manifest import hashed_while_written
@@ -32,6 +33,7 @@ from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.parallel import Buffers, Ranks, assign, check_workers, run_pieces
 from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
 from mconvert.converters.progress import NoProgress, Progress
+from mconvert.dtypes import dtype_of, torch_dtype
 from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
 from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, Rows, SafetensorsWriter, StoredTensor, parse_size
@@ -134,7 +136,7 @@ def piece_hf_tensors(plan: Plan, piece: Piece, region: torch.Tensor) -> list[tup
     if piece.layout.real_rows is not None:
         region = region[: piece.layout.real_rows]  # vocabulary padding
     dtype = plan.dtype_of(piece)  # cast after the transform: a Shift's sum is exact in the stored dtype's precision
-    return [(ref, tensor.to(dtype)) for ref, tensor in zip(piece.sources, piece.entry.to_hf(region, plan.spec))]
+    return [(ref, tensor.to(torch_dtype(dtype))) for ref, tensor in zip(piece.sources, piece.entry.to_hf(region, plan.spec))]
 
 
 def hf_tensors(plan: Plan, source: MegatronTensors) -> Iterator[tuple[HFRef, torch.Tensor]]:
@@ -154,12 +156,14 @@ def plan_export(
     shapes before anything is read."""
     args = model_args(source.args)
     family, spec = resolve_model(args, reference, source.location, model_size)
-    if source.weights_dtype is not None and source.weights_dtype not in DTYPES.values():
+    stored = source.weights_dtype
+    if stored is not None and str(stored).removeprefix("torch.") not in DTYPES:
         raise ConversionError(
-            f"{source.location}: the word embedding is stored as {str(source.weights_dtype).removeprefix('torch.')}, "
+            f"{source.location}: the word embedding is stored as {str(stored).removeprefix('torch.')}, "
             f"not one of the dtypes of weights ({', '.join(DTYPES)})"
         )
-    spec = dataclasses.replace(spec, dtype=dtype or source.weights_dtype or spec.dtype)
+    chosen = dtype if dtype is not None else stored
+    spec = dataclasses.replace(spec, dtype=dtype_of(chosen) if chosen is not None else spec.dtype)
     parallelism = parallelism_from_args(args) if args is not None else Parallelism()
     plan = build_plan(family, spec, parallelism, spec.dtype)
     shapes = source.stored_shapes(plan)
@@ -184,10 +188,10 @@ def file_copies(plan: Plan, piece: Piece, source: MegatronTensors, shapes: dict[
     key = stored_key(piece, shapes)
     offsets, shape = piece_region(piece, shapes[key])
     dtype = plan.dtype_of(piece)
-    if source.dcp.dtypes[key] != dtype:
+    if dtype_of(source.dcp.dtypes[key]) != dtype:
         return None
     leading = len(piece.offsets)
-    whole = torch.empty(shape[leading:], dtype=dtype, device="meta")
+    whole = torch.empty(shape[leading:], dtype=torch_dtype(dtype), device="meta")
     region = whole[: piece.layout.real_rows] if piece.layout.real_rows is not None else whole
     row = math.prod(whole.shape[1:])
     copies = []
@@ -206,7 +210,7 @@ def file_copies(plan: Plan, piece: Piece, source: MegatronTensors, shapes: dict[
 def piece_bytes(plan: Plan, source: MegatronTensors) -> list[int]:
     """The bytes of each piece's stored region, in the plan's order."""
     shapes = source.stored_shapes(plan)
-    itemsize = (source.weights_dtype or plan.dtype).itemsize
+    itemsize = (source.weights_dtype if source.weights_dtype is not None else plan.dtype).itemsize
     return [math.prod(piece_region(piece, shapes[stored_key(piece, shapes)])[1]) * itemsize for piece in plan.pieces]
 
 
@@ -253,14 +257,14 @@ def write_hf_pieces(
     progress.start(sum(len(pieces[i].sources) for i in mine), sum(writer.nbytes(ref.name, ref.index) for i in mine for ref in pieces[i].sources))
     buffers = Buffers()
 
-    def load(index: int) -> tuple[torch.Tensor | None, list[tuple[HFRef, torch.Tensor | tuple[Path, int]]]]:
+    def load(index: int) -> tuple[np.ndarray | None, list[tuple[HFRef, torch.Tensor | tuple[Path, int]]]]:
         copies = file_copies(plan, pieces[index], source, shapes)
         if copies is not None:
             return None, copies
         into = buffers.take(sizes[index])
-        return into, piece_hf_tensors(plan, pieces[index], source.read_piece(pieces[index], into))
+        return into, piece_hf_tensors(plan, pieces[index], source.read_piece(pieces[index], torch.from_numpy(into)))
 
-    def store(worker: int, index: int, loaded: tuple[torch.Tensor | None, list[tuple[HFRef, torch.Tensor | tuple[Path, int]]]]) -> None:
+    def store(worker: int, index: int, loaded: tuple[np.ndarray | None, list[tuple[HFRef, torch.Tensor | tuple[Path, int]]]]) -> None:
         into, tensors = loaded
         for ref, tensor in tensors:
             if isinstance(tensor, torch.Tensor):

@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import sys
 import threading
 from collections import deque
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import Any, Callable, Hashable, Sequence, TypeVar
 
-import torch
+import numpy as np
 
 from mconvert.errors import ConversionError
 
@@ -73,20 +74,20 @@ class Buffers:
 
     def __init__(self, keep_bytes: int = READ_AHEAD_BYTES) -> None:
         self.keep_bytes = keep_bytes
-        self._free: list[torch.Tensor] = []
+        self._free: list[np.ndarray] = []
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    def take(self, nbytes: int) -> np.ndarray:
         with self._lock:
-            fitting = [i for i, buffer in enumerate(self._free) if nbytes <= buffer.numel() <= 2 * nbytes]
+            fitting = [i for i, buffer in enumerate(self._free) if nbytes <= buffer.size <= 2 * nbytes]
             if fitting:
-                return self._free.pop(min(fitting, key=lambda i: self._free[i].numel()))
-        return torch.empty(nbytes, dtype=torch.uint8)
+                return self._free.pop(min(fitting, key=lambda i: self._free[i].size))
+        return np.empty(nbytes, dtype=np.uint8)
 
-    def give_back(self, buffers: list[torch.Tensor]) -> None:
+    def give_back(self, buffers: list[np.ndarray]) -> None:
         with self._lock:
-            self._free = sorted(self._free + buffers, key=torch.Tensor.numel)
-            while sum(buffer.numel() for buffer in self._free) > self.keep_bytes:
+            self._free = sorted(self._free + buffers, key=lambda buffer: buffer.size)
+            while sum(buffer.size for buffer in self._free) > self.keep_bytes:
                 self._free.pop()
 
 
@@ -95,7 +96,12 @@ def one_core_per_tensor_op():
     """Torch's tensor ops on one core each while it lasts (threads started meanwhile included). The workers
     are the conversion's parallelism; torch's own pool spreads each copy or scan, bound by memory and at disk
     rates, over every core, and its threads spin between ops (OpenMP's wait policy): on the GPU machine's
-    32-core host, hf-to-mcore at one worker took 210 CPU-seconds for 16 s, and 20 with this."""
+    32-core host, hf-to-mcore at one worker took 210 CPU-seconds for 16 s, and 20 with this. Nothing to do where
+    torch is not imported (numpy's copies run on the calling thread)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

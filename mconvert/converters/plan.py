@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
-import torch
+import numpy as np
 
+from mconvert.dtypes import dtype_of, is_floating
 from mconvert.errors import ConversionError
 from mconvert.formats.safetensors import Part, Rows
 from mconvert.mappings.family import Family
@@ -90,14 +92,14 @@ class Plan:
     family: Family
     spec: ModelSpec
     parallelism: Parallelism
-    dtype: torch.dtype
+    dtype: np.dtype
     shapes: dict[str, tuple[int, ...]]  # every checkpoint key's global shape
     pieces: tuple[Piece, ...]
     extra_state_keys: tuple[str, ...]
 
-    def dtype_of(self, piece: Piece) -> torch.dtype:
+    def dtype_of(self, piece: Piece) -> np.dtype:
         """The dtype of a piece's tensors, on both sides: the conversion's, unless the tensor has its own."""
-        return piece.layout.dtype or self.dtype
+        return piece.layout.dtype if piece.layout.dtype is not None else self.dtype
 
     def nbytes(self, piece: Piece) -> int:
         return math.prod(piece.layout.shape) * self.dtype_of(piece).itemsize
@@ -108,14 +110,14 @@ class Plan:
         return sorted({ref.name for piece in self.pieces if isinstance(piece.entry, Shift) and self.dtype_of(piece).itemsize == 2
                        for ref in piece.sources})
 
-    def narrowed(self, stored: dict[str, torch.dtype]) -> list[str]:
+    def narrowed(self, stored: dict[str, np.dtype]) -> list[str]:
         """The HF tensors of `stored` dtypes (the source's) that the checkpoint holds in a narrower floating-point
         dtype, where their values round (an fp32 tensor in a bf16 checkpoint)."""
         return sorted({ref.name for piece in self.pieces for ref in piece.sources
-                       if (source := stored.get(ref.name)) is not None and source.is_floating_point
+                       if (source := stored.get(ref.name)) is not None and is_floating(source)
                        and source.itemsize > self.dtype_of(piece).itemsize})
 
-    def key_dtypes(self) -> dict[str, torch.dtype]:
+    def key_dtypes(self) -> dict[str, np.dtype]:
         return {key: self.dtype_of(piece) for piece in self.pieces for key in piece.keys}
 
     def hf_names(self) -> set[str]:
@@ -163,11 +165,12 @@ def build_plan(
     family: Family,
     spec: ModelSpec,
     parallelism: Parallelism,
-    dtype: torch.dtype | None = None,
+    dtype: Any = None,
     fused_expert_layers: frozenset[int] | None = None,
 ) -> Plan:
-    """`fused_expert_layers`: layers whose HF experts are stored fused (3-D tensors) rather than per expert, as an
-    HF source has them; None for HF tensors to write, laid out as the family's hub checkpoints are."""
+    """`dtype`: the weights' (numpy's or torch's; default the spec's). `fused_expert_layers`: layers whose HF experts
+    are stored fused (3-D tensors) rather than per expert, as an HF source has them; None for HF tensors to write,
+    laid out as the family's hub checkpoints are."""
     parallelism.validate(spec)
     table = family.table
     shapes: dict[str, tuple[int, ...]] = {}
@@ -244,7 +247,7 @@ def build_plan(
         # weight (GPTModel drops it from its sharded state dict).
         modules.setdefault(("output_layer", ()), ())
     extra_state_keys = tuple(extra_state_key(module, offsets, leading) for (module, offsets), leading in modules.items())
-    return Plan(family, spec, parallelism, dtype or spec.dtype, shapes, tuple(pieces), extra_state_keys)
+    return Plan(family, spec, parallelism, dtype_of(dtype) if dtype is not None else spec.dtype, shapes, tuple(pieces), extra_state_keys)
 
 
 def check_sources(plan: Plan, available: dict[str, tuple[int, ...]], where) -> None:

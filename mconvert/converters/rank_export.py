@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from mconvert.converters.mcore_sources import piece_region, stored_key
 from mconvert.converters.plan import build_plan
+from mconvert.dtypes import torch_dtype
 from mconvert.errors import ConversionError
 from mconvert.formats.dcp import RegionIndex, region_overlap
 from mconvert.mappings import get_mapping
@@ -180,6 +181,7 @@ def _gathered(
         region = region.reshape(region_shape[len(piece.offsets) :])
         if piece.layout.real_rows is not None:
             region = region[: piece.layout.real_rows]
-        stored = piece.layout.dtype or dtype or region.dtype  # cast after the transform, as mcore_to_hf does
+        # Cast after the transform, as mcore_to_hf does.
+        stored = next((torch_dtype(d) for d in (piece.layout.dtype, dtype) if d is not None), region.dtype)
         for ref, tensor in zip(piece.sources, piece.entry.to_hf(region, spec)):
             yield ref.name, tensor.to(stored)

@@ -15,6 +15,7 @@ from mconvert.converters.hf_to_mcore import fused_expert_layers, mtp_layers_held
 from mconvert.converters.mcore_sources import StateDictTensors
 from mconvert.converters.mcore_to_hf import hf_tensors, plan_export
 from mconvert.converters.plan import build_plan, check_sources
+from mconvert.dtypes import as_numpy, as_torch, dtype_of, torch_dtype
 from mconvert.formats.safetensors import Part, Rows
 from mconvert.mappings import get_mapping
 from mconvert.mcore.parallelism import Parallelism
@@ -49,12 +50,14 @@ def hf_to_mcore_state_dict(
     family, spec = get_mapping(config)
     hf = StateDictHF(hf_state_dict)
     spec = dataclasses.replace(spec, mtp_layers=mtp_layers_held(family, spec, hf_state_dict))
+    dtype = dtype_of(dtype) if dtype is not None else None
     plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers=fused_expert_layers(family, spec, hf))
     check_sources(plan, {name: tuple(t.shape) for name, t in hf_state_dict.items()}, hf.where)
     dtypes = plan.key_dtypes()
-    state_dict = {key: torch.zeros(shape, dtype=dtypes[key]) for key, shape in plan.shapes.items()}
+    state_dict = {key: torch.zeros(shape, dtype=torch_dtype(dtypes[key])) for key, shape in plan.shapes.items()}
     for piece in filter(lambda piece: not piece.copy, plan.pieces):
-        tensor = piece_tensor(piece, [hf.read(ref.name, ref.index) for ref in piece.sources], spec, plan.dtype_of(piece))
+        sources = [as_numpy(hf.read(ref.name, ref.index)) for ref in piece.sources]
+        tensor = as_torch(piece_tensor(piece, sources, spec, plan.dtype_of(piece)))
         for key in piece.keys:
             state_dict[key][piece.offsets] = tensor
     return state_dict

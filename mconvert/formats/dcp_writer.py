@@ -12,22 +12,15 @@ import threading
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-from torch.serialization import skip_data
-from torch.utils.serialization import config as serialization_config
+import numpy as np
 
+from mconvert.dtypes import as_numpy, dtype_of
 from mconvert.formats.copying import copy_range
 from mconvert.formats.dcp_metadata import Place, Shape, WrittenPart, write_metadata
-from mconvert.formats.torch_save import tensor_data_start
+from mconvert.formats.torch_save import tensor_record
 
 # Bytes of another file: (path, first byte, length).
 Span = tuple[Path, int, int]
-
-
-def _bytes_of(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 # Where a data file ends and the next begins: each is hashed on one core (about 1 GB/s) behind its writer, so
@@ -59,14 +52,13 @@ class DCPWriter:
         self._complete: list[int] = []
         self._closed: list[threading.Event] = []
         self._files = [self._open() for _ in range(streams)]
-        self._declared: dict[str, tuple[torch.dtype, Shape]] = {}
+        self._declared: dict[str, tuple[np.dtype, Shape]] = {}
         self._written = WrittenPart([], [])
-        self._staging = [torch.empty(0, dtype=torch.uint8) for _ in range(streams)]
+        self._staging = [np.empty(0, dtype=np.uint8) for _ in range(streams)]
         self._sources: dict[Path, int] = {}
-        # A tensor record's bytes before and after its storage bytes, by (dtype, shape): torch.save writes the
-        # same ones for the same layout (without CRC32s), and costs a third of a millisecond each time, about a
-        # tenth of the copying of a 3 MB expert projection.
-        self._envelopes: dict[tuple[torch.dtype, Shape], tuple[bytes, bytes]] = {}
+        # A tensor record's bytes before and after its storage bytes, by (dtype, shape): the same for the same
+        # layout, made once.
+        self._envelopes: dict[tuple[np.dtype, Shape], tuple[bytes, bytes]] = {}
 
     @property
     def data_files(self) -> list[Path]:
@@ -93,8 +85,8 @@ class DCPWriter:
             self._files[stream] = number, f = self._open()
         return number, f
 
-    def declare(self, key: str, shape: Shape, dtype: torch.dtype) -> None:
-        self._declared[key] = (dtype, tuple(shape))
+    def declare(self, key: str, shape: Shape, dtype: Any) -> None:
+        self._declared[key] = (dtype_of(dtype), tuple(shape))
 
     def _append(self, stream: int, payload: bytes) -> Place:
         number, f = self._file(stream)
@@ -104,44 +96,34 @@ class DCPWriter:
         self._complete[number] = f.tell()
         return self._names[number], offset, f.tell() - offset
 
-    def _record(self, stream: int, dtype: torch.dtype, shape: Shape, data: torch.Tensor | None) -> tuple[int, io.BufferedRandom, int, int]:
+    def _record(self, stream: int, dtype: np.dtype, shape: Shape, data: np.ndarray | None) -> tuple[int, io.BufferedRandom, int, int]:
         """Write torch.save's record of a tensor of `dtype` and `shape` into a data file of `stream`, with the
         storage bytes of `data`, or with a hole where they go (to be copied in); return the file's number, the
         file, the record's start and where its storage bytes go."""
         number, f = self._file(stream)
         start = f.tell()
-        nbytes = math.prod(shape) * dtype.itemsize
         envelope = self._envelopes.get((dtype, shape))
         if envelope is None:
-            # The zip records' CRC32 costs torch.save five times the write itself, and cannot be made of bytes
-            # copied in later; torch.load does not check it (DCP's readers, megatron-core's included, go
-            # through torch.load).
-            with skip_data(), serialization_config.patch({"save.compute_crc32": False}):
-                torch.save(torch.empty(shape, dtype=dtype), f)  # memory never touched, never written
-            f.flush()
-            end = f.tell()
-            head = tensor_data_start(self.directory / self._names[number], start, end - start)
-            envelope = os.pread(f.fileno(), head, start), os.pread(f.fileno(), end - start - head - nbytes, start + head + nbytes)
-            self._envelopes[dtype, shape] = envelope
-            f.seek(start + head)
-        else:
-            f.write(envelope[0])
+            envelope = self._envelopes[dtype, shape] = tensor_record(dtype, shape)
+        f.write(envelope[0])
         if data is None:
-            f.seek(nbytes, os.SEEK_CUR)
+            f.seek(math.prod(shape) * dtype.itemsize, os.SEEK_CUR)
         else:
-            f.write(data.reshape(-1).view(torch.uint8).numpy().data)  # a contiguous slice's own bytes
+            f.write(data.reshape(-1).view(np.uint8).data)  # a contiguous slice's own bytes
         f.write(envelope[1])
         f.flush()
         return number, f, start, start + len(envelope[0])
 
-    def write_chunk(self, key: str, offsets: Shape, chunk: torch.Tensor, stream: int = 0) -> None:
-        """Write a chunk of `key` at global `offsets` into a data file of `stream` (one per writing thread)."""
+    def write_chunk(self, key: str, offsets: Shape, chunk: Any, stream: int = 0) -> None:
+        """Write a chunk (a numpy array, or a CPU torch tensor) of `key` at global `offsets` into a data file of
+        `stream` (one per writing thread)."""
         dtype, size = self._declared[key]
+        chunk = as_numpy(chunk)
         if chunk.dtype != dtype or len(offsets) != len(size):
             raise AssertionError(f"chunk of '{key}' at {offsets} does not fit {dtype} {list(size)}")
         # A layer's (or expert's) region of a stacked tensor is stored with its leading axes of size 1.
-        chunk = chunk.reshape((1,) * (len(size) - chunk.dim()) + tuple(chunk.shape))
-        if not chunk.is_contiguous():  # a row-parallel chunk (TP > 1)
+        chunk = chunk.reshape((1,) * (len(size) - chunk.ndim) + tuple(chunk.shape))
+        if not chunk.flags.c_contiguous:  # a row-parallel chunk (TP > 1)
             chunk = self._staged(stream, chunk)
         number, f, start, _ = self._record(stream, dtype, tuple(chunk.shape), chunk)
         self._complete[number] = end = f.tell()
@@ -169,17 +151,18 @@ class DCPWriter:
                 self._sources[path] = os.open(path, os.O_RDONLY)
             return self._sources[path]
 
-    def _staged(self, stream: int, chunk: torch.Tensor) -> torch.Tensor:
+    def _staged(self, stream: int, chunk: np.ndarray) -> np.ndarray:
         """A contiguous copy of `chunk` in memory reused from chunk to chunk: fresh memory would cost the
         kernel a page fault and a zeroing per 4 KiB, more than the copy itself."""
-        if self._staging[stream].numel() < chunk.nbytes:
-            self._staging[stream] = torch.empty(chunk.nbytes, dtype=torch.uint8)
-        staged = self._staging[stream][: chunk.nbytes].view(chunk.dtype).view(chunk.shape)
-        staged.copy_(chunk)
+        if self._staging[stream].size < chunk.nbytes:
+            self._staging[stream] = np.empty(chunk.nbytes, dtype=np.uint8)
+        staged = self._staging[stream][: chunk.nbytes].view(chunk.dtype).reshape(chunk.shape)
+        np.copyto(staged, chunk)
         return staged
 
-    def write_object(self, key: str, obj: Any, stream: int = 0) -> None:
-        self._written.objects.append((key, self._append(stream, _bytes_of(obj))))
+    def write_object(self, key: str, saved: bytes, stream: int = 0) -> None:
+        """Write an object: `saved`, its torch.save bytes (mconvert.formats.torch_save.saved_bytes)."""
+        self._written.objects.append((key, self._append(stream, saved)))
 
     def local_part(self) -> WrittenPart:
         """Close the data files; what this rank wrote, and where."""

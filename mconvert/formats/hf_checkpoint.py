@@ -12,8 +12,9 @@ import mmap
 import os
 from pathlib import Path
 
-import torch
+import numpy as np
 
+from mconvert import dtypes
 from mconvert.errors import ConversionError
 from mconvert.formats.quantized import (
     FP8_DTYPES,
@@ -26,17 +27,7 @@ from mconvert.formats.quantized import (
 from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, Part, Rows, StoredTensor, read_header
 from mconvert.json_files import read_json_bytes, read_weight_map
 
-# Floating-point dtypes whose values are checked to be finite as they are read (float8 has no min/max kernels).
-_CHECKED_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
-
-def _finite(tensor: torch.Tensor) -> bool:
-    """Whether a tensor holds no NaN or Inf (of a dtype that can): in one pass with no temporary (isfinite's bool
-    tensor costs ten times more); NaN and Inf both show in the extremes."""
-    if tensor.dtype not in _CHECKED_DTYPES or not tensor.numel():
-        return True
-    low, high = torch.aminmax(tensor)
-    return math.isfinite(low) and math.isfinite(high)
 def read_hf_config(directory: Path, flag: str) -> dict:
     """config.json of an HF model directory given by `flag`."""
     path = Path(directory) / "config.json"
@@ -128,13 +119,13 @@ class HFCheckpoint:
         packed = {}
         for name in [n.removesuffix(MXFP4_BLOCKS) for n in self.tensors if n.endswith(MXFP4_BLOCKS)]:
             blocks, scales = self.tensors.pop(name + MXFP4_BLOCKS), self.tensors.pop(name + MXFP4_SCALES, None)
-            if scales is None or blocks.dtype != torch.uint8 or scales.shape != blocks.shape[:-1] or blocks.shape[-1] != 16:
+            if scales is None or blocks.dtype != dtypes.uint8 or scales.shape != blocks.shape[:-1] or blocks.shape[-1] != 16:
                 raise ConversionError(
                     f"tensor '{name + MXFP4_BLOCKS}' in {blocks.file} is not MXFP4 ([..., groups, 16] bytes with a "
                     f"{name + MXFP4_SCALES} of one exponent per group)"
                 )
             *lead, rows, groups, _ = blocks.shape
-            self.tensors[name] = StoredTensor(blocks.file, torch.bfloat16, (*lead, groups * 32, rows), blocks.begin, blocks.end)
+            self.tensors[name] = StoredTensor(blocks.file, dtypes.bfloat16, (*lead, groups * 32, rows), blocks.begin, blocks.end)
             packed[name] = (blocks, scales)
         return packed
 
@@ -155,22 +146,22 @@ class HFCheckpoint:
             return math.prod(index.shape(stored.shape)) * stored.dtype.itemsize
         return self._region(name, index)[3]
 
-    def place(self, name: str, index: int | None = None) -> tuple[Path, int, tuple[int, ...], torch.dtype]:
+    def place(self, name: str, index: int | None = None) -> tuple[Path, int, tuple[int, ...], np.dtype]:
         """Where the tensor `name` (or its slice `index`) is stored: file, first byte, shape and dtype."""
         stored, begin, shape, _ = self._region(name, index)
         return stored.file, begin, tuple(shape), stored.dtype
 
-    def read(self, name: str, index: Part = None, into: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensor `name`, or its slice `index` along the first axis (one expert of a fused expert tensor),
-        read into the start of `into` (a uint8 tensor of at least its bytes, to reuse memory) or fresh memory;
+    def read(self, name: str, index: Part = None, into: np.ndarray | None = None) -> np.ndarray:
+        """The tensor `name`, or its slice `index` along the first axis (one expert of a fused expert tensor), as a
+        numpy array read into the start of `into` (a uint8 array of at least its bytes, to reuse memory) or fresh memory;
         or some of its rows (`Rows`: a section of a fused projection), each group's run of them read where it lies
         (an FP8 weight's whole, its scales being per block)."""
         if isinstance(index, Rows) and self.quantized(name):
-            return index.select(self.read(name)).contiguous()
+            return np.ascontiguousarray(index.select(self.read(name)))
         if name in self.mxfp4:
             blocks, scales = (self._read_stored(stored, name, index) for stored in self.mxfp4[name])
-            tensor = dequantize_mxfp4(blocks, scales).transpose(-1, -2).contiguous()
-            if self.check_finite and not _finite(tensor):
+            tensor = np.ascontiguousarray(dequantize_mxfp4(blocks, scales).swapaxes(-1, -2))
+            if self.check_finite and not dtypes.finite(tensor):
                 raise self._nonfinite(name, index)
             return tensor
         if isinstance(index, Rows):
@@ -183,7 +174,7 @@ class HFCheckpoint:
         tensor = self._read_runs(stored, name, runs, shape, into)
         if name in self.scales:
             tensor = self._dequantize(name, index, tensor)
-        if self.check_finite and not _finite(tensor):
+        if self.check_finite and not dtypes.finite(tensor):
             raise self._nonfinite(name, index)
         return tensor
 
@@ -193,34 +184,35 @@ class HFCheckpoint:
         into memory, each byte cost one more copy, which with the copy itself made about as much work as the
         copy (hf-to-mcore at one worker on a 16-core host). Not for quantized weights, checked once dequantized."""
         stored, begin, _, length = self._region(name, index)
-        if not self.check_finite or self.quantized(name) or stored.dtype not in _CHECKED_DTYPES or not length:
+        if not self.check_finite or self.quantized(name) or not length:
             return
         base = begin - begin % mmap.ALLOCATIONGRANULARITY
         with open(stored.file, "rb", buffering=0) as f:
             if os.fstat(f.fileno()).st_size < begin + length:
                 raise ConversionError(f"{stored.file}: truncated while reading tensor '{name}'")
-            # Private and writable, as torch's tensors over a buffer are, but never written: nothing is copied.
             # A file cut short by another process while mapped ends this one (SIGBUS) instead of this error.
-            with mmap.mmap(f.fileno(), begin + length - base, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=base) as window:
-                finite = _finite(torch.frombuffer(window, dtype=stored.dtype, count=length // stored.dtype.itemsize, offset=begin - base))
+            with mmap.mmap(f.fileno(), begin + length - base, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ, offset=base) as window:
+                values = np.frombuffer(window, dtype=stored.dtype, count=length // stored.dtype.itemsize, offset=begin - base)
+                finite = dtypes.finite(values)
+                del values  # the map closes only once no array holds it
         if not finite:
             raise self._nonfinite(name, index)
 
-    def _read_stored(self, stored: StoredTensor, name: str, index: int | None) -> torch.Tensor:
+    def _read_stored(self, stored: StoredTensor, name: str, index: int | None) -> np.ndarray:
         """A quantized weight's stored part (FP8 scales, MXFP4 blocks or exponents, or their slice `index`), as
         stored."""
         _, begin, shape, length = _region_of(stored, index)
         return self._read_runs(stored, name, [(begin, length)], shape)
 
     def _read_runs(
-        self, stored: StoredTensor, name: str, runs: list[tuple[int, int]], shape: tuple[int, ...], into: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The bytes of `runs` ((first byte, length) in `stored`'s file) one after another, as a `shape` tensor of
+        self, stored: StoredTensor, name: str, runs: list[tuple[int, int]], shape: tuple[int, ...], into: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The bytes of `runs` ((first byte, length) in `stored`'s file) one after another, as a `shape` array of
         `stored`'s dtype, in the start of `into` (uint8, to reuse memory) or fresh memory."""
         length = sum(count for _, count in runs)
-        # torch.empty, unlike bytearray, does not spend a pass zero-filling what the read overwrites.
-        buffer = (torch.empty(length, dtype=torch.uint8) if into is None else into)[:length]
-        view = memoryview(buffer.numpy())
+        # np.empty, unlike bytearray, does not spend a pass zero-filling what the read overwrites.
+        buffer = (np.empty(length, dtype=np.uint8) if into is None else into)[:length]
+        view = memoryview(buffer)
         with open(stored.file, "rb", buffering=0) as f:
             done = 0
             for begin, count in runs:
@@ -239,7 +231,7 @@ class HFCheckpoint:
             f"{self.tensors[name].file}: tensor '{which}' holds NaN or Inf values (pass --allow-nonfinite to convert it as is)"
         )
 
-    def _dequantize(self, name: str, index: int | None, tensor: torch.Tensor) -> torch.Tensor:
+    def _dequantize(self, name: str, index: int | None, tensor: np.ndarray) -> np.ndarray:
         """An FP8 weight (or its slice `index`) times its blocks' scales, in fp32: a tensor at a time, so that
         memory stays at the tensors in hand."""
         scale, block = self.scales[name]

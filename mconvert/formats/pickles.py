@@ -15,8 +15,6 @@ import argparse
 import os
 from typing import IO, Any
 
-import torch
-
 from mconvert.errors import ConversionError
 
 # Classes whose values are kept as stand-ins: what Megatron-LM's stored args hold besides plain values.
@@ -71,6 +69,8 @@ def load_megatron_file(source: str | os.PathLike | IO[bytes], location: str, mma
     """`torch.load` of a Megatron `torch.save` file (a path, or a seekable binary file object), letting through
     only tensors, containers, the args Namespace, numpy's RNG state and inert stand-ins for Megatron's, TE's
     and `signal`'s classes. `location` names the file in errors."""
+    import torch
+
     try:
         needed = set(torch.serialization.get_unsafe_globals_in_checkpoint(source))
     except Exception as e:  # noqa: BLE001 (any failure to read the archive means the same to the user)

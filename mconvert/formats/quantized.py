@@ -8,11 +8,12 @@ a weight `X` stored as `X_blocks`, two 4-bit floats a byte, and `X_scales`, one 
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
+from mconvert import dtypes
 from mconvert.errors import ConversionError
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+FP8_DTYPES = (dtypes.float8_e4m3fn, dtypes.float8_e5m2)
 SCALE_SUFFIX = "_scale_inv"
 
 
@@ -26,18 +27,19 @@ def is_mxfp4(config: dict) -> bool:
     return (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """MXFP4 values as a [..., rows, columns] tensor of `dtype`: `blocks` [..., rows, G, 16] bytes each holding two
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype: np.dtype = dtypes.bfloat16) -> np.ndarray:
+    """MXFP4 values as a [..., rows, columns] array of `dtype`: `blocks` [..., rows, G, 16] bytes each holding two
     values (the low 4 bits first), `scales` [..., rows, G] the exponents of their groups of 32, biased by 127. In
     gpt-oss's layout rows are the weight's outputs: transformers transposes the result into its [in, out] weights."""
-    table = torch.tensor(FP4_VALUES, dtype=dtype)
+    table = np.array(FP4_VALUES, dtype=np.float32)
     # Each byte's two values at once, low 4 bits first: one lookup a byte instead of one a value.
-    pairs = torch.stack([table.repeat(16), table.repeat_interleave(16)], dim=-1)
+    pairs = np.stack([np.tile(table, 16), np.repeat(table, 16)], axis=-1)
     *lead, groups, width = blocks.shape
-    values = pairs[blocks.to(torch.int32)]  # [..., groups, 16, 2]
-    # Exact: two bits of mantissa times a power of two within bf16's exponents is a bf16 value.
-    values.mul_(torch.exp2(scales.to(torch.float32) - 127.0).to(dtype)[..., None, None])
-    return values.reshape(*lead, groups * width * 2)
+    values = pairs[blocks]  # [..., groups, 16, 2]
+    # Exact in fp32 (two bits of mantissa times a power of two), then rounded once to `dtype`, as torch's product
+    # of the two in bf16 is.
+    values *= np.ldexp(np.float32(1), scales.astype(np.int32) - 127)[..., None, None]
+    return values.astype(dtype).reshape(*lead, groups * width * 2)
 
 
 def fp8_block_size(config: dict) -> tuple[int, int] | None:
@@ -55,15 +57,16 @@ def fp8_block_size(config: dict) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-def dequantize_fp8_blocks(tensor: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def dequantize_fp8_blocks(tensor: np.ndarray, scales: np.ndarray, block: tuple[int, int]) -> np.ndarray:
     """An FP8 weight times its blocks' scales (one per `block` of its last two axes), in fp32."""
     block_rows, block_cols = block
     rows, cols = tensor.shape[-2:]
+    factors = scales.astype(np.float32)
+    values = tensor.astype(np.float32)
     if rows % block_rows or cols % block_cols:  # partial blocks at the edges: each scale spread over its block
-        factors = scales.float().repeat_interleave(block_rows, -2)[..., :rows, :].repeat_interleave(block_cols, -1)[..., :cols]
-        return tensor.float() * factors
+        values *= np.repeat(np.repeat(factors, block_rows, -2)[..., :rows, :], block_cols, -1)[..., :cols]
+        return values
     # Whole blocks: the scales broadcast over a blocked view, in place (no tensor-sized factors).
-    values = tensor.float()
-    blocked = values.view(*values.shape[:-2], rows // block_rows, block_rows, cols // block_cols, block_cols)
-    blocked.mul_(scales.float()[..., :, None, :, None])
+    blocked = values.reshape(*values.shape[:-2], rows // block_rows, block_rows, cols // block_cols, block_cols)
+    blocked *= factors[..., :, None, :, None]
     return values

@@ -12,29 +12,25 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import torch
+import numpy as np
 
+from mconvert import dtypes
 from mconvert.errors import ConversionError
 from mconvert.formats.copying import copy_range
 
 # The safetensors library's own limit on a header (its MAX_HEADER_SIZE).
 SAFETENSORS_HEADER_BYTES = 100 * 10**6
 ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    # Power-of-two scales (DeepSeek-V3.2's `scale_fmt: ue8m0` block scales may be stored so).
-    "F8_E8M0": torch.float8_e8m0fnu,
+    name: dtypes.BY_NAME[torch_name]
+    for name, torch_name in (
+        ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("I64", "int64"),
+        ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U8", "uint8"), ("BOOL", "bool"),
+        ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+        # Power-of-two scales (DeepSeek-V3.2's `scale_fmt: ue8m0` block scales may be stored so).
+        ("F8_E8M0", "float8_e8m0fnu"),
+    )
 }
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -52,7 +48,7 @@ class Rows:
     def shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         return (self.groups * (self.stop - self.start), *shape[1:])
 
-    def select(self, tensor: torch.Tensor) -> torch.Tensor:
+    def select(self, tensor: np.ndarray) -> np.ndarray:
         grouped = tensor.reshape(self.groups, -1, *tensor.shape[1:])
         return grouped[:, self.start : self.stop].reshape(self.shape(tuple(tensor.shape)))
 
@@ -70,7 +66,7 @@ Part = int | Rows | None
 @dataclass(frozen=True)
 class StoredTensor:
     file: Path
-    dtype: torch.dtype
+    dtype: np.dtype
     shape: tuple[int, ...]
     begin: int  # absolute byte offset in the file
     end: int
@@ -151,7 +147,7 @@ class SafetensorsWriter:
     def __init__(
         self,
         directory: Path,
-        tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+        tensors: dict[str, tuple[Any, tuple[int, ...]]],
         max_shard_size: int,
         create: bool = True,
         together: list[list[str]] | None = None,
@@ -168,7 +164,8 @@ class SafetensorsWriter:
                 group_bytes = 0
             groups[-1].extend(names)
             group_bytes += size
-        self.places: dict[str, tuple[Path, int, torch.dtype, tuple[int, ...]]] = {}
+        tensors = {name: (dtypes.dtype_of(dtype), shape) for name, (dtype, shape) in tensors.items()}
+        self.places: dict[str, tuple[Path, int, np.dtype, tuple[int, ...]]] = {}
         self.weight_map: dict[str, str] = {}
         self.sizes: dict[str, int] = {}
         self.written: dict[str, int] = {}  # bytes written by this process, by tensor
@@ -230,8 +227,9 @@ class SafetensorsWriter:
             return math.prod(index.shape(shape)) * dtype.itemsize
         return self.sizes[name] // shape[0] if index is not None else self.sizes[name]
 
-    def write(self, name: str, tensor: torch.Tensor, index: Part = None) -> None:
-        """Write tensor `name`, or its part `index` (a slice along the first axis, or some rows)."""
+    def write(self, name: str, tensor: Any, index: Part = None) -> None:
+        """Write tensor `name` (a numpy array or a CPU torch tensor), or its part `index` (a slice along the first
+        axis, or some rows)."""
         path, begin, dtype, shape = self.places[name]
         runs = [(0, None)]
         if isinstance(index, Rows):
@@ -239,9 +237,10 @@ class SafetensorsWriter:
         elif index is not None:
             begin += index * math.prod(shape[1:]) * dtype.itemsize
             shape = shape[1:]
-        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise AssertionError(f"'{name}': got {tensor.dtype} {list(tensor.shape)}, the layout says {dtype} {list(shape)}")
-        data = memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        array = dtypes.as_numpy(tensor)
+        if array.dtype != dtype or tuple(array.shape) != shape:
+            raise AssertionError(f"'{name}': got {array.dtype} {list(array.shape)}, the layout says {dtype} {list(shape)}")
+        data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
         fd, taken = self._fd(path), 0
         for at, length in runs:
             run = data[taken : taken + length if length is not None else len(data)]

@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+import numpy as np
 
+from mconvert import dtypes
 from mconvert.errors import ConversionError
 from mconvert.mappings.mamba_spec import MambaSpec
 from mconvert.mappings.rope import RopeScaling, read_rope
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {name: dtypes.BY_NAME[name] for name in ("bfloat16", "float16", "float32")}
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ class ModelSpec:
     qkv_bias: bool
     linear_bias: bool
     qk_norm: bool
-    dtype: torch.dtype
+    dtype: np.dtype
     moe: MoESpec | None = None
     mla: MLASpec | None = None
     # The fraction of each head's dimensions that rope rotates (GLM-4.5's partial_rotary_factor).
@@ -246,7 +247,7 @@ def require(config: dict[str, Any], name: str, source: str) -> Any:
     return value
 
 
-def read_dtype(config: dict[str, Any]) -> torch.dtype:
+def read_dtype(config: dict[str, Any]) -> np.dtype:
     name = config.get("dtype", config.get("torch_dtype")) or "float32"
     if name not in DTYPES:
         raise ConversionError(f"config.json: dtype '{name}' is not one of {sorted(DTYPES)}")

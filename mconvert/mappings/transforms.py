@@ -9,19 +9,54 @@ writer cutting it into chunks along dim 0 (fc1's gate and up halves) need not co
 
 `when` names a boolean attribute of the ModelSpec that must hold for the entry to exist (a bias that only some
 configs have, the output layer of an untied model).
+
+Tensors are numpy arrays (the converters') or torch tensors (in memory, on any device: weight sync, the way back):
+the few operations that the two spell differently are below.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import torch
+import numpy as np
 
 if TYPE_CHECKING:
     from mconvert.mappings.spec import ModelSpec
 
 Shape = tuple[int, ...]
+# A numpy array or a torch tensor.
+Tensor = Any
+
+
+def _cat(parts: Sequence[Tensor], axis: int = 0) -> Tensor:
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts, axis=axis)
+    import torch
+
+    return torch.cat(list(parts), dim=axis)
+
+
+def _split(tensor: Tensor, sizes: Sequence[int], axis: int) -> list[Tensor]:
+    if isinstance(tensor, np.ndarray):
+        return np.split(tensor, np.cumsum(sizes)[:-1], axis=axis)
+    return list(tensor.split(list(sizes), dim=axis))
+
+
+def _stack(parts: Sequence[Tensor], axis: int) -> Tensor:
+    if isinstance(parts[0], np.ndarray):
+        return np.stack(parts, axis=axis)
+    import torch
+
+    return torch.stack(list(parts), dim=axis)
+
+
+def _contiguous(tensor: Tensor) -> Tensor:
+    return np.ascontiguousarray(tensor) if isinstance(tensor, np.ndarray) else tensor.contiguous()
+
+
+def _fp32(tensor: Tensor) -> Tensor:
+    return tensor.astype(np.float32) if isinstance(tensor, np.ndarray) else tensor.float()
 
 
 @dataclass(frozen=True)
@@ -39,13 +74,13 @@ class Rename:
     def hf_shapes(self, shape: Shape, spec: ModelSpec) -> list[Shape]:
         return [shape]
 
-    def to_mcore(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
+    def to_mcore(self, tensors: Sequence[Tensor], spec: ModelSpec) -> Tensor:
         return tensors[0]
 
-    def to_mcore_parts(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
+    def to_mcore_parts(self, tensors: Sequence[Tensor], spec: ModelSpec) -> list[Tensor]:
         return [tensors[0]]
 
-    def to_hf(self, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
+    def to_hf(self, tensor: Tensor, spec: ModelSpec) -> list[Tensor]:
         return [tensor]
 
 
@@ -61,14 +96,15 @@ class Concat:
         parts = len(self.hf_names)
         return [(shape[0] // parts, *shape[1:])] * parts
 
-    def to_mcore(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
-        return torch.cat(list(tensors), dim=0)
+    def to_mcore(self, tensors: Sequence[Tensor], spec: ModelSpec) -> Tensor:
+        return _cat(tensors)
 
-    def to_mcore_parts(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
+    def to_mcore_parts(self, tensors: Sequence[Tensor], spec: ModelSpec) -> list[Tensor]:
         return list(tensors)
 
-    def to_hf(self, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
-        return [part.contiguous() for part in tensor.chunk(len(self.hf_names), dim=0)]
+    def to_hf(self, tensor: Tensor, spec: ModelSpec) -> list[Tensor]:
+        parts = len(self.hf_names)
+        return [_contiguous(part) for part in _split(tensor, [tensor.shape[0] // parts] * parts, 0)]
 
 
 @dataclass(frozen=True)
@@ -103,24 +139,24 @@ class QKVInterleave:
         rest = shape[1:]
         return [(rows * spec.num_query_groups, *rest) for rows in self._rows(spec)]
 
-    def to_mcore(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
+    def to_mcore(self, tensors: Sequence[Tensor], spec: ModelSpec) -> Tensor:
         groups, rest = spec.num_query_groups, tensors[0].shape[1:]
         q, k, v = (t.reshape(groups, -1, *rest) for t in tensors)
         if spec.attention_output_gate:  # per head [query; gate] -> per group [queries; gates]
             heads = q.reshape(groups, -1, 2, spec.head_dim, *rest)
-            q = torch.cat([heads[:, :, 0], heads[:, :, 1]], dim=1).reshape(groups, -1, *rest)
-        return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+            q = _cat([heads[:, :, 0], heads[:, :, 1]], 1).reshape(groups, -1, *rest)
+        return _cat([q, k, v], 1).reshape(-1, *rest)
 
-    def to_mcore_parts(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
+    def to_mcore_parts(self, tensors: Sequence[Tensor], spec: ModelSpec) -> list[Tensor]:
         return [self.to_mcore(tensors, spec)]
 
-    def to_hf(self, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
+    def to_hf(self, tensor: Tensor, spec: ModelSpec) -> list[Tensor]:
         groups, rest = spec.num_query_groups, tensor.shape[1:]
-        q, k, v = torch.split(tensor.reshape(groups, -1, *rest), list(self._rows(spec)), dim=1)
+        q, k, v = _split(tensor.reshape(groups, -1, *rest), self._rows(spec), 1)
         if spec.attention_output_gate:
-            query, gate = q.reshape(groups, 2, -1, spec.head_dim, *rest).unbind(1)
-            q = torch.stack([query, gate], dim=2)
-        return [part.reshape(-1, *rest).contiguous() for part in (q, k, v)]
+            halves = q.reshape(groups, 2, -1, spec.head_dim, *rest)
+            q = _stack([halves[:, 0], halves[:, 1]], 2)
+        return [_contiguous(part.reshape(-1, *rest)) for part in (q, k, v)]
 
 
 @dataclass(frozen=True)
@@ -131,14 +167,14 @@ class Transpose(Rename):
     def hf_shapes(self, shape: Shape, spec: ModelSpec) -> list[Shape]:
         return [(*shape[:-2], shape[-1], shape[-2])]
 
-    def to_mcore(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
-        return tensors[0].transpose(-1, -2).contiguous()
+    def to_mcore(self, tensors: Sequence[Tensor], spec: ModelSpec) -> Tensor:
+        return _contiguous(tensors[0].swapaxes(-1, -2))
 
-    def to_mcore_parts(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
+    def to_mcore_parts(self, tensors: Sequence[Tensor], spec: ModelSpec) -> list[Tensor]:
         return [self.to_mcore(tensors, spec)]
 
-    def to_hf(self, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
-        return [tensor.transpose(-1, -2).contiguous()]
+    def to_hf(self, tensor: Tensor, spec: ModelSpec) -> list[Tensor]:
+        return [_contiguous(tensor.swapaxes(-1, -2))]
 
 
 @dataclass(frozen=True)
@@ -158,17 +194,17 @@ class Deinterleave:
     def hf_shapes(self, shape: Shape, spec: ModelSpec) -> list[Shape]:
         return [(*shape[1:], shape[0]) if self.transposed else shape]
 
-    def to_mcore(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
-        return torch.cat(self.to_mcore_parts(tensors, spec), dim=0)
+    def to_mcore(self, tensors: Sequence[Tensor], spec: ModelSpec) -> Tensor:
+        return _cat(self.to_mcore_parts(tensors, spec))
 
-    def to_mcore_parts(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
-        rows = tensors[0].transpose(-1, -2) if self.transposed else tensors[0]
-        return [rows[0::2].contiguous(), rows[1::2].contiguous()]
+    def to_mcore_parts(self, tensors: Sequence[Tensor], spec: ModelSpec) -> list[Tensor]:
+        rows = tensors[0].swapaxes(-1, -2) if self.transposed else tensors[0]
+        return [_contiguous(rows[0::2]), _contiguous(rows[1::2])]
 
-    def to_hf(self, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
-        gate, up = tensor.chunk(2, dim=0)
-        rows = torch.stack([gate, up], dim=1).reshape(tensor.shape)
-        return [(rows.transpose(-1, -2) if self.transposed else rows).contiguous()]
+    def to_hf(self, tensor: Tensor, spec: ModelSpec) -> list[Tensor]:
+        half = tensor.shape[0] // 2
+        rows = _stack([tensor[:half], tensor[half:]], 1).reshape(tensor.shape)
+        return [_contiguous(rows.swapaxes(-1, -2) if self.transposed else rows)]
 
 
 # A fused HF projection's sections: (groups, ((section, rows per group), ...)). Its rows fall in `groups` equal
@@ -209,14 +245,14 @@ class Shift(Rename):
 
     by: float = 1.0
 
-    def to_mcore(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> torch.Tensor:
-        return tensors[0].float() - self.by
+    def to_mcore(self, tensors: Sequence[Tensor], spec: ModelSpec) -> Tensor:
+        return _fp32(tensors[0]) - self.by
 
-    def to_mcore_parts(self, tensors: Sequence[torch.Tensor], spec: ModelSpec) -> list[torch.Tensor]:
+    def to_mcore_parts(self, tensors: Sequence[Tensor], spec: ModelSpec) -> list[Tensor]:
         return [self.to_mcore(tensors, spec)]
 
-    def to_hf(self, tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
-        return [tensor.float() + self.by]
+    def to_hf(self, tensor: Tensor, spec: ModelSpec) -> list[Tensor]:
+        return [_fp32(tensor) + self.by]
 
 
 Entry = Rename | Concat | QKVInterleave | Transpose | Deinterleave | Section | Shift

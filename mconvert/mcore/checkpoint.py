@@ -13,12 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from mconvert import dtypes
 from mconvert.errors import ConversionError
-from mconvert.formats.dcp import DCPCheckpoint
 from mconvert.formats.pickles import load_megatron_file
+from mconvert.formats.torch_save import saved_bytes, tensor_pickle
+
+if TYPE_CHECKING:
+    from mconvert.formats.dcp import DCPCheckpoint
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -30,14 +33,17 @@ METADATA_JSON = {
 }
 # megatron-core's checkpoint_version for the current QKV layout.
 CHECKPOINT_VERSION = 3.0
-# What a module's `_extra_state` holds when Transformer Engine runs without FP8.
-EMPTY_EXTRA_STATE = [torch.empty(0, dtype=torch.uint8)]
+# What a module's `_extra_state` holds when Transformer Engine runs without FP8 (a list of one empty uint8 tensor), as
+# torch.save writes it.
+EMPTY_EXTRA_STATE = saved_bytes([tensor_pickle(dtypes.uint8, (0,))], [b""])
 
 
 def write_common(release_dir: Path, args: argparse.Namespace) -> None:
-    """metadata.json and common.pt: what megatron-core reads besides the DCP files."""
+    """metadata.json and common.pt: what megatron-core reads besides the DCP files. `args` holds plain values and
+    dtypes (mconvert.formats.pickle_writer), as megatron_args makes them."""
     (release_dir / "metadata.json").write_text(json.dumps(METADATA_JSON))
-    torch.save({"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}, release_dir / "common.pt")
+    common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
+    (release_dir / "common.pt").write_bytes(saved_bytes(common, folder="common"))
 
 
 def write_tracker(checkpoint_dir: Path) -> None:
@@ -91,6 +97,8 @@ def read_common_args(release_dir: Path, dcp: DCPCheckpoint | None = None) -> arg
     if (release_dir / "common.pt").exists():
         return _load_common(release_dir / "common.pt").get("args")
     if dcp is None:
+        from mconvert.formats.dcp import DCPCheckpoint  # its reading imports torch, which writing never needs
+
         if not (release_dir / ".metadata").exists():
             raise ConversionError(f"{release_dir}: not a torch_dist checkpoint (no common.pt, no .metadata)")
         dcp = DCPCheckpoint(release_dir)

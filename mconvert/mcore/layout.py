@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
+from mconvert import dtypes
 from mconvert.errors import ConversionError
 from mconvert.mappings.spec import ModelSpec, MoESpec
 from mconvert.mcore.parallelism import Parallelism, padded_vocab_size
@@ -66,7 +67,7 @@ class TensorLayout:
     real_rows: int | None = None
     # The dtype the tensor has whatever the weights' dtype: Megatron keeps the router's expert bias in fp32
     # (as transformers keeps e_score_correction_bias), since bf16 steps are coarser than its updates.
-    dtype: torch.dtype | None = None
+    dtype: np.dtype | None = None
 
 
 def tensor_layout(name: str, spec: ModelSpec, par: Parallelism, expert: bool = False) -> TensorLayout:
@@ -90,7 +91,7 @@ def tensor_layout(name: str, spec: ModelSpec, par: Parallelism, expert: bool = F
     if name == "mlp.router.bias":
         return TensorLayout((moe.num_experts,))
     if name == "mlp.router.expert_bias":
-        return TensorLayout((moe.num_experts,), dtype=torch.float32)
+        return TensorLayout((moe.num_experts,), dtype=dtypes.float32)
     if spec.qk_norm_across_heads and name in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
         # One weight per channel of the layer's query (key) heads, split across TP ranks as the heads are.
         heads = spec.num_attention_heads if name.startswith("self_attention.q_") else spec.num_query_groups

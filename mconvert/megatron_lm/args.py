@@ -8,14 +8,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from mconvert import dtypes
 from mconvert.errors import ConversionError
 from mconvert.mappings.rope import RopeScaling
 from mconvert.mappings.spec import ModelSpec, MoESpec, shared_top_k_schedule
 from mconvert.mcore.parallelism import Parallelism, PipelineSplit, padded_vocab_size
 from mconvert.megatron_lm.hybrid_args import gpt_view, hybrid_args
-from mconvert.megatron_lm.layer_specs import QK_NORM_ACROSS_HEADS
+from mconvert.megatron_lm.spec_names import QK_NORM_ACROSS_HEADS
 
 # Args that Megatron-LM's `--use-checkpoint-args` copies from a checkpoint's stored args
 # (megatron.training.checkpointing.load_args_from_checkpoint, Megatron-LM 0.19.2; tests/megatron_lm reads
@@ -91,10 +90,12 @@ def _integral(value: float, flag: str, field: str) -> int:
 
 
 def megatron_args(
-    spec: ModelSpec, par: Parallelism, dtype: torch.dtype, transformer_impl: str, tokenizer_dir: Path | None = None
+    spec: ModelSpec, par: Parallelism, dtype: Any, transformer_impl: str, tokenizer_dir: Path | None = None
 ) -> argparse.Namespace:
     """The Megatron-LM arguments that describe the model, as `--use-checkpoint-args` reads them from common.pt.
-    `tokenizer_dir`: the HF directory, recorded as the tokenizer when it has tokenizer files."""
+    `dtype`: the weights' (numpy's or torch's; params_dtype holds numpy's). `tokenizer_dir`: the HF directory,
+    recorded as the tokenizer when it has tokenizer files."""
+    dtype = dtypes.dtype_of(dtype)
     rope: RopeScaling | None = spec.rope_scaling
     if spec.position_embeddings == "none":
         position_embedding_type = "none"
@@ -159,8 +160,8 @@ def megatron_args(
         **par.pipeline.args(par.pp),
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.expert_tp,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
+        bf16=dtype == dtypes.bfloat16,
+        fp16=dtype == dtypes.float16,
         params_dtype=dtype,
         # HF models train with the config's attention dropout and no hidden dropout; Megatron-LM's default is 0.1.
         attention_dropout=spec.attention_dropout,

@@ -16,7 +16,7 @@ from mconvert.megatron_lm.args import (
     stored_arg,
 )
 from mconvert.megatron_lm.hybrid_args import gpt_checkpoint_into_hybrid_flags
-from mconvert.megatron_lm.layer_specs import QK_NORM_ACROSS_HEADS, QK_NORM_ACROSS_HEADS_HYBRID
+from mconvert.megatron_lm.spec_names import QK_NORM_ACROSS_HEADS, QK_NORM_ACROSS_HEADS_HYBRID
 
 
 def pipeline_split_flags(split: PipelineSplit) -> list[str]:

@@ -14,7 +14,7 @@ from mconvert.errors import ConversionError
 from mconvert.mappings.spec import ModelSpec
 from mconvert.mcore import hybrid
 from mconvert.mcore.parallelism import Parallelism, PipelineSplit
-from mconvert.megatron_lm.layer_specs import QK_NORM_ACROSS_HEADS, QK_NORM_ACROSS_HEADS_HYBRID
+from mconvert.megatron_lm.spec_names import QK_NORM_ACROSS_HEADS, QK_NORM_ACROSS_HEADS_HYBRID
 
 # Megatron-LM's --spec for HybridModel's default (Transformer Engine) stack, as its migration guide passes it.
 HYBRID_STACK_SPEC = ["megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]

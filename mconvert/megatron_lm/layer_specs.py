@@ -19,11 +19,6 @@ from typing import Any
 
 import torch
 
-# Megatron-LM's args.spec for these layers, as its --spec flag takes and its checkpoints store them: GPTModel's
-# (a function its builder calls) and HybridModel's (a stack spec its builder takes as it is).
-QK_NORM_ACROSS_HEADS = (__name__, "gpt_layers_with_qk_norm_across_heads")
-QK_NORM_ACROSS_HEADS_HYBRID = ("mconvert.megatron_lm.hybrid_layer_specs", "hybrid_stack_with_qk_norm_across_heads")
-
 
 class _SumOverRanks(torch.autograd.Function):
     """A sum over the ranks of `group` in the forward pass and in the backward pass: every rank's output depends on

@@ -6,8 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import torch
-
+from mconvert import dtypes
 from mconvert.errors import ConversionError
 from mconvert.mappings.mamba_spec import MambaSpec
 from mconvert.mappings.rope import RopeScaling
@@ -22,7 +21,7 @@ from mconvert.mappings.spec import (
 from mconvert.mcore import hybrid
 from mconvert.megatron_lm.args import MLA_YARN_DEFAULTS, stored_arg
 from mconvert.megatron_lm.hybrid_args import gpt_view
-from mconvert.megatron_lm.layer_specs import QK_NORM_ACROSS_HEADS
+from mconvert.megatron_lm.spec_names import QK_NORM_ACROSS_HEADS
 
 
 def _moe_layers(freq: int | list[int], num_layers: int) -> tuple[bool, ...]:
@@ -82,9 +81,11 @@ def spec_from_args(
     if vocab is None:
         raise ConversionError("args record no vocab_size (only the padded size): pass --hf-config with the real vocabulary")
     heads = args.num_attention_heads
-    params_dtype = arg("params_dtype")
-    if not isinstance(params_dtype, torch.dtype):
-        params_dtype = torch.bfloat16 if arg("bf16", False) else torch.float16 if arg("fp16", False) else torch.float32
+    stored_dtype = str(arg("params_dtype")).removeprefix("torch.")  # torch's dtype as Megatron-LM stores it
+    if stored_dtype in ("bfloat16", "float16", "float32"):
+        params_dtype = dtypes.BY_NAME[stored_dtype]
+    else:
+        params_dtype = dtypes.bfloat16 if arg("bf16", False) else dtypes.float16 if arg("fp16", False) else dtypes.float32
     moe: MoESpec | None = None
     if arg("num_experts"):
         moe = MoESpec(

@@ -14,7 +14,7 @@ import importlib.util
 
 import torch
 
-from mconvert.megatron_lm import layer_specs
+from mconvert.megatron_lm import layer_specs, spec_names
 from mconvert.verify import cpu_shims, mamba
 
 
@@ -114,7 +114,7 @@ def build_model_as_pretrain_hybrid(args: argparse.Namespace, pre_process: bool, 
     model_config = hybrid_config_from_args(args)
     if args.transformer_impl != "transformer_engine":
         model_config.hybrid_stack_spec = local_hybrid_stack_spec(model_config.transformer, args)
-        if tuple(args.spec or ()) == layer_specs.QK_NORM_ACROSS_HEADS_HYBRID:  # what Megatron-LM's --spec gives it
+        if tuple(args.spec or ()) == spec_names.QK_NORM_ACROSS_HEADS_HYBRID:  # what Megatron-LM's --spec gives it
             layer_specs.with_qk_norm_across_heads(model_config.hybrid_stack_spec.submodules.attention_layer)
     return HybridModelBuilder(model_config).build_model(
         ProcessGroupCollection.use_mpu_process_groups(), pre_process=pre_process, post_process=post_process
@@ -148,7 +148,7 @@ def build_hybrid_model(
             config.use_mamba_mem_eff_path = False
     else:
         stack = local_hybrid_stack_spec(config, args)
-        if tuple(args.spec or ()) == layer_specs.QK_NORM_ACROSS_HEADS_HYBRID:
+        if tuple(args.spec or ()) == spec_names.QK_NORM_ACROSS_HEADS_HYBRID:
             layer_specs.with_qk_norm_across_heads(stack.submodules.attention_layer)
     return HybridModel(
         hybrid_stack_spec=stack, hybrid_layer_pattern=args.hybrid_layer_pattern,

@@ -29,7 +29,7 @@ from packaging.version import Version
 
 from mconvert.errors import ConversionError
 from mconvert.mcore.parallelism import Parallelism, PipelineSplit, padded_vocab_size
-from mconvert.megatron_lm import layer_specs
+from mconvert.megatron_lm import layer_specs, spec_names
 from mconvert.megatron_lm.args import stored_arg
 from mconvert.megatron_lm.flags import unnormalized_mla_query
 from mconvert.verify import cpu_shims
@@ -341,7 +341,7 @@ def _layer_spec(
         )
     if config.multi_latent_attention and not use_te:
         _fit_local_mla(spec)
-    if tuple(getattr(args, "spec", None) or ()) == layer_specs.QK_NORM_ACROSS_HEADS:
+    if tuple(getattr(args, "spec", None) or ()) == spec_names.QK_NORM_ACROSS_HEADS:
         layer_specs.with_qk_norm_across_heads(spec)  # what Megatron-LM's --spec gives it
     return spec
 

@@ -207,8 +207,10 @@ def writer(options: argparse.Namespace) -> None:
 
 
 def rates(options: argparse.Namespace) -> None:
+    import numpy as np
     import torch
 
+    from mconvert import dtypes
     from mconvert.converters.manifest import sha256_of
     from mconvert.converters.parallel import one_core_per_tensor_op
     from mconvert.formats.hf_checkpoint import HFCheckpoint
@@ -220,12 +222,12 @@ def rates(options: argparse.Namespace) -> None:
     # The check of each expert for NaN and Inf, on one thread: its parts, and through a map of the page cache.
     unchecked, checked = HFCheckpoint(directory, check_finite=False), HFCheckpoint(directory)
     count = unchecked.tensors["w"].shape[0]
-    buffers = [torch.empty(unchecked.nbytes("w", 0), dtype=torch.uint8) for _ in range(64)]
-    in_memory = [buffer.view(torch.bfloat16) for buffer in buffers]
+    buffers = [np.empty(unchecked.nbytes("w", 0), dtype=np.uint8) for _ in range(64)]
+    in_memory = [buffer.view(dtypes.bfloat16) for buffer in buffers]
     ways = {
         "read into memory": lambda i: unchecked.read("w", i, buffers[i % 64]),
-        "read into memory and checked (aminmax)": lambda i: checked.read("w", i, buffers[i % 64]),
-        "aminmax of bytes in memory": lambda i: torch.aminmax(in_memory[i % 64]),
+        "read into memory and checked (dtypes.finite)": lambda i: checked.read("w", i, buffers[i % 64]),
+        "dtypes.finite of bytes in memory": lambda i: dtypes.finite(in_memory[i % 64]),
         "checked through a map (HFCheckpoint.check)": lambda i: checked.check("w", i),
     }
     with one_core_per_tensor_op():

@@ -60,6 +60,8 @@
 #   fsdp-dp2    on two GPUs: the FSDP saves at data-parallel size 2 kept as fixtures, and FSDP2 at data-parallel size 2
 #               from a torch_dist conversion
 #   fsdp-dp2-train  on two GPUs: FSDP2 at data-parallel size 2 with its lr 1e-4 run, and a Megatron-FSDP save at EP 2
+#   start       the start of a small model's conversion (bf16 Qwen2.5-0.5B whole) against cp -r, beside the older checkout
+#               in $OLD_TREE (scripts/bench/bench_start.py; carry it, e.g. build/old made by `git archive COMMIT mconvert`)
 #   fp8-bench   conversion from FP8 hub weights (Kimi-K2's and MiniMax-M2.7's shapes, cut) on this host's cores and disk
 #   nemotron-h  on one GPU: Nemotron-H (Mamba-2) as HybridModel: verify --spec te at real width, and Megatron-LM training
 #               steps (carry .whl: mamba_ssm built without its CUDA extension, einops)
@@ -419,6 +421,18 @@ for stage in "$@"; do
       rm -rf "$WORK/fp8"
     done
     nproc >> "$OUT/$stage.log"; free -g >> "$OUT/$stage.log"; df -h "$WORK" >> "$OUT/$stage.log"
+    mark "$stage"
+    ;;
+  start)
+    # The start of a small model's conversion on this host (scripts/bench/bench_start.py, docs/performance.md): a bf16
+    # Qwen2.5-0.5B whole, hf-to-mcore until exit against cp -r, in rounds beside the checkout carried in build/old (the
+    # tree before, when its conversion imported torch).
+    python3 -c "import numpy, ml_dtypes, torch; print('numpy', numpy.__version__, 'ml_dtypes', ml_dtypes.__version__, 'torch', torch.__version__)" \
+      >> "$OUT/$stage.log" 2>&1
+    timeout "$(left)" python3 scripts/bench/bench_start.py --work "$WORK/start" --rounds "${ROUNDS:-5}" \
+      ${OLD_TREE:+--tree old=$OLD_TREE} --out "$OUT/start.jsonl" >> "$OUT/$stage.log" 2>&1
+    note "start: exit $?"
+    nproc >> "$OUT/$stage.log"
     mark "$stage"
     ;;
   nemotron-h)

@@ -30,6 +30,7 @@ import torch  # noqa: E402
 
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
 from mconvert.converters.state_dict import mcore_to_hf_state_dict  # noqa: E402
+from mconvert.dtypes import as_torch  # noqa: E402
 from mconvert.formats.hf_checkpoint import HFCheckpoint  # noqa: E402
 from mconvert.mcore.parallelism import Parallelism  # noqa: E402
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink  # noqa: E402
@@ -133,7 +134,7 @@ def main() -> int:
                 record.update(passed=False, export_output=(done.stdout + done.stderr)[-3000:])
             else:
                 exported = HFCheckpoint(exported_dir)
-                differing = [k for k in own if k not in exported.tensors or not torch.equal(exported.read(k), own[k])]
+                differing = [k for k in own if k not in exported.tensors or not torch.equal(as_torch(exported.read(k)), own[k])]
                 record.update(
                     tensors=len(own),
                     differing=differing[:20],

@@ -1,0 +1,106 @@
+"""The dtypes a conversion moves, as numpy's dtypes (ml_dtypes adds bfloat16 and the float8s), named as torch names
+them: the conversion's tensors are numpy arrays, so that converting never imports torch (whose import alone took
+1.0-1.5 s on the 2-core box and 3-5 s on the GPU machines' hosts, most of a small model's conversion). Code that
+holds torch tensors (verify, the way back from a Megatron checkpoint, weight sync) takes `torch_dtype`.
+
+Casts are numpy's and ml_dtypes' (round to nearest even, as torch's), and `finite` scans a float tensor's bits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+bfloat16 = np.dtype(ml_dtypes.bfloat16)
+float8_e4m3fn = np.dtype(ml_dtypes.float8_e4m3fn)
+float8_e5m2 = np.dtype(ml_dtypes.float8_e5m2)
+float8_e8m0fnu = np.dtype(ml_dtypes.float8_e8m0fnu)
+float16, float32, float64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+uint8 = np.dtype(np.uint8)
+
+# By torch's name of each: what safetensors files, DCP's metadata and torch.save's records name.
+BY_NAME = {
+    dtype.name: dtype
+    for dtype in (float64, float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, float8_e8m0fnu, uint8)
+    + tuple(np.dtype(t) for t in (np.int64, np.int32, np.int16, np.int8, np.bool_))
+}
+# torch.save's storage class of each dtype that a conversion writes, by torch's name (float8 weights are written
+# dequantized; torch.save pickles float8 tensors another way).
+STORAGE_CLASSES = {
+    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage", "bfloat16": "BFloat16Storage",
+    "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage",
+    "bool": "BoolStorage",
+}
+
+# Each floating-point dtype's exponent bits, all set in Inf and NaN, within its bits viewed as an unsigned integer
+# with the sign cleared (float8 e4m3fn has no Inf and one NaN; e8m0 no sign): how `finite` tells them.
+_EXPONENT = {
+    "float64": (np.uint64, 0x7FF0_0000_0000_0000), "float32": (np.uint32, 0x7F80_0000), "float16": (np.uint16, 0x7C00),
+    "bfloat16": (np.uint16, 0x7F80),
+}
+_SIGN_CLEARED = {np.uint64: 0x7FFF_FFFF_FFFF_FFFF, np.uint32: 0x7FFF_FFFF, np.uint16: 0x7FFF}
+# Elements scanned at a time: the masked copy stays in the cache.
+_SCAN = 1 << 16
+
+
+def dtype_of(value: Any) -> np.dtype:
+    """The dtype of a numpy dtype, a torch dtype or a name ("bfloat16", "torch.bfloat16")."""
+    name = value.name if isinstance(value, np.dtype) else str(value).removeprefix("torch.")
+    if name not in BY_NAME:
+        raise ValueError(f"dtype {value} is not one a conversion moves")
+    return BY_NAME[name]
+
+
+def is_floating(dtype: np.dtype) -> bool:
+    return dtype.name.startswith(("float", "bfloat"))
+
+
+def torch_dtype(dtype: np.dtype):
+    """torch's dtype of the same name (imports torch)."""
+    import torch
+
+    return getattr(torch, dtype_of(dtype).name)
+
+
+def finite(array: np.ndarray) -> bool:
+    """Whether a floating-point array holds no NaN or Inf (any other dtype: True): its bits with the sign cleared,
+    a slice at a time, all below the exponent's. numpy's own min and max of bfloat16 run ten times slower."""
+    if array.dtype.name not in _EXPONENT or not array.size:
+        return True
+    bits, exponent = _EXPONENT[array.dtype.name]
+    flat = array.reshape(-1).view(bits)
+    masked = np.empty(min(flat.size, _SCAN), dtype=bits)
+    for start in range(0, flat.size, _SCAN):
+        part = flat[start : start + _SCAN]
+        np.bitwise_and(part, _SIGN_CLEARED[bits], out=masked[: part.size])
+        if masked[: part.size].max() >= exponent:
+            return False
+    return True
+
+
+# numpy's dtypes that torch's `.numpy()` does not give, with the signed integer of their width, whose bits both share.
+_THROUGH_BITS = {"bfloat16": "int16", "float8_e4m3fn": "int8", "float8_e5m2": "int8", "float8_e8m0fnu": "int8"}
+
+
+def as_numpy(tensor: Any) -> np.ndarray:
+    """A CPU torch tensor's memory as a numpy array of its dtype, or an array as it is."""
+    if isinstance(tensor, np.ndarray):
+        return tensor
+    dtype = dtype_of(tensor.dtype)
+    tensor = tensor.detach()
+    if dtype.name not in _THROUGH_BITS:
+        return tensor.numpy()
+    import torch
+
+    return tensor.view(getattr(torch, _THROUGH_BITS[dtype.name])).numpy().view(dtype)
+
+
+def as_torch(array: np.ndarray):
+    """A numpy array's memory as a torch tensor of its dtype (imports torch)."""
+    import torch
+
+    if array.dtype.name not in _THROUGH_BITS:
+        return torch.from_numpy(array)
+    bits = np.ascontiguousarray(array).view(_THROUGH_BITS[array.dtype.name])
+    return torch.from_numpy(bits).view(torch_dtype(array.dtype))

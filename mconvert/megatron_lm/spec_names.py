@@ -1,0 +1,7 @@
+"""Megatron-LM's args.spec for mconvert's own layer specs (mconvert.megatron_lm.layer_specs says what they are), as
+its --spec flag takes and its checkpoints store them: GPTModel's (a function its builder calls) and HybridModel's (a
+stack spec its builder takes as it is). Named here, apart from their modules, which import torch and megatron-core:
+writing a checkpoint's args needs only the names."""
+
+QK_NORM_ACROSS_HEADS = ("mconvert.megatron_lm.layer_specs", "gpt_layers_with_qk_norm_across_heads")
+QK_NORM_ACROSS_HEADS_HYBRID = ("mconvert.megatron_lm.hybrid_layer_specs", "hybrid_stack_with_qk_norm_across_heads")

@@ -1,0 +1,77 @@
+"""The start of a small model's conversion: hf-to-mcore of a bf16 Qwen2.5-0.5B whole (0.94 GB), as a whole process
+until it exits, against `cp -r` of the same files, in rounds that alternate the trees given (an older checkout of
+mconvert beside this one, to compare), page cache warm, each output removed and synced before the next command.
+
+    python scripts/bench/bench_start.py --work /tmp/start --rounds 5 [--tree old=/path/to/old/checkout] [--out OUT.jsonl]
+
+Prints a JSON line per command (and appends it to --out), then each one's range; `import` lines time `import torch`
+and this tree's conversion modules alone, as the start's parts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
+
+from bench_convert import make_source  # noqa: E402
+
+
+def timed(command: list[str], cwd: Path | None = None) -> float:
+    started = time.perf_counter()
+    subprocess.run(command, cwd=cwd, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, required=True)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tree", action="append", default=[], help="NAME=DIR: another checkout of mconvert to time too")
+    parser.add_argument("--model", default="qwen2.5-0.5b")
+    parser.add_argument("--out", type=Path, default=None)
+    options = parser.parse_args()
+    options.work.mkdir(parents=True, exist_ok=True)
+    source = make_source(options.model, options.work)
+    trees = {"this": REPO, **dict(entry.split("=", 1) for entry in options.tree)}
+    out = options.work / "out"
+    results: dict[str, list[float]] = {}
+
+    def record(name: str, seconds: float) -> None:
+        results.setdefault(name, []).append(seconds)
+        line = json.dumps({"step": name, "seconds": round(seconds, 3)})
+        print(line, flush=True)
+        if options.out is not None:
+            with open(options.out, "a") as f:
+                f.write(line + "\n")
+
+    for _ in range(options.rounds):
+        for name, tree in trees.items():
+            for part, code in (("import torch", "import torch"),
+                               ("import mconvert", "import mconvert.cli, mconvert.converters.hf_to_mcore")):
+                record(f"{name}: {part}", timed([sys.executable, "-c", code], cwd=Path(tree)))
+            shutil.rmtree(out, ignore_errors=True)
+            os.sync()
+            subprocess.run(["cat", *map(str, source.glob("*.safetensors"))], check=True, stdout=subprocess.DEVNULL)
+            record(f"{name}: hf-to-mcore", timed(
+                [sys.executable, "-m", "mconvert", "hf-to-mcore", "--load-dir", str(source), "--save-dir", str(out), "--quiet"],
+                cwd=Path(tree)))
+        shutil.rmtree(out, ignore_errors=True)
+        os.sync()
+        record("cp -r", timed(["cp", "-r", str(source), str(out)]))
+    shutil.rmtree(out, ignore_errors=True)
+    for name, seconds in results.items():
+        print(f"{name}: {min(seconds):.2f}-{max(seconds):.2f} s over {len(seconds)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
