@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from mconvert.full_size import write_random_hf_checkpoint  # noqa: E402
-from mconvert.synthetic import model_config, write_word_tokenizer  # noqa: E402
+from mconvert.synthetic import make_hf_checkpoint, model_config, write_word_tokenizer  # noqa: E402
 
 SITE = os.environ.get("TE_SITE", "/tmp/site")
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", "/tmp/peers"))
@@ -53,6 +53,9 @@ SWIFT_TEMPLATES = {"qwen2": "qwen2_5", "qwen3": "qwen3", "qwen3_moe": "qwen3", "
                    "qwen3_5_moe": "qwen3_5", "deepseek_v32": "deepseek_v3_1", "glm_moe_dsa": "glm5_1", "minimax_m2": "minimax_m2_7"}
 # What mconvert's hf-to-mcore needs beyond the defaults for a family: Nemotron-H (Mamba-2 layers) is a HybridModel.
 MCONVERT_FLAGS = {"nemotron_h": ["--model-class", "hybrid"]}
+# Families whose hub names write_random_hf_checkpoint (transformers' in-memory names) does not give: built and saved by
+# transformers' save_pretrained, which writes the hub's (Nemotron-H: `backbone.`, one tensor an expert), as gpu_verify.py.
+SAVED_BY_TRANSFORMERS = {"nemotron_h"}
 
 
 def free_port() -> int:
@@ -272,12 +275,23 @@ def main() -> int:
         config = model_config(model)
         config["torch_dtype"] = "bfloat16"
         t0 = time.perf_counter()
-        write_random_hf_checkpoint(config, hf, device=options.device)
+        if config.get("model_type") in SAVED_BY_TRANSFORMERS:
+            make_hf_checkpoint(config, hf, dtype="bfloat16")
+        else:
+            write_random_hf_checkpoint(config, hf, device=options.device)
         write_word_tokenizer(hf, config.get("vocab_size") or config["text_config"]["vocab_size"])
         # ms-swift asserts an end-of-sequence token for some templates (Qwen3's): name one.
         tokenizer_config = json.loads((hf / "tokenizer_config.json").read_text())
         (hf / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "eos_token": "w0"}))
         write_processor(hf, config)
+        # A checkpoint that ships its own code (MiniMax-M2.7's, Nemotron-H's auto_map) under a model_type transformers has
+        # its own class for: the code files are not here, and ms-swift loads configs with trust_remote_code=True, which
+        # would look for configuration_*.py. Without auto_map's AutoConfig transformers' own class reads it (as
+        # mconvert does); auto_map's AutoModelForCausalLM stays (Megatron-Bridge picks its bridge by that name).
+        written = json.loads((hf / "config.json").read_text())
+        if "AutoConfig" in written.get("auto_map", {}):
+            written["auto_map"] = {k: v for k, v in written["auto_map"].items() if k != "AutoConfig"}
+            (hf / "config.json").write_text(json.dumps(written, indent=2) + "\n")
         size = sum(p.stat().st_size for p in hf.iterdir())
         model_type = json.loads((hf / "config.json").read_text())["model_type"]
         record({"model": model, "written": str(hf), "bytes": size, "model_type": model_type, "seconds": round(time.perf_counter() - t0, 1),
