@@ -275,10 +275,15 @@ def main() -> int:
         config = model_config(model)
         config["torch_dtype"] = "bfloat16"
         t0 = time.perf_counter()
-        if config.get("model_type") in SAVED_BY_TRANSFORMERS:
-            make_hf_checkpoint(config, hf, dtype="bfloat16")
-        else:
-            write_random_hf_checkpoint(config, hf, device=options.device)
+        try:
+            if config.get("model_type") in SAVED_BY_TRANSFORMERS:
+                make_hf_checkpoint(config, hf, dtype="bfloat16")
+            else:
+                write_random_hf_checkpoint(config, hf, device=options.device)
+        except Exception as error:  # a config this source cannot make: the other models go on
+            record({"model": model, "written": None, "error": repr(error)[:1500]})
+            shutil.rmtree(work, ignore_errors=True)
+            continue
         write_word_tokenizer(hf, config.get("vocab_size") or config["text_config"]["vocab_size"])
         # ms-swift asserts an end-of-sequence token for some templates (Qwen3's): name one.
         tokenizer_config = json.loads((hf / "tokenizer_config.json").read_text())
