@@ -54,6 +54,9 @@
 #               sparse attention, sliding windows with sinks (carry .whl: fla's wheels)
 #   peers       on one GPU host: Megatron-Bridge, ms-swift and mbridge beside mconvert, both ways, timed whole, tensor
 #               for tensor (scripts/gpu/gpu_peers.py; wheels: peers_setup.sh prepare, carried by peer-wheels and this call)
+#   peers-new   on one GPU host: the same for what peers left: ms-swift on the DeepSeek-V3 cut, then gpt-oss, Qwen3-Next,
+#               Nemotron-H, Qwen3.5-MoE, DeepSeek-V3.2, GLM-5.1, MiniMax-M2.7 and Qwen3.5 cut small, each with the peers
+#               that convert it; resumable over calls (results in $OUT/peers-new/peers.jsonl)
 #   fsdp        on one GPU: Megatron-LM training steps under Megatron-FSDP and FSDP2 (from torch_dist conversions,
 #               and from random init saving fsdp_dtensor and torch_dcp) of test-sized models (dense, MoE, MLA with
 #               MTP); their HF configs, tokens, losses and --lr 0 saves come back as fixtures
@@ -508,12 +511,50 @@ for stage in "$@"; do
     # in an earlier call (peer-wheels) and with this one.
     [ -d build/peers/wheels ] && mkdir -p /tmp/peerwheels && cp -r build/peers/wheels/* /tmp/peerwheels/
     PEER_WHEELS=/tmp/peerwheels bash scripts/gpu/peers_setup.sh install > "$OUT/peers.log" 2>&1
-    note "peers install: exit $?"
+    code=$?
+    note "peers install: exit $code"
+    [ "$code" = 0 ] && touch "$STATE/peers-installed"
     python3 scripts/gpu/gpu_peers.py --work "$WORK/peers" --out "$OUT" --deadline-s "$(($(left) - 90))" \
       ${PEER_MODELS:-qwen2.5-0.5b qwen3-30b-a3b@2 'deepseek-v3@2+first_k_dense_replace=1+n_routed_experts=32' \
       'glm-4.5-air@2+n_routed_experts=32'} >> "$OUT/peers.log" 2>&1
     note "peers: exit $?"
     mark "$stage"
+    ;;
+  peers-new)
+    # What the peers stage left (docs/peers.md): ms-swift on the DeepSeek-V3 cut, then the families mconvert added since,
+    # each with the peers that have a converter for it ('MODEL#PEERS'; Megatron-Bridge 0.6.2 has none for DeepSeek-V3.2),
+    # most valuable first, at real width with 2-6 layers and 16-32 experts. The peers' wheels: peers_setup.sh prepare,
+    # carried partly by an earlier call (peer-wheels) and partly by this one; installed once a machine (the peers stage's
+    # install, skipped when done). Gated delta-net needs flash-linear-attention, Nemotron-H mamba_ssm (built without its
+    # CUDA extension, scripts/gpu/mamba_stand_in for it): their wheels from build/peers/wheels/kernels or .whl. Each step is
+    # killed at PEER_STEP_S (default 240 s) or at the deadline; a model whose steps all ran is marked in
+    # $STATE/peers-new-done, so that the stage called again goes on with the models left (gpu_peers.py's exit 3).
+    [ -d build/peers/wheels ] && mkdir -p /tmp/peerwheels && cp -r build/peers/wheels/* /tmp/peerwheels/
+    if [ ! -e "$STATE/peers-installed" ]; then
+      PEER_WHEELS=/tmp/peerwheels bash scripts/gpu/peers_setup.sh install > "$OUT/peers-new.log" 2>&1
+      code=$?
+      note "peers install: exit $code"
+      [ "$code" = 0 ] && touch "$STATE/peers-installed"
+    fi
+    if ! python3 -c "import fla, mamba_ssm" 2>/dev/null; then
+      kernel_wheels=()
+      for name in fla_core flash_linear_attention einops mamba_ssm; do
+        wheel=$(ls /tmp/peerwheels/kernels/"$name"-*.whl .whl/"$name"-*.whl 2>/dev/null | head -1)
+        if [ -n "$wheel" ]; then kernel_wheels+=("$wheel"); else note "peers-new: no $name wheel (build/peers/wheels/kernels or .whl)"; fi
+      done
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${kernel_wheels[@]}" >> "$OUT/peers-new.log" 2>&1
+    fi
+    export PYTHONPATH=$PWD/scripts/gpu/mamba_stand_in:$PYTHONPATH
+    python3 -c "import fla, mamba_ssm; print('flash-linear-attention', fla.__version__, 'mamba_ssm', mamba_ssm.__version__)" >> "$OUT/session.log" 2>&1
+    PEER_STEP_S=${PEER_STEP_S:-240}
+    python3 scripts/gpu/gpu_peers.py --work "$WORK/peers" --out "$OUT/peers-new" --deadline-s "$(($(left) - 20))" \
+      --step-timeout-s "$PEER_STEP_S" --done-dir "$STATE/peers-new-done" ${PEER_NEW_MODELS:-\
+      'deepseek-v3@2+first_k_dense_replace=1+n_routed_experts=32#swift' 'gpt-oss-20b@2' "${QWEN3_NEXT/=64/=32}" \
+      'nemotron-3-nano-30b-a3b@6+n_routed_experts=16' "${QWEN3_5_MOE/=64/=32}" "${DEEPSEEK_V32/=16/=32}#swift" "${GLM_51/=16/=32}" \
+      'minimax-m2.7@2+num_local_experts=32+partial_rotary_factor=0.5' "$QWEN3_5"} >> "$OUT/peers-new.log" 2>&1
+    code=$?
+    note "peers-new: exit $code"
+    [ "$code" = 3 ] || mark "$stage"
     ;;
   train-distopt)
     python3 scripts/gpu/gpu_train.py --nproc 1 --distributed-optimizer --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" \

@@ -9,7 +9,7 @@
 #                       at load and never calls it; the real one drags in about ten packages more)
 # All three import Transformer Engine and megatron-core: install those first (gpu_te_setup.sh) into /tmp/site.
 #
-#   bash scripts/gpu/peers_setup.sh prepare    # here: the wheels into build/peers/wheels/{mb,shared,sw,mbridge}
+#   bash scripts/gpu/peers_setup.sh prepare    # here: the wheels into build/peers/wheels/{mb,shared,sw,mbridge,kernels}
 #   bash scripts/gpu/peers_setup.sh install    # there, with those folders carried (or PEER_WHEELS naming a copy)
 #
 # One pip call a folder: a second `pip install --target` into a folder holding megatron/ skips it silently.
@@ -23,11 +23,18 @@ prepare)
             --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d "$W/$dir" "$@"; }
   get mb megatron-bridge==0.6.2 transformers==5.12.1 tokenizers==0.22.2 nvidia-modelopt==0.46.0 pulp==3.3.2 omegaconf==2.3.0 \
     hydra-core==1.3.8
-  python3 -m pip wheel -q --no-deps --no-build-isolation -w "$W/mb" antlr4-python3-runtime==4.9.3  # an sdist only
+  # An sdist only: built here, in pip's own build environment when this python lacks `wheel`.
+  python3 -m pip wheel -q --no-deps --no-build-isolation -w "$W/mb" antlr4-python3-runtime==4.9.3 2>/dev/null \
+    || python3 -m pip wheel -q --no-deps -w "$W/mb" antlr4-python3-runtime==4.9.3
   get shared datasets==4.8.4 dill==0.4.1 multiprocess==0.70.19
   get sw ms-swift==4.6.0 mcore-bridge==1.6.5 modelscope==1.40.2 modelscope-hub==0.5.1 cryptography==50.0.2 cffi==2.1.1 \
     pycparser==3.12 json-repair==0.64.6 peft==0.20.0
   get mbridge mbridge==0.15.1
+  # The kernels' packages the new families' models import when built (peers-new): flash-linear-attention for gated
+  # delta-net, mamba_ssm for Nemotron-H's Mamba-2 layers (the wheel built without its CUDA extension that .whl holds for
+  # the nemotron-h stage, copied from there when present).
+  get kernels flash-linear-attention==0.5.2 fla-core==0.5.2 einops==0.8.2
+  cp .whl/mamba_ssm-*.whl "$W/kernels/" 2>/dev/null || echo "no .whl/mamba_ssm-*.whl: peers-new takes it from .whl there, or Nemotron-H fails" >&2
   du -sh "$W"/*
   ;;
 install)
