@@ -68,6 +68,22 @@ def test_the_hybrid_checkpoint_has_megatron_cores_mamba_keys_and_converts_back_b
     ]
 
 
+def test_a_save_without_megatron_lms_args_is_read_as_a_hybrid_model(hf, tmp_path):
+    """ms-swift saves Nemotron-H as a HybridModel with its own training arguments in place of Megatron-LM's (no model in
+    them; found beside the peers on the GPU host): given --hf-config, the way back takes it as HybridModel, the only
+    model that holds Nemotron-H's layers, bit for bit; taken as GPTModel it was refused."""
+    import argparse
+
+    from mconvert.formats.torch_save import saved_bytes
+
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(ep=2, model_class="hybrid"))
+    common = iteration_dir(tmp_path / "mcore") / "common.pt"
+    common.write_bytes(saved_bytes({"args": argparse.Namespace(lr=1e-5, tensor_model_parallel_size=1), "iteration": 0}))
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back", hf_config_dir=hf)
+    back, original = weights(tmp_path / "back"), weights(hf)
+    assert back.keys() == original.keys() and all(torch.equal(back[name], original[name]) for name in original)
+
+
 def test_inspect_shows_the_pattern_of_both_checkpoints(hf, tmp_path):
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, model_class="hybrid"))
     result = run_cli("inspect", tmp_path / "mcore")

@@ -164,7 +164,9 @@ def plan_export(
         )
     chosen = dtype if dtype is not None else stored
     spec = dataclasses.replace(spec, dtype=dtype_of(chosen) if chosen is not None else spec.dtype)
-    parallelism = parallelism_from_args(args) if args is not None else Parallelism()
+    # Without Megatron-LM's args (a peer's save), a model whose HF layers are single blocks (Nemotron-H) is a HybridModel:
+    # GPTModel cannot hold it.
+    parallelism = parallelism_from_args(args) if args is not None else Parallelism(model_class="hybrid" if spec.layer_blocks else "gpt")
     plan = build_plan(family, spec, parallelism, spec.dtype)
     shapes = source.stored_shapes(plan)
     if args is None and family.table.mtp and mtp_layers_stored(shapes) != spec.mtp_layers:
