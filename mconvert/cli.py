@@ -134,13 +134,13 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     for difference in plan.spec.computed_differently:
         print(f"note: {difference}")
     if shifted := plan.shifted_in_16_bits():
-        dtype = str(plan.dtype).removeprefix("torch.")
+        dtype = plan.dtype.name
         print(f"note: Megatron's norms multiply by 1 + w, so {shifted[0]} and {len(shifted) - 1} more are stored as w - 1: in "
               f"{dtype} a weight outside [0.5, 2] rounds by its last bit, as Megatron's own {dtype} parameter would; "
               f"--dtype fp32 stores each exactly")
     if result.narrowed:
-        (first, wider), dtype = result.narrowed[0], str(plan.dtype).removeprefix("torch.")
-        print(f"note: {first} and {len(result.narrowed) - 1} more are {str(wider).removeprefix('torch.')} in "
+        (first, wider), dtype = result.narrowed[0], plan.dtype.name
+        print(f"note: {first} and {len(result.narrowed) - 1} more are {wider.name} in "
               f"{options.load_dir} and stored in {dtype}, the checkpoint's dtype, as Megatron's own {dtype} parameters "
               f"hold them: their values round; --dtype fp32 stores each exactly")
     if result.mtp_not_held:
@@ -154,7 +154,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
         print(f"converted {plan.spec.mtp_layers} multi-token prediction layer(s) (--mtp-num-layers; --no-mtp leaves them out)")
     print(
         f"wrote {save_dir}: {plan.family.name}, {len(plan.shapes)} tensors, "
-        f"TP={parallelism.tp} PP={parallelism.pp} EP={parallelism.ep}, {str(plan.dtype).removeprefix('torch.')}, "
+        f"TP={parallelism.tp} PP={parallelism.pp} EP={parallelism.ep}, {plan.dtype.name}, "
         + _summary(started, load_dir, save_dir)
     )
     # The same text as the file, so that what is printed and what is sourced never differ.
@@ -205,7 +205,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
     print(
         f"wrote {save_dir}: {plan.family.name} ({result.config['architectures'][0]}), "
         f"{len(plan.hf_shapes())} tensors{f' (and {result.copied} copied from --hf-config)' if result.copied else ''}, "
-        f"{str(plan.dtype).removeprefix('torch.')}, "
+        f"{plan.dtype.name}, "
         + _summary(started, iteration_dir(Path(options.load_dir), options.iteration), save_dir)
     )
     if "quantization_config" in plan.spec.hf_config:

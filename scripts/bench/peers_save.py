@@ -15,6 +15,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 from safetensors.torch import load_file
 
 from mconvert.converters.state_dict import hf_to_mcore_state_dict
+from mconvert.dtypes import torch_dtype
 from mconvert.formats.hf_checkpoint import read_hf_config
 from mconvert.mappings import get_mapping
 from mconvert.mcore.parallelism import Parallelism
@@ -31,7 +32,7 @@ def save(hf_dir: str, out: str) -> None:
         hf.update(load_file(path))
     whole = hf_to_mcore_state_dict(hf, config)
     args = megatron_args(spec, Parallelism(), spec.dtype, "local")
-    model = build_gpt_model(args, spec.dtype, True, True, transformer_impl="local", perform_initialization=False)
+    model = build_gpt_model(args, torch_dtype(spec.dtype), True, True, transformer_impl="local", perform_initialization=False)
     sharded = model.sharded_state_dict()
     apply_factories(sharded)  # fc1's gate and up become tensors of their own (views of the parameter)
     with torch.no_grad():
