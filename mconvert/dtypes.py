@@ -34,7 +34,7 @@ STORAGE_CLASSES = {
 }
 
 # Each floating-point dtype's exponent bits, all set in Inf and NaN, within its bits viewed as an unsigned integer
-# with the sign cleared (float8 e4m3fn has no Inf and one NaN; e8m0 no sign): how `finite` tells them.
+# with the sign cleared: how `finite` tells them. float8 weights are checked once dequantized, in fp32.
 _EXPONENT = {
     "float64": (np.uint64, 0x7FF0_0000_0000_0000), "float32": (np.uint32, 0x7F80_0000), "float16": (np.uint16, 0x7C00),
     "bfloat16": (np.uint16, 0x7F80),
