@@ -25,21 +25,12 @@ BY_NAME = {
     for dtype in (float64, float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, float8_e8m0fnu, uint8)
     + tuple(np.dtype(t) for t in (np.int64, np.int32, np.int16, np.int8, np.bool_))
 }
-# torch.save's storage class of each dtype that a conversion writes, by torch's name (float8 weights are written
-# dequantized; torch.save pickles float8 tensors another way).
-STORAGE_CLASSES = {
-    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage", "bfloat16": "BFloat16Storage",
-    "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage",
-    "bool": "BoolStorage",
-}
-
 # Each floating-point dtype's exponent bits, all set in Inf and NaN, within its bits viewed as an unsigned integer
 # with the sign cleared: how `finite` tells them. float8 weights are checked once dequantized, in fp32.
 _EXPONENT = {
     "float64": (np.uint64, 0x7FF0_0000_0000_0000), "float32": (np.uint32, 0x7F80_0000), "float16": (np.uint16, 0x7C00),
     "bfloat16": (np.uint16, 0x7F80),
 }
-_SIGN_CLEARED = {np.uint64: 0x7FFF_FFFF_FFFF_FFFF, np.uint32: 0x7FFF_FFFF, np.uint16: 0x7FFF}
 # Elements scanned at a time: the masked copy stays in the cache.
 _SCAN = 1 << 16
 
@@ -69,12 +60,13 @@ def finite(array: np.ndarray) -> bool:
     if array.dtype.name not in _EXPONENT or not array.size:
         return True
     bits, exponent = _EXPONENT[array.dtype.name]
+    sign_cleared = np.iinfo(bits).max >> 1
     flat = array.reshape(-1).view(bits)
-    masked = np.empty(min(flat.size, _SCAN), dtype=bits)
+    buffer = np.empty(min(flat.size, _SCAN), dtype=bits)
     for start in range(0, flat.size, _SCAN):
         part = flat[start : start + _SCAN]
-        np.bitwise_and(part, _SIGN_CLEARED[bits], out=masked[: part.size])
-        if masked[: part.size].max() >= exponent:
+        masked = np.bitwise_and(part, sign_cleared, out=buffer[: part.size])
+        if masked.max() >= exponent:
             return False
     return True
 

@@ -11,6 +11,7 @@ import torch
 
 from mconvert import dtypes
 from mconvert.formats.torch_save import (
+    STORAGE_CLASSES,
     saved_bytes,
     saved_tensor_layout,
     tensor_data_start,
@@ -19,7 +20,7 @@ from mconvert.formats.torch_save import (
 )
 
 
-@pytest.mark.parametrize("name", sorted(dtypes.STORAGE_CLASSES))
+@pytest.mark.parametrize("name", sorted(STORAGE_CLASSES))
 @pytest.mark.parametrize("shape", [(), (0,), (7,), (3, 1, 5)])
 def test_torch_load_reads_each_dtype_and_shape(name, shape, tmp_path):
     dtype = dtypes.BY_NAME[name]

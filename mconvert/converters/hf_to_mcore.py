@@ -20,7 +20,6 @@ from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces
 from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
 from mconvert.converters.progress import NoProgress, Progress
-from mconvert.dtypes import dtype_of
 from mconvert.formats import dcp_writer
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
 from mconvert.formats.quantized import fp8_block_size, is_mxfp4
@@ -266,7 +265,7 @@ def write_pieces(
 
 
 def import_plan(
-    load_dir: Path, config: dict, family: Family, spec: ModelSpec, parallelism: Parallelism, dtype: np.dtype | None,
+    load_dir: Path, config: dict, family: Family, spec: ModelSpec, parallelism: Parallelism, dtype: Any,
     mtp: bool, allow_nonfinite: bool,
 ) -> tuple[HFCheckpoint, Plan, int]:
     """The HF checkpoint in `load_dir` opened (its headers read), the plan of converting it, every tensor it holds
@@ -305,7 +304,6 @@ def convert_hf_to_mcore(
     rank 0 merges their metadata and writes the tracker file last, once all succeeded."""
     check_workers(workers)
     load_dir, save_dir = Path(load_dir), Path(save_dir)
-    dtype = dtype_of(dtype) if dtype is not None else None
     config = read_hf_config(load_dir, "--load-dir")
     family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
     check_target(save_dir, overwrite)

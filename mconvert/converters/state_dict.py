@@ -15,7 +15,7 @@ from mconvert.converters.hf_to_mcore import fused_expert_layers, mtp_layers_held
 from mconvert.converters.mcore_sources import StateDictTensors
 from mconvert.converters.mcore_to_hf import hf_tensors, plan_export
 from mconvert.converters.plan import build_plan, check_sources
-from mconvert.dtypes import as_numpy, as_torch, dtype_of, torch_dtype
+from mconvert.dtypes import as_numpy, as_torch, torch_dtype
 from mconvert.formats.safetensors import Part, Rows
 from mconvert.mappings import get_mapping
 from mconvert.mcore.parallelism import Parallelism
@@ -50,7 +50,6 @@ def hf_to_mcore_state_dict(
     family, spec = get_mapping(config)
     hf = StateDictHF(hf_state_dict)
     spec = dataclasses.replace(spec, mtp_layers=mtp_layers_held(family, spec, hf_state_dict))
-    dtype = dtype_of(dtype) if dtype is not None else None
     plan = build_plan(family, spec, parallelism, dtype, fused_expert_layers=fused_expert_layers(family, spec, hf))
     check_sources(plan, {name: tuple(t.shape) for name, t in hf_state_dict.items()}, hf.where)
     dtypes = plan.key_dtypes()

@@ -54,8 +54,8 @@ class Persistent:
 
 
 class _Pickler:
-    """Pickle protocol 2's opcodes for the values `dumps` takes. Each global is written once and fetched from the memo after (as pickle.dump does, keeping a file of
-    many chunks small)."""
+    """Pickle protocol 2's opcodes for the values `dumps` takes. Each global is written once and fetched from the memo
+    after (as pickle.dump does, keeping a file of many chunks small)."""
 
     def __init__(self):
         self.out = bytearray(b"\x80\x02")

@@ -20,7 +20,6 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mconvert.dtypes import STORAGE_CLASSES
 from mconvert.formats.pickle_writer import Call, Global, Persistent, dumps
 
 
@@ -101,8 +100,8 @@ class _LayoutUnpickler(pickle.Unpickler):
             return lambda storage, offset, size, stride, *rest: (storage, offset, tuple(size), tuple(stride))
         if (module, name) == ("collections", "OrderedDict"):
             return dict
-        if module == "torch" and name.endswith("Storage") and hasattr(__import__("torch"), name):
-            return name
+        if module == "torch" and name.endswith("Storage"):
+            return name  # a storage class's name: torch's class gives the dtype (saved_tensor_layout)
         raise pickle.UnpicklingError(f"{module}.{name}")
 
     def persistent_load(self, pid: Any) -> Any:
@@ -110,12 +109,14 @@ class _LayoutUnpickler(pickle.Unpickler):
 
 
 def saved_tensor_layout(pickled: bytes) -> tuple | None:
+    import torch  # the way back's reader, which holds torch tensors; writing never comes here
+
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the typed storage classes' deprecation
             storage, offset, size, stride = _LayoutUnpickler(io.BytesIO(pickled)).load()
             _, storage_type, record, _, _ = storage
-            return record, getattr(__import__("torch"), storage_type).dtype, offset, size, stride
+            return record, getattr(torch, storage_type).dtype, offset, size, stride
     except (pickle.UnpicklingError, TypeError, ValueError, EOFError, AttributeError):
         return None
 
@@ -128,8 +129,13 @@ def contiguous_strides(sizes) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-
-
+# torch.save's storage class of each dtype that a conversion writes, by torch's name (float8 weights are written
+# dequantized; torch.save pickles float8 tensors another way).
+STORAGE_CLASSES = {
+    "float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage", "bfloat16": "BFloat16Storage",
+    "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage",
+    "bool": "BoolStorage",
+}
 # torch.save's zip writer (miniz, as torch drives it): members in this order around the storages, each local header
 # without sizes or CRC32 (a data descriptor follows its bytes), its bytes aligned to 64 by an "FB" extra field; zip64
 # fields where a size or a place reaches 4 GiB, and zip64 end records always. The storages' CRC32s are 0 (their bytes
@@ -151,14 +157,14 @@ class _Archive:
         self._members: list[tuple[bytes, int, int, int]] = []  # (name, header offset, size, CRC32)
 
     def member(self, name: str, data: bytes | None, size: int) -> None:
-        encoded = f"{self.folder}/{name}".encode()
-        fields = (struct.pack("<QQ", size, 0) if size >= _ZIP64 else b"") + (struct.pack("<Q", self.cursor) if self.cursor >= _ZIP64 else b"")
+        encoded, offset = f"{self.folder}/{name}".encode(), self.cursor
+        fields = (struct.pack("<QQ", size, 0) if size >= _ZIP64 else b"") + (struct.pack("<Q", offset) if offset >= _ZIP64 else b"")
         zip64 = struct.pack("<HH", 1, len(fields)) + fields if fields else b""
-        padding = -(self.cursor + _ZIP_LOCAL_HEADER.size + len(encoded) + len(zip64) + 4) % _ALIGNMENT
+        padding = -(offset + _ZIP_LOCAL_HEADER.size + len(encoded) + len(zip64) + 4) % _ALIGNMENT
         extra = zip64 + b"FB" + struct.pack("<H", padding) + b"Z" * padding
         header = _ZIP_LOCAL_HEADER.pack(0x04034B50, 0, 0x0808, 0, 0, 0, 0, 0, 0, len(encoded), len(extra))
         crc = zlib.crc32(data) if data is not None else 0
-        self._members.append((encoded, self.cursor, size, crc))
+        self._members.append((encoded, offset, size, crc))
         self._write(header + encoded + extra)
         if data is None:
             self.segments.append(bytes(self._out))
@@ -166,7 +172,7 @@ class _Archive:
             self.cursor += size
         else:
             self._write(data)
-        wide = size >= _ZIP64 or self._members[-1][1] >= _ZIP64
+        wide = size >= _ZIP64 or offset >= _ZIP64
         self._write(struct.pack("<IIQQ" if wide else "<IIII", 0x08074B50, crc, size, size))
 
     def _write(self, data: bytes) -> None:

@@ -11,6 +11,7 @@ from mconvert.errors import ConversionError
 from mconvert.mappings.mamba_spec import MambaSpec
 from mconvert.mappings.rope import RopeScaling
 from mconvert.mappings.spec import (
+    DTYPES,
     LinearAttentionSpec,
     MLASpec,
     ModelSpec,
@@ -82,8 +83,8 @@ def spec_from_args(
         raise ConversionError("args record no vocab_size (only the padded size): pass --hf-config with the real vocabulary")
     heads = args.num_attention_heads
     stored_dtype = str(arg("params_dtype")).removeprefix("torch.")  # torch's dtype as Megatron-LM stores it
-    if stored_dtype in ("bfloat16", "float16", "float32"):
-        params_dtype = dtypes.BY_NAME[stored_dtype]
+    if stored_dtype in DTYPES:
+        params_dtype = DTYPES[stored_dtype]
     else:
         params_dtype = dtypes.bfloat16 if arg("bf16", False) else dtypes.float16 if arg("fp16", False) else dtypes.float32
     moe: MoESpec | None = None
