@@ -28,10 +28,8 @@ def _add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", "--target-tensor-parallel-size", dest="tp", type=int, default=1, help="tensor parallel size")
     parser.add_argument("--pp", "--target-pipeline-parallel-size", dest="pp", type=int, default=1, help="pipeline parallel size")
     parser.add_argument("--ep", "--target-expert-parallel-size", dest="ep", type=int, default=1, help="expert parallel size")
-    parser.add_argument(
-        "--etp", "--target-expert-tensor-parallel-size", dest="etp", type=int, default=None,
-        help="expert tensor parallel size (default: the same as --tp, as in Megatron)",
-    )
+    parser.add_argument("--etp", "--target-expert-tensor-parallel-size", dest="etp", type=int, default=None,
+                        help="expert tensor parallel size (default: the same as --tp, as in Megatron)")
     split = parser.add_argument_group(
         "pipeline split", "how Megatron-LM splits the layers over the --pp stages, as its own flags say (default: evenly)"
     )
@@ -58,10 +56,8 @@ def _parallelism(options: argparse.Namespace):
 
 
 def _add_workers_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--workers", type=int, default=None,
-        help="threads converting at once (default: one per core, up to 8, as memory allows); under torchrun, per rank",
-    )
+    parser.add_argument("--workers", type=int, default=None, help="threads converting at once (default: one per core, "
+                        "up to 8, as memory allows); under torchrun, per rank")
 
 
 def _workers(options: argparse.Namespace) -> int:
@@ -119,6 +115,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
             overwrite=options.overwrite,
             mtp=not options.no_mtp,
             allow_nonfinite=options.allow_nonfinite,
+            ckpt_format=options.format,
             workers=_workers(options),
             progress=progress,
         )
@@ -154,7 +151,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
         print(f"converted {plan.spec.mtp_layers} multi-token prediction layer(s) (--mtp-num-layers; --no-mtp leaves them out)")
     print(
         f"wrote {save_dir}: {plan.family.name}, {len(plan.shapes)} tensors, "
-        f"TP={parallelism.tp} PP={parallelism.pp} EP={parallelism.ep}, {plan.dtype.name}, "
+        f"{options.format} for TP={parallelism.tp} PP={parallelism.pp} EP={parallelism.ep}, {plan.dtype.name}, "
         + _summary(started, load_dir, save_dir)
     )
     # The same text as the file, so that what is printed and what is sourced never differ.
@@ -164,7 +161,8 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     etp = [f"--etp {parallelism.etp}"] if parallelism.etp is not None else []
     layout = " ".join([f"--tp {parallelism.tp} --pp {parallelism.pp} --ep {parallelism.ep}", *etp, *pipeline_split_flags(parallelism.pipeline)])
     needs = "; HybridModel: megatron-core 0.19 or later" if parallelism.model_class == "hybrid" else ""
-    print(f"  mconvert verify --hf {options.load_dir} --mcore {save_dir} {layout} --device cuda  # --device cpu without GPUs{needs}")
+    if options.format == "torch_dist":  # megatron-core's models load no FSDP format outside an FSDP run
+        print(f"  mconvert verify --hf {options.load_dir} --mcore {save_dir} {layout} --device cuda  # --device cpu without GPUs{needs}")
     print(f"  MEGATRON_LM=/path/to/Megatron-LM bash {save_dir}/{TORCHRUN_SCRIPT}      # train on this node")
     print(f"  MEGATRON_LM=/path/to/Megatron-LM sbatch {save_dir}/{SBATCH_SCRIPT}  # or on a Slurm cluster")
     return 0
@@ -287,6 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-mtp", action="store_true",
         help="leave out the multi-token prediction layers the checkpoint holds (DeepSeek-V3, GLM-4.5)",
     )
+    to_mcore.add_argument("--format", choices=("torch_dist", "fsdp_dtensor"), default="torch_dist", help="torch_dist (default; "
+                          "what DDP and FSDP2 runs load), or fsdp_dtensor for a Megatron-FSDP run (--use-megatron-fsdp)")
     to_mcore.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
     _add_workers_flag(to_mcore)
     to_mcore.add_argument(

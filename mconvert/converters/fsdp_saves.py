@@ -6,9 +6,7 @@ torch_dist `metadata.json`) of the training state dict, flattened with dots. The
 the model's own names (mconvert.converters.model_keyed), each stored whole (its global shape; chunks are the
 data-parallel ranks' rows):
 
-- fsdp_dtensor: `model.module.<name>` (the Megatron-FSDP wrapper's level); a SwiGLU fc1's weight or bias split
-  into `<name>_w` (the gate half) and `<name>_v` (the up half), so that each is one tensor at any TP; experts by
-  their global number; no `_extra_state`.
+- fsdp_dtensor: `model.module.<name>`, a SwiGLU fc1 in halves (mconvert.mcore.fsdp_dtensor).
 - torch_dcp: `model.<name>`, nothing split; Transformer Engine's `_extra_state` beside the weights.
 
 Megatron-FSDP stores its fp32 main parameters, in a bf16 run too: the export keeps fp32 unless told a dtype.
@@ -21,7 +19,6 @@ from 0 under the same names, which no reader can tell apart: such saves are refu
 from __future__ import annotations
 
 import argparse
-import re
 from pathlib import Path
 
 import torch
@@ -30,13 +27,12 @@ from mconvert.converters.model_keyed import ModelKeyedCheckpoint, Where, where_s
 from mconvert.converters.plan import Piece
 from mconvert.errors import ConversionError
 from mconvert.formats.dcp import DCPCheckpoint
+from mconvert.mcore import fsdp_dtensor
 
 Shape = tuple[int, ...]
 # Each format's prefix of the model's names; the longer first (fsdp_dtensor's keys also start with `model.`).
-MODEL_PREFIXES = {"fsdp_dtensor": "model.module.", "torch_dcp": "model."}
+MODEL_PREFIXES = {fsdp_dtensor.FORMAT: fsdp_dtensor.MODEL_PREFIX, "torch_dcp": "model."}
 FSDP_FORMATS = tuple(MODEL_PREFIXES)
-# Megatron-FSDP's halves of a SwiGLU fc1 (dense, shared expert, or an expert's `weight<j>`).
-_HALF = re.compile(r"^(.*\.linear_fc1\.(?:weight|bias)\d*)_([wv])$")
 
 
 def is_fsdp_save(directory: Path) -> bool:
@@ -66,7 +62,7 @@ class FsdpCheckpoint(ModelKeyedCheckpoint):
             if not key.startswith(prefix) or key.endswith("_extra_state"):
                 continue
             name = key.removeprefix(prefix)
-            if self.format == "fsdp_dtensor" and (half := _HALF.match(name)) is not None:
+            if self.format == "fsdp_dtensor" and (half := fsdp_dtensor.HALF.match(name)) is not None:
                 halves.setdefault(half[1], {})[half[2]] = key
                 continue
             self.entries[where_stored(name)] = (key,)

@@ -1,6 +1,6 @@
-"""HF safetensors -> Megatron-Core torch_dist, streaming: one layer's tensor at a time is read, transformed,
-cut into its tensor-parallel chunks and written, while a thread reads the next ones; nothing holds the whole
-model."""
+"""HF safetensors -> Megatron-Core torch_dist (or Megatron-FSDP's fsdp_dtensor), streaming: one layer's tensor at a
+time is read, transformed, cut into its tensor-parallel chunks and written, while a thread reads the next ones;
+nothing holds the whole model."""
 
 from __future__ import annotations
 
@@ -11,15 +11,17 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
+from mconvert.converters import fsdp_out
 from mconvert.converters.manifest import hashed_while_written
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces
 from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
 from mconvert.converters.progress import NoProgress, Progress
+from mconvert.errors import ConversionError
 from mconvert.formats import dcp_writer
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
 from mconvert.formats.quantized import fp8_block_size, is_mxfp4
@@ -27,7 +29,8 @@ from mconvert.formats.safetensors import Rows
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
-from mconvert.mcore.checkpoint import EMPTY_EXTRA_STATE, RELEASE, write_common, write_tracker
+from mconvert.mcore import fsdp_dtensor
+from mconvert.mcore.checkpoint import EMPTY_EXTRA_STATE, RELEASE, iteration_name, write_common, write_tracker
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.megatron_lm import launch
 from mconvert.megatron_lm.args import megatron_args
@@ -203,12 +206,12 @@ class FileCopies:
 
 
 def build_piece(
-    piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: np.dtype, buffers: Buffers, copies: FileCopies
+    piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: np.dtype, buffers: Buffers, copies: FileCopies | None
 ) -> tuple[list[np.ndarray], list[np.ndarray]] | list[FileChunk]:
     """`piece_parts` of HF tensors read from files into reused buffers, and those buffers, to hand back once
     the region is written; or, for a piece whose chunks are runs of stored bytes (`FileCopies.chunks`), those
     chunks, once its HF tensors are checked for NaN and Inf (`HFCheckpoint.check`)."""
-    chunks = copies.chunks(piece, dtype)
+    chunks = copies.chunks(piece, dtype) if copies else None
     if chunks is not None:
         for ref in piece.sources:
             hf.check(ref.name, ref.index)
@@ -235,16 +238,19 @@ def write_pieces(
     workers: int,
     ranks: Ranks,
     progress: Progress,
+    places: Callable[[Piece], list[tuple[str, slice]]] | None = None,
 ) -> None:
     """Build and write this rank's share of the pieces on `workers` threads, each writing its own data files.
     Pieces are read and built ahead of their writing (see parallel.run_pieces), so that reading overlaps
     writing even with one worker: one piece slower to build than to write (fc1) then does not stall the
-    writes. Pieces that are copies of others (`piece.copy`) are not written."""
+    writes. Pieces that are copies of others (`piece.copy`) are not written. With `places`, each piece is
+    written whole under the keys it names, rows of it each (mconvert.converters.fsdp_out)."""
     pieces = [piece for piece in plan.pieces if not piece.copy]
     sizes = [plan.nbytes(piece) for piece in pieces]
     mine = ranks.mine(sizes)
     progress.start(len(mine), sum(sizes[i] for i in mine))
-    buffers, copies = Buffers(), FileCopies(hf, plan.spec, writer.directory)
+    # Chunks copied file to file are torch_dist's; written whole under other keys, every piece is built in memory.
+    buffers, copies = Buffers(), FileCopies(hf, plan.spec, writer.directory) if places is None else None
 
     def load(index: int) -> tuple[list[np.ndarray], list[np.ndarray]] | list[FileChunk]:
         return build_piece(pieces[index], hf, plan.spec, plan.dtype_of(pieces[index]), buffers, copies)
@@ -257,7 +263,12 @@ def write_pieces(
                     writer.copy_chunk(key, (*piece.offsets, *offsets), shape, spans, worker)
             return
         parts, taken = built
-        write_piece(writer, piece, parts, worker)
+        if places is None:
+            write_piece(writer, piece, parts, worker)
+        else:
+            for key, rows in places(piece):
+                chunk = rows_of(parts, rows)
+                writer.write_chunk(key, (0,) * chunk.ndim, chunk, worker)
         del parts, built  # may be views of the buffers, which later reads overwrite
         buffers.give_back(taken)
 
@@ -293,6 +304,7 @@ def convert_hf_to_mcore(
     workers: int = 1,
     mtp: bool = True,
     allow_nonfinite: bool = False,
+    ckpt_format: str = "torch_dist",
     progress: Progress = NoProgress(),
 ) -> Conversion:
     """Convert the HF checkpoint in `load_dir` into a torch_dist checkpoint in `save_dir` for `parallelism`.
@@ -301,19 +313,36 @@ def convert_hf_to_mcore(
 
     `workers` threads convert pieces at once, each into its own data files. Started by torchrun, every rank
     runs this with the same arguments: each writes its share of the pieces into data files of its own, and
-    rank 0 merges their metadata and writes the tracker file last, once all succeeded."""
+    rank 0 merges their metadata and writes the tracker file last, once all succeeded.
+
+    `ckpt_format` fsdp_dtensor writes what a Megatron-FSDP run at `parallelism` loads instead
+    (mconvert.mcore.fsdp_dtensor): each tensor whole, from a plan at TP 1."""
     check_workers(workers)
     load_dir, save_dir = Path(load_dir), Path(save_dir)
     config = read_hf_config(load_dir, "--load-dir")
     family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
     check_target(save_dir, overwrite)
-    hf, plan, held = import_plan(load_dir, config, family, spec, parallelism, dtype, mtp, allow_nonfinite)
+    fsdp = ckpt_format == fsdp_dtensor.FORMAT
+    planned = parallelism
+    if fsdp:
+        if parallelism.pp > 1:
+            raise ConversionError(
+                f"--format {ckpt_format} with --pp {parallelism.pp}: Megatron-FSDP's checkpoints name each pipeline "
+                "stage's layers from 0, so the stages' layers cannot be told apart"
+            )
+        parallelism.validate(spec)
+        planned = fsdp_out.plan_parallelism(parallelism)
+    hf, plan, held = import_plan(load_dir, config, family, spec, planned, dtype, mtp, allow_nonfinite)
     spec = plan.spec
     args = megatron_args(spec, parallelism, plan.dtype, transformer_impl, tokenizer_dir=load_dir)
+    places = None
+    if fsdp:
+        args.ckpt_format = ckpt_format
+        places = fsdp_out.places_for(args)
     flags = megatron_flags(args)
 
     with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
-        release = work / RELEASE
+        release = work / (iteration_name(0) if fsdp else RELEASE)
         if ranks.is_first:
             release.mkdir()
         ranks.barrier()
@@ -326,23 +355,29 @@ def convert_hf_to_mcore(
                 follow=lambda path, written, closed: hashing.enter_context(hashed_while_written(path, written, closed)),
             )
             try:
-                dtypes = plan.key_dtypes()
-                for key, shape in plan.shapes.items():
-                    writer.declare(key, shape, dtypes[key])
-                write_pieces(plan, hf, writer, workers, ranks, progress)
+                if places is None:
+                    dtypes = plan.key_dtypes()
+                    for key, shape in plan.shapes.items():
+                        writer.declare(key, shape, dtypes[key])
+                    objects = [(key, EMPTY_EXTRA_STATE) for key in plan.extra_state_keys]
+                else:
+                    fsdp_out.declare(writer, plan, places)
+                    objects = fsdp_out.objects(plan, args)
+                write_pieces(plan, hf, writer, workers, ranks, progress, places)
                 if ranks.is_first:
-                    for key in plan.extra_state_keys:
-                        writer.write_object(key, EMPTY_EXTRA_STATE)
+                    for key, saved in objects:
+                        writer.write_object(key, saved)
             finally:
                 writer.abort()  # flushed and closed before the hashing's last pass
         ranks.settle()  # every rank's chunks are on disk
         parts = ranks.gather(writer.local_part())
         if ranks.is_first:
             writer.finish(parts)
-            write_common(release, args)
+            if not fsdp:
+                write_common(release, args)
             (work / ARGS_SCRIPT).write_text(args_script(args, save_dir))
-            launch.write_launch(work, save_dir, parallelism)
-            write_tracker(work)
+            launch.write_launch(work, save_dir, parallelism, ckpt_format)
+            write_tracker(work, 0 if fsdp else None)
     left_out: dict[str, int] = {}
     for name in hf.tensors:
         if (what := family.table.left_out_by(name)) is not None:

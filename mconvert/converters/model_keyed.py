@@ -1,6 +1,7 @@
 """Checkpoints keyed by the model's own parameter names (what a module's `state_dict()` calls them), read as the
 global regions of torch_dist's keys that the way back reads: Megatron-LM's legacy `torch` format
-(mconvert.converters.legacy_source) and its FSDP formats (mconvert.converters.fsdp_saves).
+(mconvert.converters.legacy_source) and its FSDP formats (mconvert.converters.fsdp_saves), the first of which
+mconvert also writes under these names.
 
 Such names count layers from 0 within their pipeline stage (`decoder.layers.<i>.<name>`), may number experts
 within their expert-parallel rank (`mlp.experts.local_experts.<j>.` for SequentialMLP,
@@ -65,6 +66,19 @@ def where_stored(name: str, first_layer: int = 0, first_expert: int = 0) -> Wher
     if expert := expert_number(sub, first_expert):
         return expert[0], layer, expert[1]
     return sub, layer, None
+
+
+def model_name(where: Where, grouped_experts: bool) -> str:
+    """The model's own name of a global region (layers and experts numbered globally): the inverse of
+    `where_stored`, an expert's name that of TEGroupedMLP (`grouped_experts`, Megatron-LM's --moe-grouped-gemm)
+    or of SequentialMLP."""
+    name, layer, expert = where
+    if expert is not None:
+        scope, _, sub = name.partition(layout.EXPERTS_PREFIX)
+        name = scope + (f"mlp.experts.{sub}{expert}" if grouped_experts else f"mlp.experts.local_experts.{expert}.{sub}")
+    if (mtp := MTP_LAYER.match(name)) is not None:
+        name = f"mtp.layers.{mtp[1]}.mtp_model_layer.{mtp[2]}"
+    return name if layer is None else f"decoder.layers.{layer}.{name}"
 
 
 def piece_where(piece: Piece, key: str) -> Where:

@@ -46,8 +46,14 @@ def write_common(release_dir: Path, args: argparse.Namespace) -> None:
     (release_dir / "common.pt").write_bytes(saved_bytes(common, folder="common"))
 
 
-def write_tracker(checkpoint_dir: Path) -> None:
-    (checkpoint_dir / TRACKER_FILE).write_text(RELEASE)
+def write_tracker(checkpoint_dir: Path, iteration: int | None = None) -> None:
+    """The tracker file naming the release directory, or iteration `iteration`'s (`iteration_name`)."""
+    (checkpoint_dir / TRACKER_FILE).write_text(RELEASE if iteration is None else str(iteration))
+
+
+def iteration_name(iteration: int) -> str:
+    """Megatron-LM's directory of an iteration's checkpoint."""
+    return f"iter_{iteration:07d}"
 
 
 def _load_common(path: Path) -> dict:
@@ -72,7 +78,7 @@ def iteration_dir(load_dir: Path, iteration: int | None = None) -> Path:
     if not load_dir.is_dir():
         raise ConversionError(f"{load_dir}: not a directory")
     if iteration is not None:
-        directory = load_dir / f"iter_{iteration:07d}"
+        directory = load_dir / iteration_name(iteration)
         if not directory.is_dir():
             saved = sorted(p.name for p in load_dir.glob("iter_*")) + ([RELEASE] if (load_dir / RELEASE).is_dir() else [])
             raise ConversionError(f"--iteration {iteration}: {directory} does not exist (saved: {', '.join(saved) or 'none'})")
@@ -86,7 +92,7 @@ def iteration_dir(load_dir: Path, iteration: int | None = None) -> Path:
             return load_dir / RELEASE
         if not (text.isascii() and text.isdigit() and len(text) <= 18):
             raise ConversionError(f"{tracker}: holds {text[:20]!r}, neither 'release' nor an iteration number")
-        return load_dir / f"iter_{int(text):07d}"
+        return load_dir / iteration_name(int(text))
     return load_dir
 
 

@@ -120,7 +120,9 @@ def megatron_args(
         # What Megatron-LM's validation leaves of its default: off beside another position embedding than rope, and
         # off beside sparse attention, where megatron-core refuses it.
         apply_rope_fusion=position_embedding_type == "rope" and spec.sparse_attention is None,
-        add_position_embedding=False,
+        # Megatron-LM's parser default (--no-position-embedding is deprecated): what its own saves hold, and what a
+        # resumption's check_checkpoint_args compares the run's args with. The model reads position_embedding_type.
+        add_position_embedding=True,
         use_rotary_position_embeddings=position_embedding_type != "none",
         rotary_base=_integral(spec.rope_theta, "--rotary-base", "rope_theta"),
         rotary_percent=spec.rotary_percent,

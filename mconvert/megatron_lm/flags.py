@@ -219,9 +219,19 @@ def training_script(args: argparse.Namespace) -> str:
     return TRAINING_SCRIPTS["hybrid" if getattr(args, "hybrid_layer_pattern", None) else "gpt"]
 
 
-def load_flags(checkpoint_dir: Path) -> list[str]:
-    """The flags that start training from a converted checkpoint: its weights only, no optimizer or RNG state."""
-    return [f"--load {shlex.quote(str(checkpoint_dir.absolute()))}", "--ckpt-format torch_dist", "--finetune", "--no-load-optim", "--no-load-rng"]
+def load_flags(checkpoint_dir: Path, ckpt_format: str = "torch_dist") -> list[str]:
+    """The flags that start training from a converted checkpoint: its weights only, no optimizer or RNG state.
+
+    An fsdp_dtensor checkpoint (mconvert.mcore.fsdp_dtensor) is loaded by a Megatron-FSDP run alone, and as the
+    resumption of a run at iteration 0: Megatron-LM 0.19.2 stops one started with --finetune or --no-load-optim
+    (in bf16 it then copies the weights into the optimizer's main parameters, which Megatron-FSDP does not
+    implement: NotImplementedError), and its strict load of a resumption wants every optimizer and scheduler
+    setting the checkpoint would hold. With --no-strict-fsdp-dtensor-load it loads what the checkpoint holds and
+    leaves the rest as the run made it."""
+    load = f"--load {shlex.quote(str(checkpoint_dir.absolute()))}"
+    if ckpt_format == "fsdp_dtensor":
+        return [load, "--use-megatron-fsdp", "--ckpt-format fsdp_dtensor", "--no-strict-fsdp-dtensor-load", "--no-load-rng"]
+    return [load, f"--ckpt-format {ckpt_format}", "--finetune", "--no-load-optim", "--no-load-rng"]
 
 
 def not_restored_by_checkpoint_args(args: argparse.Namespace) -> list[str]:
@@ -322,8 +332,9 @@ def args_script(args: argparse.Namespace, checkpoint_dir: Path) -> str:
             + ", ".join(missed) + " from a checkpoint."
         )
     lines += ["MODEL_ARGS=("] + [f"    {flag}" for flag in megatron_flags(args)] + [")"]
-    lines += ["LOAD_ARGS=("] + [f"    {flag}" for flag in load_flags(checkpoint_dir)] + [")"]
-    if (hybrid_flags := gpt_checkpoint_into_hybrid_flags(args)) is not None:
+    ckpt_format = getattr(args, "ckpt_format", "torch_dist")
+    lines += ["LOAD_ARGS=("] + [f"    {flag}" for flag in load_flags(checkpoint_dir, ckpt_format)] + [")"]
+    if ckpt_format == "torch_dist" and (hybrid_flags := gpt_checkpoint_into_hybrid_flags(args)) is not None:
         lines.append(
             "# As a HybridModel (each layer's attention and MLP layers of their own), which Megatron-LM's load makes of "
             "this GPT checkpoint by itself: pass \"${MODEL_ARGS[@]}\" \"${HYBRID_ARGS[@]}\" \"${LOAD_ARGS[@]}\" to pretrain_hybrid.py."

@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from mconvert.mcore.parallelism import Parallelism
-from mconvert.megatron_lm.flags import TRAINING_SCRIPTS
+from mconvert.megatron_lm.flags import TRAINING_SCRIPTS, load_flags
 
 TORCHRUN_SCRIPT = "train.sh"
 SBATCH_SCRIPT = "train.sbatch"
@@ -49,13 +49,13 @@ DATA_PARALLEL=$((WORLD_SIZE / (TP * PP * CP)))
 mapfile -t capabilities < <(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null)
 major=${{capabilities[0]:-0}}  # none known: taken as before Blackwell
 if (( TP > 1 || CP > 1 )) && (( ${{major%%.*}} < 10 )) \
-    && [[ " $* " != *" --use-torch-fsdp2 "* && " $* " != *" --use-megatron-fsdp "* ]]; then
+    && [[ " $* {load_rest} " != *" --use-torch-fsdp2 "* && " $* {load_rest} " != *" --use-megatron-fsdp "* ]]; then
     export CUDA_DEVICE_MAX_CONNECTIONS=1
 fi
 
 SCRIPT_ARGS=("$@")
 has_flag() {{ [[ " ${{MODEL_ARGS[*]}} ${{SCRIPT_ARGS[*]}} " == *" $1 "* ]]; }}  # given by megatron_args.sh or to this script
-LOAD_ARGS=(--load "$CHECKPOINT_DIR" --ckpt-format torch_dist --finetune --no-load-optim --no-load-rng)
+LOAD_ARGS=(--load "$CHECKPOINT_DIR" {load_rest})
 MICRO_BATCH_SIZE=${{MICRO_BATCH_SIZE:-1}}
 TRAIN_ARGS=(
     --save "${{SAVE_DIR:-$CHECKPOINT_DIR-trained}}" --save-interval "${{SAVE_INTERVAL:-1000}}"
@@ -127,11 +127,13 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c 'exec python -m torch.dist
 """
 
 
-def write_launch(directory: Path, final_dir: Path, par: Parallelism) -> None:
-    """Write train.sh and train.sbatch into `directory`, for the checkpoint that will live at `final_dir`."""
+def write_launch(directory: Path, final_dir: Path, par: Parallelism, ckpt_format: str = "torch_dist") -> None:
+    """Write train.sh and train.sbatch into `directory`, for the checkpoint in `ckpt_format` that will live at
+    `final_dir`."""
     final_dir = final_dir.absolute()
     entry = TRAINING_SCRIPTS[par.model_class]
-    body = _BODY.format(checkpoint=final_dir, tp=par.tp, pp=par.pp, ep=par.ep, etp=par.expert_tp, entry=entry)
+    load_rest = " ".join(load_flags(final_dir, ckpt_format)[1:])  # all but --load, which names the variable
+    body = _BODY.format(checkpoint=final_dir, tp=par.tp, pp=par.pp, ep=par.ep, etp=par.expert_tp, entry=entry, load_rest=load_rest)
     expert_rule = f" and of ETP x EP x PP = {par.expert_tp * par.ep * par.pp}" if par.ep > 1 else ""
     common = dict(gpus=GPUS_PER_NODE, port=MASTER_PORT, body=body, entry=entry)
     torchrun = directory / TORCHRUN_SCRIPT

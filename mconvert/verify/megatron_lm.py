@@ -41,8 +41,13 @@ def _command_line(argv: list[str], world_size: int, rank: int) -> Iterator[None]
     """Megatron-LM reads its flags from sys.argv and the world from the environment, as under torchrun."""
     saved_argv, saved_env = sys.argv, {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "CUDA_DEVICE_MAX_CONNECTIONS")}
     sys.argv = ["pretrain_gpt.py", *argv]
-    # Megatron-LM requires it for TP > 1 on GPUs before Blackwell (which its check is told this is).
-    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank), CUDA_DEVICE_MAX_CONNECTIONS="1")
+    os.environ.update(WORLD_SIZE=str(world_size), RANK=str(rank))
+    # Megatron-LM requires it for TP > 1 on GPUs before Blackwell (which its check is told this is), and unset under
+    # FSDP, as train.sh sets it.
+    if {"--use-megatron-fsdp", "--use-torch-fsdp2"}.isdisjoint(argv):
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    else:
+        os.environ.pop("CUDA_DEVICE_MAX_CONNECTIONS", None)
     try:
         yield
     finally:

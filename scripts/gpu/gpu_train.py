@@ -88,8 +88,8 @@ def torchrun(options, ckpt: Path, have_te: bool, data: list[str], lr: float, ite
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(options.nproc),
         "scripts/training/megatron_train.py", *flags, *stated_settings(ckpt),
-        *([] if options.from_scratch else ["--load", str(ckpt), "--finetune", "--no-load-optim", "--no-load-rng"]),
-        "--ckpt-format", "torch_dist",
+        # The conversion's own LOAD_ARGS, as a user passes them.
+        *(["--ckpt-format", "torch_dist"] if options.from_scratch else script_arrays(ckpt, "LOAD_ARGS")),
         "--micro-batch-size", str(options.micro_batch_size), "--global-batch-size", str(options.rows),
         "--lr", str(lr), "--train-iters", str(iters), "--loss-log", str(loss_log), *data,
     ]
@@ -114,6 +114,20 @@ def train_sh(options, ckpt: Path, have_te: bool, data: list[str], lr: float, ite
     }
     # Without TE, what Megatron-LM's defaults take from it goes last (a MoE model's --moe-grouped-gemm stays).
     return ["bash", str(ckpt / "train.sh"), "--loss-log", str(loss_log), *data, *([] if have_te else WITHOUT_TE)], env
+
+
+def take_out_keys(ckpt: Path, pattern: str) -> int:
+    """Take the keys matching `pattern` out of the .metadata of the checkpoint's iteration; how many there were."""
+    import pickle
+
+    (metadata_file,) = ckpt.glob("*/.metadata")
+    metadata = pickle.loads(metadata_file.read_bytes())
+    gone = [key for key in metadata.state_dict_metadata if re.search(pattern, key)]
+    for key in gone:
+        del metadata.state_dict_metadata[key]
+    metadata.storage_data = {index: data for index, data in metadata.storage_data.items() if index.fqn not in gone}
+    metadata_file.write_bytes(pickle.dumps(metadata))
+    return len(gone)
 
 
 def run(command: list[str], timeout_s: float, log: Path, env: dict[str, str] | None = None) -> tuple[int, float]:
@@ -153,6 +167,10 @@ def main() -> int:
                              "optimizer state in that optimizer's sharded form")
     parser.add_argument("--fsdp", choices=sorted(FSDP), help="train under Megatron-FSDP or FSDP2 (see above)")
     parser.add_argument("--ckpt-format", help="the runs' --ckpt-format, where not torch_dist (FSDP2's torch_dcp)")
+    parser.add_argument("--format", choices=("torch_dist", "fsdp_dtensor"), default="torch_dist",
+                        help="hf-to-mcore's --format: fsdp_dtensor for a Megatron-FSDP run (with --fsdp megatron)")
+    parser.add_argument("--without-keys", metavar="REGEX",
+                        help="a planted fault: the conversion's DCP keys matching REGEX taken out of its .metadata")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                         help="the conversion's (and so the run's) dtype; Megatron-FSDP loads a SwiGLU model only in bf16")
     parser.add_argument("--from-scratch", action="store_true",
@@ -180,6 +198,8 @@ def main() -> int:
         variant += f"-{options.fsdp}-fsdp" if options.fsdp else ""
         variant += ("-scratch" if options.from_scratch else "") + ("-bf16" if options.dtype == "bf16" else "")
         variant += f"-{options.ckpt_format}" if options.ckpt_format else ""
+        variant += f"-{options.format}" if options.format != "torch_dist" else ""
+        variant += "-without-" + hashlib.sha1(options.without_keys.encode()).hexdigest()[:6] if options.without_keys else ""
         variant += ("-hybrid" if options.model_class == "hybrid" else "") + ("-hybrid-args" if options.hybrid_args else "")
         name = f"{options.launcher}{variant}-{job.replace(':', '-')}"
         # A job's name may outgrow a file name: its marker is named by a digest.
@@ -204,16 +224,20 @@ def main() -> int:
                         "megatron_flags": options.megatron_flag,
                         "distributed_optimizer": options.distributed_optimizer, "fsdp": options.fsdp,
                         "dtype": options.dtype, "from_scratch": options.from_scratch, "ckpt_format": options.ckpt_format,
-                        "model_class": options.model_class, "hybrid_args": options.hybrid_args}
+                        "model_class": options.model_class, "hybrid_args": options.hybrid_args, "format": options.format,
+                        "without_keys": options.without_keys}
         result["make_hf_s"] = write_hf_model(model, hf, "cuda" if torch.cuda.is_available() else "cpu")
         if options.mtp and not (hf / "mtp.safetensors").exists():
             add_mtp_layers(hf)
         ckpt = work / "mcore"
         code, result["convert_s"] = run(
             [sys.executable, "-m", "mconvert.cli", "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(ckpt),
-             "--dtype", options.dtype, "--model-class", options.model_class, *(f"--{k}={v}" for k, v in sizes.items())],
+             "--dtype", options.dtype, "--model-class", options.model_class, "--format", options.format,
+             *(f"--{k}={v}" for k, v in sizes.items())],
             left(), work / "convert.log",
         )
+        if not code and options.without_keys:
+            result["keys_taken_out"] = take_out_keys(ckpt, options.without_keys)
         if code:
             result.update(passed=False, convert_output=tail(work / "convert.log"))
         else:
