@@ -129,12 +129,16 @@ def inspect_megatron(load_dir: Path) -> dict[str, Any]:
             meta = source.dcp.metadata.state_dict_metadata[key]
             entry |= {"dtype": _dtype_name(meta.properties.dtype), "chunks": len(meta.chunks), "chunk_shape": list(meta.chunks[0].sizes)}
         tensors.append(entry)
-    if not isinstance(source, TorchDistTensors):
-        # Megatron-LM loads the legacy per-rank format only at the layout it was saved with; an FSDP save is not
+    if isinstance(source, TorchDistTensors):
+        suits = suitable_layouts(spec, embedding_rows, written_for.make_vocab_size_divisible_by)
+    elif source.format == "fsdp_dtensor":
+        # Each tensor whole, read by a Megatron-FSDP run at any TP its vocabulary padding allows and any EP (measured:
+        # conversions for TP 2 and EP 2 run at 1); one pipeline stage.
+        suits = suitable_layouts(spec, embedding_rows, written_for.make_vocab_size_divisible_by) | {"pp": [1]}
+    else:
+        # Megatron-LM loads the legacy per-rank format only at the layout it was saved with; a torch_dcp save is not
         # claimed for any layout but its own either.
         suits = {"tp": [written_for.tp], "pp": [written_for.pp], "ep": [written_for.ep]}
-    else:
-        suits = suitable_layouts(spec, embedding_rows, written_for.make_vocab_size_divisible_by)
     return {
         "path": str(load_dir),
         "format": source.format,

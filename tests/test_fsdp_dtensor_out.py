@@ -16,6 +16,7 @@ from cli_runner import assert_nothing_left, assert_one_line_error, run_cli
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.formats.dcp import DCPCheckpoint
 from mconvert.formats.hf_checkpoint import HFCheckpoint
+from mconvert.inspection import inspect_megatron
 from mconvert.mcore.checkpoint import TRACKER_FILE
 from mconvert.mcore.parallelism import Parallelism, padded_vocab_size
 from mconvert.synthetic import add_mtp_layers, make_hf_checkpoint
@@ -85,6 +86,9 @@ def test_the_vocabulary_is_padded_as_the_runs_tp_pads_it(hf_model_factory, tmp_p
     vocab = json.loads((hf / "config.json").read_text())["vocab_size"]
     rows = stored.shapes["model.module.embedding.word_embeddings.weight"][0]
     assert rows == padded_vocab_size(vocab, Parallelism(tp=4, make_vocab_size_divisible_by=100)) and rows % 400 == 0
+    # Whole tensors: inspect offers each TP that pads the vocabulary to these rows, and one pipeline stage.
+    suits = inspect_megatron(tmp_path / "fsdp")["suits"]
+    assert 4 in suits["tp"] and suits["pp"] == [1]
 
 
 def test_the_flags_start_a_megatron_fsdp_run(hf_model_factory, tmp_path):

@@ -62,6 +62,7 @@
 #               MTP); their HF configs, tokens, losses and --lr 0 saves come back as fixtures
 #   fsdp-in     on one GPU: Megatron-FSDP trained from hf-to-mcore --format fsdp_dtensor (dense, MoE, MLA with MTP),
 #               beside DDP from torch_dist and a planted fault (the conversion without its Adam step counts)
+#   fsdp-in-launch  on one GPU: the train.sh of such a conversion, as a user runs it
 #   fsdp-dp2    on two GPUs: the FSDP saves at data-parallel size 2 kept as fixtures, and FSDP2 at data-parallel size 2
 #               from a torch_dist conversion
 #   fsdp-dp2-train  on two GPUs: FSDP2 at data-parallel size 2 with its lr 1e-4 run, and a Megatron-FSDP save at EP 2
@@ -394,15 +395,19 @@ for stage in "$@"; do
   fsdp-in)
     # On one GPU: Megatron-FSDP (bf16) trained from hf-to-mcore --format fsdp_dtensor: Llama converted for TP 2,
     # Qwen3-MoE for EP 2, DeepSeek-V3 with MTP for TP 2 x EP 2, each run at TP 1, EP 1 (its --lr 0 save exported, its
-    # step losses, its --lr 1e-4 losses). Beside them, DDP in bf16 from the torch_dist conversion of the same Llama,
-    # whose losses Megatron-FSDP's must give from its first step on; and a planted fault, the Llama conversion with its
-    # Adam step counts taken out (Megatron-FSDP's loading step leaves them at 1: its first update is then smaller).
-    one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1)
+    # step losses, its --lr 1e-4 losses). Beside them, DDP in bf16 from the torch_dist conversions of the same Llama and
+    # Qwen3-MoE, whose losses Megatron-FSDP's must give from its first step on; a planted fault, the Llama conversion
+    # with its Adam step counts taken out (Megatron-FSDP's loading step leaves them at 1: its first update is then
+    # smaller); and the Llama in fp32, where Megatron-LM's own load stops (its SwiGLU split: AttributeError).
+    one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1
+             --megatron-flag=--expert-tensor-parallel-size=1)
     runs=("--fsdp megatron --dtype bf16 --format fsdp_dtensor|$LLAMA_TINY:tp2"
           "--dtype bf16|$LLAMA_TINY:tp2"
           "--fsdp megatron --dtype bf16 --format fsdp_dtensor --without-keys \\.step\$|$LLAMA_TINY:tp2"
           "--fsdp megatron --dtype bf16 --format fsdp_dtensor|$QWEN3_MOE_TINY:ep2"
-          "--fsdp megatron --dtype bf16 --format fsdp_dtensor --mtp|$DEEPSEEK_TINY:tp2ep2")
+          "--fsdp megatron --dtype bf16 --format fsdp_dtensor --mtp|$DEEPSEEK_TINY:tp2ep2"
+          "--dtype bf16|$QWEN3_MOE_TINY:ep2"
+          "--fsdp megatron --format fsdp_dtensor --steps 0|$LLAMA_TINY:tp1")
     code=0
     for run in "${runs[@]}"; do
       env -u CUDA_DEVICE_MAX_CONNECTIONS python3 scripts/gpu/gpu_train.py --nproc 1 ${run%%|*} "${one_run[@]}" \
@@ -411,6 +416,16 @@ for stage in "$@"; do
       note "$stage ${run%%|*}: exit $last"
       [ "$last" = 3 ] && code=3
     done
+    [ "$code" = 3 ] || mark "$stage"
+    ;;
+  fsdp-in-launch)
+    # On one GPU: the train.sh an fsdp_dtensor conversion writes, run as a user runs it (no FSDP flag beside it: its
+    # LOAD_ARGS make the run Megatron-FSDP's), dense and MoE.
+    env -u CUDA_DEVICE_MAX_CONNECTIONS python3 scripts/gpu/gpu_train.py --nproc 1 --launcher train.sh --dtype bf16 \
+      --format fsdp_dtensor --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" \
+      "$LLAMA_TINY:tp1" "$QWEN3_MOE_TINY:tp1" >> "$OUT/$stage.log" 2>&1
+    code=$?
+    note "$stage: exit $code"
     [ "$code" = 3 ] || mark "$stage"
     ;;
   fsdp-dp2)

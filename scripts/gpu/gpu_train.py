@@ -14,7 +14,8 @@ wrote, MEGATRON_LM naming a folder whose pretrain_gpt.py is that driver, the sch
 (with --model-class hybrid, the conversion writes a HybridModel checkpoint; with --hybrid-args, the runs add
 megatron_args.sh's HYBRID_ARGS, which train the GPT checkpoint as a HybridModel; with --distributed-optimizer, both add --use-distributed-optimizer: the save holds that optimizer's state; with
 --fsdp megatron, both run Megatron-FSDP (--use-megatron-fsdp), with --fsdp torch PyTorch's FSDP2
-(--use-torch-fsdp2), saving as --ckpt-format says; --from-scratch: see its help);
+(--use-torch-fsdp2), saving as --ckpt-format says; --from-scratch: see its help; with --format fsdp_dtensor, the
+conversion is Megatron-FSDP's format and the runs load it with its LOAD_ARGS, as every run does);
 then scripts/training/megatron_train_check.py judges. Without Transformer Engine (it does not import) MODEL_ARGS'
 `--transformer-impl transformer_engine` cannot run; the local spec is added then, with what Megatron-LM's
 defaults take from TE turned off, and the result says so. Dropout is off (--hidden-dropout 0
@@ -51,7 +52,8 @@ from mconvert.synthetic import add_mtp_layers  # noqa: E402
 from mconvert.verify.megatron_lm import script_arrays  # noqa: E402
 
 # Megatron-LM's FSDP wrappers: the flags of each run. Megatron-FSDP saves and loads fsdp_dtensor alone (it cannot
-# load a torch_dist checkpoint: --from-scratch); FSDP2 takes torch_dist or torch_dcp (--ckpt-format).
+# load a torch_dist checkpoint: --format fsdp_dtensor, or --from-scratch); FSDP2 takes torch_dist or torch_dcp
+# (--ckpt-format).
 FSDP = {
     "megatron": ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"],
     "torch": ["--use-torch-fsdp2", "--no-gradient-accumulation-fusion"],
