@@ -63,6 +63,7 @@
 #   fsdp-in     on one GPU: Megatron-FSDP trained from hf-to-mcore --format fsdp_dtensor (dense, MoE, MLA with MTP),
 #               beside DDP from torch_dist and a planted fault (the conversion without its Adam step counts)
 #   fsdp-in-launch  on one GPU: the train.sh of such a conversion, as a user runs it
+#   fsdp2-dcp-in  on one GPU: FSDP2 saving torch_dcp from torch_dist conversions (--auto-detect-ckpt-format)
 #   fsdp-dp2    on two GPUs: the FSDP saves at data-parallel size 2 kept as fixtures, and FSDP2 at data-parallel size 2
 #               from a torch_dist conversion
 #   fsdp-dp2-train  on two GPUs: FSDP2 at data-parallel size 2 with its lr 1e-4 run, and a Megatron-FSDP save at EP 2
@@ -398,7 +399,8 @@ for stage in "$@"; do
     # step losses, its --lr 1e-4 losses). Beside them, DDP in bf16 from the torch_dist conversions of the same Llama and
     # Qwen3-MoE, whose losses Megatron-FSDP's must give from its first step on; a planted fault, the Llama conversion
     # with its Adam step counts taken out (Megatron-FSDP's loading step leaves them at 1: its first update is then
-    # smaller); and the Llama in fp32, where Megatron-LM's own load stops (its SwiGLU split: AttributeError).
+    # smaller); the Llama in fp32, where Megatron-LM's own load stops (its SwiGLU split: AttributeError); and Qwen2.5's
+    # tied embeddings.
     one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1
              --megatron-flag=--expert-tensor-parallel-size=1)
     runs=("--fsdp megatron --dtype bf16 --format fsdp_dtensor|$LLAMA_TINY:tp2"
@@ -407,7 +409,8 @@ for stage in "$@"; do
           "--fsdp megatron --dtype bf16 --format fsdp_dtensor|$QWEN3_MOE_TINY:ep2"
           "--fsdp megatron --dtype bf16 --format fsdp_dtensor --mtp|$DEEPSEEK_TINY:tp2ep2"
           "--dtype bf16|$QWEN3_MOE_TINY:ep2"
-          "--fsdp megatron --format fsdp_dtensor --steps 0|$LLAMA_TINY:tp1")
+          "--fsdp megatron --format fsdp_dtensor --steps 0|$LLAMA_TINY:tp1"
+          "--fsdp megatron --dtype bf16 --format fsdp_dtensor|qwen2.5-0.5b@2$TINY:tp1")
     code=0
     for run in "${runs[@]}"; do
       env -u CUDA_DEVICE_MAX_CONNECTIONS python3 scripts/gpu/gpu_train.py --nproc 1 ${run%%|*} "${one_run[@]}" \
@@ -416,6 +419,18 @@ for stage in "$@"; do
       note "$stage ${run%%|*}: exit $last"
       [ "$last" = 3 ] && code=3
     done
+    [ "$code" = 3 ] || mark "$stage"
+    ;;
+  fsdp2-dcp-in)
+    # On one GPU: FSDP2 saving its own torch_dcp (--ckpt-format torch_dcp) from torch_dist conversions, told to detect
+    # the format it loads (--auto-detect-ckpt-format; fp32; Llama, Qwen3-MoE converted for EP 2). Measured: its load
+    # stops (KeyError: 'model'), as without the flag.
+    one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1)
+    env -u CUDA_DEVICE_MAX_CONNECTIONS python3 scripts/gpu/gpu_train.py --nproc 1 --fsdp torch --ckpt-format torch_dcp \
+      --megatron-flag=--auto-detect-ckpt-format "${one_run[@]}" --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" \
+      --done-dir "$STATE" "$LLAMA_TINY:tp1" "$QWEN3_MOE_TINY:ep2" >> "$OUT/$stage.log" 2>&1
+    code=$?
+    note "$stage: exit $code"
     [ "$code" = 3 ] || mark "$stage"
     ;;
   fsdp-in-launch)
