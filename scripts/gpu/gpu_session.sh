@@ -167,6 +167,10 @@ QWEN3_MOE_TINY="qwen3-30b-a3b@2$TINY+head_dim=16+num_experts=8+num_experts_per_t
 DEEPSEEK_TINY="deepseek-v3@2$TINY+num_key_value_heads=4+q_lora_rank=48+kv_lora_rank=32+qk_nope_head_dim=32+qk_rope_head_dim=16"
 DEEPSEEK_TINY+="+v_head_dim=32+n_routed_experts=8+n_group=4+topk_group=2+num_experts_per_tok=4+moe_intermediate_size=32"
 DEEPSEEK_TINY+="+first_k_dense_replace=1"
+# gpu_train.py's flags that run a conversion written for TP, EP or ETP above 1 at 1 (torch_dist and fsdp_dtensor
+# reshard), on one GPU.
+AT_ONE=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1
+        --megatron-flag=--expert-tensor-parallel-size=1)
 # Each of "$@" is "OPTIONS|JOBS": gpu_train.py on two GPUs with them (FSDP wants CUDA_DEVICE_MAX_CONNECTIONS unset), the
 # saves kept in $WORK/fsdp-dp2-saves archived after each, so that a call cut short returns what it made.
 two_gpu_fsdp_runs() {
@@ -371,7 +375,6 @@ for stage in "$@"; do
     # torch_dist checkpoints saving torch_dist, and from random init saving torch_dcp; the runs' first step dumps
     # their weights, to hold the saves against. HF configs, tokens, loss logs and --lr 0 saves come back in
     # fsdp-saves-{megatron,torch}.tar.gz (tests/fixtures/fsdp). FSDP wants CUDA_DEVICE_MAX_CONNECTIONS unset.
-    one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1)
     runs=("--fsdp megatron|$LLAMA_TINY:tp2"
           "--fsdp megatron --dtype bf16 --from-scratch --mtp|$DEEPSEEK_TINY:tp1"
           "--fsdp torch|$LLAMA_TINY:tp2 $QWEN3_MOE_TINY:ep2"
@@ -380,7 +383,7 @@ for stage in "$@"; do
     code=0
     for run in "${runs[@]}"; do
       wrapper=${run#--fsdp }; wrapper=${wrapper%% *}  # megatron or torch: one archive each (16 MiB a file comes back)
-      env -u CUDA_DEVICE_MAX_CONNECTIONS python3 scripts/gpu/gpu_train.py --nproc 1 ${run%%|*} "${one_run[@]}" \
+      env -u CUDA_DEVICE_MAX_CONNECTIONS python3 scripts/gpu/gpu_train.py --nproc 1 ${run%%|*} "${AT_ONE[@]}" \
         --keep-saves "$WORK/fsdp-saves-$wrapper" --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" \
         ${run#*|} >> "$OUT/$stage.log" 2>&1
       last=$?
@@ -401,8 +404,6 @@ for stage in "$@"; do
     # with its Adam step counts taken out (Megatron-FSDP's loading step leaves them at 1: its first update is then
     # smaller); the Llama in fp32, where Megatron-LM's own load stops (its SwiGLU split: AttributeError); and Qwen2.5's
     # tied embeddings.
-    one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1
-             --megatron-flag=--expert-tensor-parallel-size=1)
     runs=("--fsdp megatron --dtype bf16 --format fsdp_dtensor|$LLAMA_TINY:tp2"
           "--dtype bf16|$LLAMA_TINY:tp2"
           "--fsdp megatron --dtype bf16 --format fsdp_dtensor --without-keys \\.step\$|$LLAMA_TINY:tp2"
@@ -413,7 +414,7 @@ for stage in "$@"; do
           "--fsdp megatron --dtype bf16 --format fsdp_dtensor|qwen2.5-0.5b@2$TINY:tp1")
     code=0
     for run in "${runs[@]}"; do
-      env -u CUDA_DEVICE_MAX_CONNECTIONS python3 scripts/gpu/gpu_train.py --nproc 1 ${run%%|*} "${one_run[@]}" \
+      env -u CUDA_DEVICE_MAX_CONNECTIONS python3 scripts/gpu/gpu_train.py --nproc 1 ${run%%|*} "${AT_ONE[@]}" \
         --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" ${run#*|} >> "$OUT/$stage.log" 2>&1
       last=$?
       note "$stage ${run%%|*}: exit $last"
@@ -425,9 +426,8 @@ for stage in "$@"; do
     # On one GPU: FSDP2 saving its own torch_dcp (--ckpt-format torch_dcp) from torch_dist conversions, told to detect
     # the format it loads (--auto-detect-ckpt-format; fp32; Llama, Qwen3-MoE converted for EP 2). Measured: its load
     # stops (KeyError: 'model'), as without the flag.
-    one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1)
     env -u CUDA_DEVICE_MAX_CONNECTIONS python3 scripts/gpu/gpu_train.py --nproc 1 --fsdp torch --ckpt-format torch_dcp \
-      --megatron-flag=--auto-detect-ckpt-format "${one_run[@]}" --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" \
+      --megatron-flag=--auto-detect-ckpt-format "${AT_ONE[@]}" --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" \
       --done-dir "$STATE" "$LLAMA_TINY:tp1" "$QWEN3_MOE_TINY:ep2" >> "$OUT/$stage.log" 2>&1
     code=$?
     note "$stage: exit $code"
@@ -450,10 +450,9 @@ for stage in "$@"; do
     # one-GPU run's dumped weights hold these saves too. Kept for tests/fixtures/fsdp (scripts/gpu/save_fixture.py),
     # one archive after each job; no --lr run (--steps 0).
     keep=(--keep-saves "$WORK/fsdp-dp2-saves" --steps 0)
-    one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1)
     runs=("--fsdp megatron --dtype bf16 --from-scratch --mtp ${keep[*]}|$DEEPSEEK_TINY:tp1"
           "--fsdp torch --ckpt-format torch_dcp --from-scratch --mtp ${keep[*]}|$DEEPSEEK_TINY:tp1"
-          "--fsdp torch ${one_run[*]}|$LLAMA_TINY:tp2")
+          "--fsdp torch ${AT_ONE[*]}|$LLAMA_TINY:tp2")
     two_gpu_fsdp_runs "$stage" "${runs[@]}"
     ;;
   fsdp-dp2-train)
@@ -461,8 +460,7 @@ for stage in "$@"; do
     # run (the loss falls); Megatron-FSDP at EP 2 (DeepSeek-V3's architecture with MTP, bf16, random init: the dense
     # weights sharded over the two data-parallel ranks, each rank's experts its own), its save judged by transformers'
     # loss on the export and kept (fsdp-dp2-saves.tar.gz).
-    one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1)
-    runs=("--fsdp torch ${one_run[*]}|$LLAMA_TINY:tp2"
+    runs=("--fsdp torch ${AT_ONE[*]}|$LLAMA_TINY:tp2"
           "--fsdp megatron --dtype bf16 --from-scratch --mtp --steps 0 --keep-saves $WORK/fsdp-dp2-saves|$DEEPSEEK_TINY:ep2")
     two_gpu_fsdp_runs "$stage" "${runs[@]}"
     ;;
@@ -533,8 +531,6 @@ for stage in "$@"; do
     # checkpoints that Megatron-LM's own load makes HybridModels of (HYBRID_ARGS). Each: step-1 loss against transformers, the loss falling, and the --lr 0 save (a
     # HybridModel training save) exported bit for bit.
     install_fla
-    one_run=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1
-             --megatron-flag=--expert-tensor-parallel-size=1)
     runs=("--model-class hybrid|$QWEN3_TINY:tp2 $DEEPSEEK_TINY:ep2"
           "--model-class hybrid --mtp|$DEEPSEEK_TINY:tp2 ${DEEPSEEK_V32}+hidden_size=2048:tp2"
           "--model-class hybrid --megatron-flag=--deterministic-mode|${QWEN3_5}:tp2"
@@ -544,7 +540,7 @@ for stage in "$@"; do
     # HYBRID_RUNS: the indices of the runs to do, in that order (default: all).
     for i in ${HYBRID_RUNS:-${!runs[@]}}; do
       run=${runs[$i]}
-      python3 scripts/gpu/gpu_train.py --nproc 1 ${run%%|*} "${one_run[@]}" --work "$WORK/train" --out "$OUT" \
+      python3 scripts/gpu/gpu_train.py --nproc 1 ${run%%|*} "${AT_ONE[@]}" --work "$WORK/train" --out "$OUT" \
         --deadline-s "$(left)" --done-dir "$STATE" ${run#*|} >> "$OUT/$stage.log" 2>&1
       last=$?
       note "$stage ${run%%|*}: exit $last"
