@@ -285,8 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-mtp", action="store_true",
         help="leave out the multi-token prediction layers the checkpoint holds (DeepSeek-V3, GLM-4.5)",
     )
-    to_mcore.add_argument("--format", choices=("torch_dist", "fsdp_dtensor"), default="torch_dist", help="torch_dist (default; "
-                          "what DDP and FSDP2 runs load), or fsdp_dtensor for a Megatron-FSDP run (--use-megatron-fsdp)")
+    to_mcore.add_argument("--format", choices=("torch_dist", "fsdp_dtensor"), default="torch_dist",
+                          help="torch_dist (default; what DDP and FSDP2 runs load), or fsdp_dtensor for a Megatron-FSDP "
+                          "run (--use-megatron-fsdp)")
     to_mcore.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
     _add_workers_flag(to_mcore)
     to_mcore.add_argument(

@@ -23,7 +23,8 @@ Places = Callable[[Piece], list[tuple[str, slice]]]
 def plan_parallelism(run: Parallelism) -> Parallelism:
     """The plan's layout for a run at `run`: TP and EP 1 (each tensor whole), the vocabulary padded as the run's TP
     pads it."""
-    return dataclasses.replace(run, tp=1, ep=1, etp=None, make_vocab_size_divisible_by=run.make_vocab_size_divisible_by * run.tp)
+    divisible_by = run.make_vocab_size_divisible_by * run.tp
+    return dataclasses.replace(run, tp=1, ep=1, etp=None, make_vocab_size_divisible_by=divisible_by)
 
 
 def _names(piece: Piece, grouped_experts: bool) -> list[str]:
@@ -33,12 +34,14 @@ def _names(piece: Piece, grouped_experts: bool) -> list[str]:
 
 
 def _places(piece: Piece, grouped_experts: bool, swiglu: bool) -> list[tuple[str, slice]]:
-    return [place for name in _names(piece, grouped_experts) for place in fsdp_dtensor.stored_halves(name, piece.layout.shape[0], swiglu)]
+    rows = piece.layout.shape[0]
+    return [place for name in _names(piece, grouped_experts) for place in fsdp_dtensor.stored_halves(name, rows, swiglu)]
 
 
 def places_for(args: argparse.Namespace) -> Places:
     """Where the run `args` describe reads a piece: (key, rows of the piece's tensor) for each key that holds it."""
-    return functools.partial(_places, grouped_experts=bool(getattr(args, "moe_grouped_gemm", False)), swiglu=bool(args.swiglu))
+    grouped = bool(getattr(args, "moe_grouped_gemm", False))
+    return functools.partial(_places, grouped_experts=grouped, swiglu=bool(args.swiglu))
 
 
 def declare(writer: DCPWriter, plan: Plan, places: Places) -> None:

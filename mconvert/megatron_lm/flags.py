@@ -230,7 +230,8 @@ def load_flags(checkpoint_dir: Path, ckpt_format: str = "torch_dist") -> list[st
     leaves the rest as the run made it."""
     load = f"--load {shlex.quote(str(checkpoint_dir.absolute()))}"
     if ckpt_format == "fsdp_dtensor":
-        return [load, "--use-megatron-fsdp", "--ckpt-format fsdp_dtensor", "--no-strict-fsdp-dtensor-load", "--no-load-rng"]
+        return [load, "--use-megatron-fsdp", "--ckpt-format fsdp_dtensor", "--no-strict-fsdp-dtensor-load",
+                "--no-load-rng"]
     return [load, f"--ckpt-format {ckpt_format}", "--finetune", "--no-load-optim", "--no-load-rng"]
 
 

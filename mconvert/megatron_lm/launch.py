@@ -133,7 +133,9 @@ def write_launch(directory: Path, final_dir: Path, par: Parallelism, ckpt_format
     final_dir = final_dir.absolute()
     entry = TRAINING_SCRIPTS[par.model_class]
     load_rest = " ".join(load_flags(final_dir, ckpt_format)[1:])  # all but --load, which names the variable
-    body = _BODY.format(checkpoint=final_dir, tp=par.tp, pp=par.pp, ep=par.ep, etp=par.expert_tp, entry=entry, load_rest=load_rest)
+    body = _BODY.format(
+        checkpoint=final_dir, tp=par.tp, pp=par.pp, ep=par.ep, etp=par.expert_tp, entry=entry, load_rest=load_rest
+    )
     expert_rule = f" and of ETP x EP x PP = {par.expert_tp * par.ep * par.pp}" if par.ep > 1 else ""
     common = dict(gpus=GPUS_PER_NODE, port=MASTER_PORT, body=body, entry=entry)
     torchrun = directory / TORCHRUN_SCRIPT
