@@ -113,6 +113,20 @@ def test_pipeline_stages_are_refused_for_fsdp_dtensor(hf_model_factory, tmp_path
     assert_nothing_left(out)
 
 
+@pytest.mark.parametrize("config, flags, tensor", [
+    ("qwen3-next-80b-a3b-instruct", [], "self_attention.conv1d.weight.query"),
+    ("nemotron-3-nano-30b-a3b", ["--model-class", "hybrid"], "in_proj.weight.z"),
+])
+def test_sectioned_tensors_are_refused_for_fsdp_dtensor(config, flags, tensor, hf_model_factory, tmp_path):
+    """Gated delta-net's and Mamba's in_proj: megatron-core keys their sections apart, Megatron-FSDP stores the fused
+    parameter, whose rows follow the run's TP; its partial load would skip the sections' names without a word."""
+    out, overrides = tmp_path / "fsdp", {"hybrid_override_pattern": "M*-E"} if config.startswith("nemotron") else {}
+    hf = hf_model_factory(config, layers=4, **overrides)
+    done = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", out, "--format", "fsdp_dtensor", *flags)
+    assert_one_line_error(done, "--format fsdp_dtensor", tensor, "Megatron-FSDP stores fused")
+    assert_nothing_left(out)
+
+
 def test_the_api_writes_it_without_torch_dists_files(hf_model_factory, tmp_path):
     result = convert_hf_to_mcore(hf_model_factory("qwen3-30b-a3b"), tmp_path / "fsdp", ckpt_format="fsdp_dtensor")
     assert result.args.ckpt_format == "fsdp_dtensor"

@@ -11,8 +11,10 @@ from typing import Callable
 
 from mconvert.converters.model_keyed import model_name, piece_wheres
 from mconvert.converters.plan import Piece, Plan
+from mconvert.errors import ConversionError
 from mconvert.formats.dcp_writer import DCPWriter
 from mconvert.formats.torch_save import saved_bytes
+from mconvert.mappings.transforms import Section
 from mconvert.mcore import fsdp_dtensor
 from mconvert.mcore.checkpoint import CHECKPOINT_VERSION
 from mconvert.mcore.parallelism import Parallelism
@@ -25,6 +27,18 @@ def plan_parallelism(run: Parallelism) -> Parallelism:
     pads it."""
     divisible_by = run.make_vocab_size_divisible_by * run.tp
     return dataclasses.replace(run, tp=1, ep=1, etp=None, make_vocab_size_divisible_by=divisible_by)
+
+
+def check_plan(plan: Plan) -> None:
+    """Refuse a model that holds tensors megatron-core keys by section (gated delta-net's and Mamba's in_proj and
+    conv1d): Megatron-FSDP stores each as its one fused parameter, whose rows follow the run's tensor-parallel ranks,
+    and its load would skip the sections' names without a word."""
+    sectioned = next((piece for piece in plan.pieces if isinstance(piece.entry, Section)), None)
+    if sectioned is not None:
+        raise ConversionError(
+            f"--format {fsdp_dtensor.FORMAT}: {plan.family.name}'s {sectioned.key} is a section of a tensor that "
+            "Megatron-FSDP stores fused, its rows in the run's tensor-parallel order; not written in this format"
+        )
 
 
 def _names(piece: Piece, grouped_experts: bool) -> list[str]:

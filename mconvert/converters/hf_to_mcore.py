@@ -333,6 +333,8 @@ def convert_hf_to_mcore(
         parallelism.validate(spec)
         planned = fsdp_out.plan_parallelism(parallelism)
     hf, plan, held = import_plan(load_dir, config, family, spec, planned, dtype, mtp, allow_nonfinite)
+    if fsdp:
+        fsdp_out.check_plan(plan)
     spec = plan.spec
     args = megatron_args(spec, parallelism, plan.dtype, transformer_impl, tokenizer_dir=load_dir)
     places = None
