@@ -33,6 +33,8 @@ MODELS = {
     # (mtp_model_layer) are those of a real Megatron-FSDP save (tests/test_fsdp_dtensor_out.py).
     "llama3.1": ("llama-3.1-8b", Parallelism(tp=2)),
     "glm4.5-air": ("glm-4.5-air", Parallelism(tp=2, ep=2)),
+    # megatron-core's HybridModel: each layer's attention and MLP layers of their own.
+    "qwen3-hybrid": ("qwen3-8b", Parallelism(tp=2, model_class="hybrid")),
 }
 
 
@@ -67,7 +69,7 @@ def test_every_tensor_of_megatron_lms_model_is_where_megatron_fsdp_reads_it(name
     if not (hf / "tokenizer.json").exists():
         write_word_tokenizer(hf, 1000)
     torch_dist, fsdp = tmp_path / "torch_dist", tmp_path / "fsdp"
-    convert_hf_to_mcore(hf, torch_dist)
+    convert_hf_to_mcore(hf, torch_dist, parallelism=Parallelism(model_class=parallelism.model_class))
     # The local spec's experts are SequentialMLP's (local_experts.<j>); under TE, TEGroupedMLP's (weight<j>).
     convert_hf_to_mcore(hf, fsdp, parallelism=parallelism, ckpt_format="fsdp_dtensor", transformer_impl="local")
     expected = run_ranks(model_tensors, script_arrays(torch_dist, "MODEL_ARGS", "LOAD_ARGS") + RUN_FLAGS + CPU_FLAGS)
