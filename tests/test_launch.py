@@ -166,3 +166,18 @@ def test_default_nodes_hold_a_multiple_of_the_model_and_expert_grids():
     assert min_world_size(Parallelism(tp=8, pp=2)) == 16 and default_nodes(Parallelism(tp=8, pp=2)) == 2
     assert min_world_size(Parallelism(tp=2, ep=8, etp=1)) == 8 and default_nodes(Parallelism(tp=2, ep=8, etp=1)) == 1
     assert min_world_size(Parallelism(tp=4, pp=3, ep=2, etp=4)) == 24 and default_nodes(Parallelism(tp=4, pp=3, ep=2, etp=4)) == 3
+
+
+def test_an_fsdp_dtensor_conversions_train_sh_runs_megatron_fsdp(hf_model_factory, tmp_path):
+    """Its LOAD_ARGS make the run Megatron-FSDP's, which wants CUDA_DEVICE_MAX_CONNECTIONS unset even at TP 2 before
+    Blackwell; they resume (no --finetune), as measured on the GPU (docs/verification.md)."""
+    out = tmp_path / "fsdp"
+    hf = str(hf_model_factory("qwen2.5-7b-instruct"))
+    assert main(["hf-to-mcore", "--load-dir", hf, "--save-dir", str(out), "--tp", "2", "--format", "fsdp_dtensor", "--quiet"]) == 0
+    run, nodes = launch(out, tmp_path, "train.sh", gpus=2, compute_cap="9.0")
+    assert run.returncode == 0, run.stderr
+    argv, connections = nodes["node-0"]
+    assert connections == "unset"
+    script_args = torchrun_args(argv).training_script_args
+    assert "--use-megatron-fsdp" in script_args and "--no-strict-fsdp-dtensor-load" in script_args
+    assert script_args[script_args.index("--ckpt-format") + 1] == "fsdp_dtensor" and "--finetune" not in script_args
