@@ -17,6 +17,7 @@ from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
 from mconvert.mappings import get_mapping
 from mconvert.mappings.spec import ModelSpec
+from mconvert.mcore import fsdp_dtensor
 from mconvert.mcore.checkpoint import TRACKER_FILE
 from mconvert.mcore.parallelism import Parallelism, padded_vocab_size
 from mconvert.megatron_lm.args import parallelism_from_args
@@ -131,7 +132,7 @@ def inspect_megatron(load_dir: Path) -> dict[str, Any]:
         tensors.append(entry)
     if isinstance(source, TorchDistTensors):
         suits = suitable_layouts(spec, embedding_rows, written_for.make_vocab_size_divisible_by)
-    elif source.format == "fsdp_dtensor":
+    elif source.format == fsdp_dtensor.FORMAT:
         # Each tensor whole, read by a Megatron-FSDP run at any TP its vocabulary padding allows and any EP (measured:
         # conversions for TP 2 and EP 2 run at 1); one pipeline stage.
         suits = suitable_layouts(spec, embedding_rows, written_for.make_vocab_size_divisible_by) | {"pp": [1]}

@@ -11,7 +11,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +21,6 @@ from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces
 from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
 from mconvert.converters.progress import NoProgress, Progress
-from mconvert.errors import ConversionError
 from mconvert.formats import dcp_writer
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
 from mconvert.formats.quantized import fp8_block_size, is_mxfp4
@@ -238,7 +237,7 @@ def write_pieces(
     workers: int,
     ranks: Ranks,
     progress: Progress,
-    places: Callable[[Piece], list[tuple[str, slice]]] | None = None,
+    places: fsdp_out.Places | None = None,
 ) -> None:
     """Build and write this rank's share of the pieces on `workers` threads, each writing its own data files.
     Pieces are read and built ahead of their writing (see parallel.run_pieces), so that reading overlaps
@@ -323,24 +322,13 @@ def convert_hf_to_mcore(
     family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
     check_target(save_dir, overwrite)
     fsdp = ckpt_format == fsdp_dtensor.FORMAT
-    planned = parallelism
-    if fsdp:
-        if parallelism.pp > 1:
-            raise ConversionError(
-                f"--format {ckpt_format} with --pp {parallelism.pp}: Megatron-FSDP's checkpoints name each pipeline "
-                "stage's layers from 0, so the stages' layers cannot be told apart"
-            )
-        parallelism.validate(spec)
-        planned = fsdp_out.plan_parallelism(parallelism)
+    planned = fsdp_out.plan_parallelism(parallelism, spec) if fsdp else parallelism
     hf, plan, held = import_plan(load_dir, config, family, spec, planned, dtype, mtp, allow_nonfinite)
-    if fsdp:
-        fsdp_out.check_plan(plan)
     spec = plan.spec
     args = megatron_args(spec, parallelism, plan.dtype, transformer_impl, tokenizer_dir=load_dir)
-    places = None
     if fsdp:
         args.ckpt_format = ckpt_format
-        places = fsdp_out.places_for(args)
+    fsdp_layout = fsdp_out.FsdpDtensorOut(plan, args) if fsdp else None
     flags = megatron_flags(args)
 
     with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
@@ -357,15 +345,15 @@ def convert_hf_to_mcore(
                 follow=lambda path, written, closed: hashing.enter_context(hashed_while_written(path, written, closed)),
             )
             try:
-                if places is None:
+                if fsdp_layout is None:
                     dtypes = plan.key_dtypes()
                     for key, shape in plan.shapes.items():
                         writer.declare(key, shape, dtypes[key])
                     objects = [(key, EMPTY_EXTRA_STATE) for key in plan.extra_state_keys]
                 else:
-                    fsdp_out.declare(writer, plan, places)
-                    objects = fsdp_out.objects(plan, args)
-                write_pieces(plan, hf, writer, workers, ranks, progress, places)
+                    fsdp_layout.declare(writer)
+                    objects = fsdp_layout.objects()
+                write_pieces(plan, hf, writer, workers, ranks, progress, fsdp_layout.places if fsdp_layout else None)
                 if ranks.is_first:
                     for key, saved in objects:
                         writer.write_object(key, saved)

@@ -7,6 +7,7 @@ import argparse
 import shlex
 from pathlib import Path
 
+from mconvert.mcore import fsdp_dtensor
 from mconvert.mcore.parallelism import PipelineSplit
 from mconvert.megatron_lm.args import (
     FLAG_OF_ARG,
@@ -229,8 +230,8 @@ def load_flags(checkpoint_dir: Path, ckpt_format: str = "torch_dist") -> list[st
     setting the checkpoint would hold. With --no-strict-fsdp-dtensor-load it loads what the checkpoint holds and
     leaves the rest as the run made it."""
     load = f"--load {shlex.quote(str(checkpoint_dir.absolute()))}"
-    if ckpt_format == "fsdp_dtensor":
-        return [load, "--use-megatron-fsdp", "--ckpt-format fsdp_dtensor", "--no-strict-fsdp-dtensor-load",
+    if ckpt_format == fsdp_dtensor.FORMAT:
+        return [load, "--use-megatron-fsdp", f"--ckpt-format {ckpt_format}", "--no-strict-fsdp-dtensor-load",
                 "--no-load-rng"]
     return [load, f"--ckpt-format {ckpt_format}", "--finetune", "--no-load-optim", "--no-load-rng"]
 
