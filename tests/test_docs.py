@@ -85,3 +85,45 @@ def test_quickstart_commands_run(tmp_path):
             assert kind == "", kind
             run(script)
     assert (work / "qwen-hf-back" / "mconvert.sha256").exists()
+
+
+MARKDOWN = [REPO / "README.md", REPO / "scripts" / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+FENCE = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6} +(.+?) *#*$", re.MULTILINE)
+HTML_ANCHOR = re.compile(r"<a (?:id|name)=\"([^\"]+)\"")
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings (lower case, punctuation but `-` and `_` dropped, spaces to
+    `-`, a repeated one suffixed -1, -2, ...), and those of its `<a id=...>` tags."""
+    text = FENCE.sub("", page.read_text())
+    found: set[str] = set(HTML_ANCHOR.findall(text))
+    seen: dict[str, int] = {}
+    for heading in HEADING.findall(text):
+        plain = LINK.sub(lambda link: link.group(0)[1 : link.group(0).index("](")], heading).replace("`", "")
+        slug = re.sub(r"[^\w\- ]", "", plain.lower()).replace(" ", "-")
+        found.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+def broken_links(pages: list[Path]) -> list[str]:
+    """Each relative link of the pages whose file or anchor does not exist, as `page: target`."""
+    broken = []
+    for page in pages:
+        for target in LINK.findall(FENCE.sub("", page.read_text())):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists() or (anchor and (linked.suffix != ".md" or anchor not in anchors(linked))):
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+    return broken
+
+
+def test_relative_links_resolve():
+    """Every relative link in README.md, scripts/README.md and docs/ names a file that exists, and an anchor
+    that one of its headings (or `<a id>` tags) gives."""
+    assert len(MARKDOWN) > 10
+    assert broken_links(MARKDOWN) == []
