@@ -191,7 +191,8 @@ class Evidence:
         """The layout cases dealt among SHARDS torchruns of each world size, each torchrun's in layout order (its
         parallel state made anew only at a change of layout), a case's two parts together."""
         order = {name: index for index, name in enumerate(LAYOUTS)}
-        cases = sorted(self.layout_cases, key=lambda case: order[case[1]])
+        # The cases whose kernels compile dealt first, one a torchrun in turn: each torchrun compiles them once.
+        cases = sorted(self.layout_cases, key=lambda case: (not FAMILY[case[0]].compiles_kernels, order[case[1]]))
         shards = max(1, min(int(os.environ.get("MCONVERT_GPU_SHARDS", "3")), len(cases)))
         dealt = {case: (LAYOUTS[case[1]].world, index % shards) for index, case in enumerate(cases)}
         self.outputs = self.work / "megatron_lm"
@@ -277,7 +278,7 @@ class Evidence:
                     lock.notify()
 
         with concurrent.futures.ThreadPoolExecutor(len(slots)) as pool:
-            list(pool.map(train, self.training))
+            list(pool.map(train, sorted(self.training, key=lambda family: not FAMILY[family].compiles_kernels)))
 
     def training_dir(self, family: str) -> Path:
         return self.work / "train" / family

@@ -27,6 +27,7 @@ def test_every_family_mconvert_converts_has_a_case_and_every_layout_a_reason():
         assert set(SHOWN_LAYOUTS) - set(family.layouts) == set(family.skipped), family.name
         assert all(LAYOUTS[name].world == 4 for name in family.layouts), family.name
     assert ("gpt_oss", "tp2ep2", "biased experts: megatron-core takes them at ETP 1 only (tp2ep4etp1 instead)") in layout_cases()
+    assert ("gpt_oss", "tp2pp2etp1", None) in layout_cases()
 
 
 def run_pytest(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -53,8 +54,8 @@ def test_k_selects_one_familys_cases():
     run = run_pytest("-m", "gpu", "tests/gpu", "-k", "gpt_oss", "--collect-only", "-q")
     collected = [line for line in run.stdout.splitlines() if "::" in line]
     assert collected and all("gpt_oss" in line for line in collected), run.stdout
-    # Megatron-LM and verify at four layouts (one shown skipped), and the training test.
-    assert len(collected) == 2 * 4 + 1
+    # Megatron-LM and verify at five layouts (two shown skipped), and the training test.
+    assert len(collected) == 2 * 5 + 1
 
 
 def result(family, layout, test, metric, value, threshold, passed, date="2026-11-27T10:00:00+00:00", **details):
