@@ -18,6 +18,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -97,11 +98,11 @@ def environment() -> dict:
 
     import torch
 
+    # The kernels' packages are installed where only the Megatron runs look (gpu_evidence._environment).
+    path = sys.path + os.environ.get("MCONVERT_GPU_KERNELS_PATH", "").split(os.pathsep)
+
     def version(name: str) -> str | None:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return None
+        return next((found.version for found in importlib.metadata.distributions(name=name, path=path)), None)
 
     if torch.cuda.is_available():
         names = [torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())]
@@ -114,8 +115,8 @@ def environment() -> dict:
         "versions": {
             "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "transformers": version("transformers"), "megatron-core": version("megatron-core"),
-            "transformer-engine": version("transformer-engine") or version("transformer_engine"),
-            "flash-linear-attention": version("flash-linear-attention"), "mconvert": version("mconvert"),
+            "transformer-engine": version("transformer_engine"), "flash-linear-attention": version("flash_linear_attention"),
+            "mamba_ssm": version("mamba_ssm"), "mconvert": version("mconvert"),
             "commit": commit.stdout.strip() or os.environ.get("MCONVERT_COMMIT"),
         },
     }
