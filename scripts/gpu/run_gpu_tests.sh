@@ -17,7 +17,8 @@
 # verification.md (docs/verification.md with its GPU tables made from them: scripts/gpu/results_to_docs.py),
 # gpu_tests.log (the install and pytest), gpu_logs.tar.gz (the torchruns', jobs' and training runs' logs).
 # RUN_BUDGET_S (default 580): the whole command's seconds; no job starts in its last 100, pytest stops 20 s before it.
-# PYTHON (default python3): the interpreter, the GPU machine's (Python 3.12 with torch).
+# PYTHON (default python3): the interpreter, the GPU machine's (Python 3.12 with torch). MCONVERT_COMMIT: the commit each
+# result names where the tree has no .git (a lent machine's copy).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 

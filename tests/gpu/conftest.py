@@ -109,7 +109,9 @@ def environment() -> dict:
         machine = f"{len(names)} x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
     else:
         machine = f"CPU ({os.cpu_count()} cores)"
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    # A copy of the tree (a lent machine's) may have no git, or no .git: MCONVERT_COMMIT says the commit then.
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True) \
+        if shutil.which("git") else subprocess.CompletedProcess([], 1, "")
     return {
         "device": machine,
         "versions": {
@@ -117,7 +119,7 @@ def environment() -> dict:
             "transformers": version("transformers"), "megatron-core": version("megatron-core"),
             "transformer-engine": version("transformer_engine"), "flash-linear-attention": version("flash_linear_attention"),
             "mamba_ssm": version("mamba_ssm"), "mconvert": version("mconvert"),
-            "commit": commit.stdout.strip() or os.environ.get("MCONVERT_COMMIT"),
+            "commit": os.environ.get("MCONVERT_COMMIT") or commit.stdout.strip() or None,
         },
     }
 
