@@ -1,19 +1,12 @@
 #!/usr/bin/env bash
-# One GPU session for the Transformer Engine and Megatron-LM training evidence (docs/verification.md), on the
-# 2-GPU machine (Python 3.12, torch 2.11 with CUDA 13, no network). Files in /tmp there survive only while the
-# machine is kept (about 30 s after a call), so the calls after `prepare` go back to back:
+# GPU sessions for the evidence that tests/gpu does not hold (docs/verification.md; the families at the four-GPU layouts
+# and their training steps: scripts/gpu/run_gpu_tests.sh), on the lent machines (Python 3.12, torch 2.11 with CUDA 13,
+# no network). Files in /tmp there survive only while the machine is kept (about 30 s after a call), so the calls
+# after `prepare` go back to back:
 #
-#   here:   bash scripts/gpu/gpu_session.sh prepare                  # wheels and the five TE parts (git-ignored)
-#   there:  bash scripts/gpu/gpu_session.sh part N                   # N = 1..4, one call each, carrying .tepN
-#   there:  bash scripts/gpu/gpu_session.sh run 540 install train    # carrying .tep5, .tebuild and .whl
-#
-# A call carries the tracked tree too (32 MB with the training-save fixtures), which leaves no room for a 56 MiB part beside
-# it: cut the five parts into chunks that fit, and carry those instead, one a call, in order:
-#   here:   bash scripts/gpu/gpu_session.sh chunks                   # build/tepc/0 ... (28 MiB each, or $CHUNK_MB)
-#   there:  bash scripts/gpu/gpu_session.sh chunk N                  # N = 0, 1, ..., carrying build/tepc/N
-#   there:  bash scripts/gpu/gpu_session.sh run 540 install ...      # carrying .tebuild and .whl: the parts made anew
-#   there:  bash scripts/gpu/gpu_session.sh run 540 install verify   # carrying .tebuild and .whl (install: done)
-#   there:  bash scripts/gpu/gpu_session.sh run 540 install train te-export launch verify-mla   # what is left
+#   here:   bash scripts/gpu/gpu_session.sh prepare                  # wheels, and TE's core wheel in chunks (git-ignored)
+#   there:  bash scripts/gpu/gpu_session.sh chunk N                  # a call each chunk prepare names, carrying build/tepc/N
+#   there:  bash scripts/gpu/gpu_session.sh run 540 install te-export launch   # carrying .tebuild and .whl
 #
 # $MODEL replaces the MoE shape of profile and one-worker (a small one, e.g. qwen3-30b-a3b@1, to try them on
 # the CPU box first).
@@ -23,11 +16,11 @@
 # they come (train.jsonl, verify/results.jsonl, te_export.jsonl, a log per stage, the versions in
 # session.log: at most 8 files come back from a call); a stage done in an earlier call of the same session is
 # skipped (marker in /tmp/mconvert-session).
-#   install     megatron-core 0.19.2 and Transformer Engine 2.20.2 into /tmp/site (scripts/gpu/gpu_te_setup.sh)
+#   install     megatron-core 0.19.2 and Transformer Engine 2.20.2 into /tmp/site, flash-linear-attention and mamba_ssm
+#               into /tmp/site-kernels (scripts/gpu/gpu_te_setup.sh install)
 #   mcore       megatron-core 0.19.2 alone into /tmp/site (carry .whl): enough for bench
-#   train       Megatron-LM training steps from converted checkpoints (scripts/gpu/gpu_train.py)
-#   launch      the same through the train.sh a conversion writes (scripts/gpu/gpu_train.py --launcher train.sh)
-#   verify      mconvert verify --spec te on real shapes (scripts/gpu/gpu_verify.py)
+#   launch      Megatron-LM training steps through the train.sh a conversion writes (scripts/gpu/gpu_train.py --launcher
+#               train.sh), on two GPUs
 #   verify-mla  the same for GLM-4.5-Air and DeepSeek-V3, cut to their first dense and first MoE layer
 #   train-mla   on one GPU: Megatron-LM training steps from DeepSeek-V3 and GLM-4.5-Air cuts (hidden 2048, 32 experts;
 #               MTP=1: with their multi-token prediction layers)
@@ -42,7 +35,7 @@
 #               with 32 of its 256 experts: verify --spec te at real width at TP 1 from a TP 2 x EP 2 save, and
 #               Megatron-LM training steps (hidden 2048, 16 experts)
 #   qwen-gdn-verify  on one GPU: Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (gated delta-net) cut to 4 layers at real width:
-#               verify --spec te at TP 1 as written and from TP 2 x EP 2 and PP 2 saves (carry .whl: fla's wheels)
+#               verify --spec te at TP 1 as written and from TP 2 x EP 2 and PP 2 saves (after install: fla)
 #   qwen-gdn-train  the same families' Megatron-LM training steps on one GPU
 #   dsa-verify  on one GPU: DeepSeek-V3.2 and GLM-5.1 (sparse attention) cut to a dense and an MoE layer at real
 #               width: verify --spec te at TP 1 as written and from TP 2 x EP 2 and TP 2 x PP 2 saves
@@ -51,7 +44,7 @@
 #               with MoE and MTP, gated delta-net, sparse attention) and from GPT checkpoints with HYBRID_ARGS
 #   hybrid-verify  on one GPU: mconvert verify --spec te of hybrid checkpoints (HybridModel, megatron-core alone) at real
 #               width, written at TP 2 / EP 2 and run at TP 1: MLA with a dense first layer and MoE, gated delta-net,
-#               sparse attention, sliding windows with sinks (carry .whl: fla's wheels)
+#               sparse attention, sliding windows with sinks (after install: fla)
 #   peers       on one GPU host: Megatron-Bridge, ms-swift and mbridge beside mconvert, both ways, timed whole, tensor
 #               for tensor (scripts/gpu/gpu_peers.py; wheels: peers_setup.sh prepare, carried by peer-wheels and this call)
 #   peers-new   on one GPU host: the same for what peers left: ms-swift on the DeepSeek-V3 cut, then gpt-oss, Qwen3-Next,
@@ -71,7 +64,7 @@
 #               in $OLD_TREE (scripts/bench/bench_start.py; carry it, e.g. build/old made by `git archive COMMIT mconvert`)
 #   fp8-bench   conversion from FP8 hub weights (Kimi-K2's and MiniMax-M2.7's shapes, cut) on this host's cores and disk
 #   nemotron-h  on one GPU: Nemotron-H (Mamba-2) as HybridModel: verify --spec te at real width, and Megatron-LM training
-#               steps (carry .whl: mamba_ssm built without its CUDA extension, einops)
+#               steps (after install: mamba_ssm built without its CUDA extension)
 #   hybrid-pp2  on two GPUs: a Megatron-LM HybridModel training save at PP 2 (with MTP), exported bit for bit
 #   train-distopt  on one GPU: Megatron-LM training steps with --use-distributed-optimizer (Qwen2.5-0.5B's shape and
 #               Qwen3-30B-A3B's first 2 layers), whose saves hold that optimizer's state beside the weights
@@ -108,29 +101,12 @@ STATE=/tmp/mconvert-session
 WORK=/tmp/mconvert-work
 
 case "${1:-}" in
-prepare)
-  exec bash scripts/gpu/gpu_te_setup.sh prepare
-  ;;
-chunks)
-  rm -rf build/tepc && mkdir -p build/tepc
-  cat .tep1/tepart_0 .tep2/tepart_1 .tep3/tepart_2 .tep4/tepart_3 .tep5/tepart_4 | split -b "${CHUNK_MB:-28}M" -d -a 1 - build/tepc/chunk_
-  for chunk in build/tepc/chunk_*; do mkdir -p "build/tepc/${chunk##*_}" && mv "$chunk" "build/tepc/${chunk##*_}/"; done
-  du -sh build/tepc/*
-  exit
+prepare | chunk)
+  exec bash scripts/gpu/gpu_te_setup.sh "$@"
   ;;
 peer-wheels)
   # The peers' wheel folders carried with this call (build/peers/wheels/...), kept for the peers stage.
   mkdir -p /tmp/peerwheels && cp -r build/peers/wheels/* /tmp/peerwheels/ && du -sh /tmp/peerwheels/*
-  exit
-  ;;
-chunk)
-  n=${2:?chunk number 0, 1, ...}
-  cat build/tepc/"$n"/chunk_"$n" >> /tmp/teblob && ls -l /tmp/teblob
-  exit
-  ;;
-part)
-  n=${2:?part number 1..5}
-  mkdir -p /tmp/teparts && cp .tep"$n"/* /tmp/teparts/ && ls -l /tmp/teparts
   exit
   ;;
 run)
@@ -138,7 +114,7 @@ run)
   shift 2
   ;;
 *)
-  echo "usage: $0 prepare | part N | run SECONDS STAGE..." >&2
+  echo "usage: $0 prepare | chunk N | run SECONDS STAGE..." >&2
   exit 2
   ;;
 esac
@@ -187,12 +163,10 @@ two_gpu_fsdp_runs() {
   [ "$code" = 3 ] || mark "$stage"
 }
 install_fla() {
-  # fla's kernels with one autotune config each (scripts/gpu/fla_one_config/sitecustomize.py): no compiling and
-  # timing of every config on a machine that keeps no Triton cache.
-  export PYTHONPATH=$PWD/scripts/gpu/fla_one_config:$PYTHONPATH
-  python3 -c "import fla" 2>/dev/null && return
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fla_core-*.whl \
-    .whl/flash_linear_attention-*.whl .whl/einops-*.whl >> "$OUT/session.log" 2>&1
+  # fla as the install stage left it in /tmp/site-kernels, its kernels with one autotune config each
+  # (scripts/gpu/fla_one_config/sitecustomize.py): no compiling and timing of every config on a machine that keeps no
+  # Triton cache.
+  export PYTHONPATH=$PWD/scripts/gpu/fla_one_config:/tmp/site-kernels:$PYTHONPATH
   python3 -c "import fla; print('flash-linear-attention', fla.__version__)" >> "$OUT/session.log" 2>&1
 }
 verify_and_train() {
@@ -218,10 +192,6 @@ for stage in "$@"; do
   note "$stage: start ($(left) s left)"
   case "$stage" in
   install)
-    # A TE part carried with this call (the last one fits beside .tebuild and .whl) joins the others.
-    for part in .tep?; do [ -d "$part" ] && mkdir -p /tmp/teparts && cp "$part"/* /tmp/teparts/; done
-    # The chunks' concatenation is the five parts' (the parts are 56 MiB cuts of TE's core wheel).
-    [ -f /tmp/teblob ] && mkdir -p /tmp/teparts && split -b 56M -d -a 1 /tmp/teblob /tmp/teparts/tepart_
     if python3 -c "import megatron.training, transformer_engine.pytorch" 2>/dev/null; then
       mark install
     else
@@ -239,24 +209,6 @@ for stage in "$@"; do
     # megatron-core alone (carry .whl), for the stages that build its models with the local spec (bench).
     python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/megatron_core-*.whl
     python3 -c "import megatron.core as m; print('megatron-core', m.__version__)" >> "$OUT/session.log" 2>&1 && mark mcore
-    ;;
-  train)
-    # Dense TP=2 and PP=2 on Qwen2.5-0.5B's shape (all 24 layers, tied embeddings), MoE EP=2 on Qwen3-30B-A3B's
-    # (first 2 layers: 128 experts of full width).
-    python3 scripts/gpu/gpu_train.py --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" \
-      qwen2.5-0.5b:tp2 qwen3-30b-a3b@2:ep2 qwen2.5-0.5b:pp2 > "$OUT/train.log" 2>&1
-    code=$?
-    note "train: exit $code"
-    [ "$code" = 3 ] || mark train  # 3: jobs left for a later call
-    ;;
-  verify)
-    # Real widths, first 8 layers (device time: the whole 32- and 36-layer models took 60 to 80 s each to
-    # verify, with the local spec).
-    python3 scripts/gpu/gpu_verify.py --spec te --work "$WORK/verify" --out "$OUT/verify" --deadline-s "$(($(left) - 60))" \
-      llama-3.1-8b@8:tp2 llama-3.1-8b@8:pp2 qwen3-8b@8:tp2 qwen3-8b@8:pp2 \
-      qwen3-30b-a3b@8:ep2 qwen3-30b-a3b@8:tp2ep2etp1 qwen1.5-moe-a2.7b@8:ep2 > "$OUT/verify.log" 2>&1
-    note "verify: exit $?"
-    mark verify
     ;;
   launch)
     python3 scripts/gpu/gpu_train.py --launcher train.sh --work "$WORK/launch" --out "$OUT" --deadline-s "$(left)" \
@@ -492,14 +444,12 @@ for stage in "$@"; do
     ;;
   nemotron-h)
     # Nemotron-H (Mamba-2 layers beside attention and MoE) as HybridModel on one GPU: mamba_ssm from a wheel built without
-    # its CUDA extension (carried in .whl with einops; scripts/gpu/mamba_stand_in stands in for the extension, which
+    # its CUDA extension (the install stage's, in /tmp/site-kernels; scripts/gpu/mamba_stand_in stands in for the extension, which
     # megatron-core's Mamba-2 layers never call). Without causal_conv1d (a CUDA build) megatron-core's fused training
     # path cannot run: the runs take its other path (--disable-mamba-mem-eff-path, the same function). Nemotron 3 Nano's
     # first 6 layers (M E M E M *) at real width with 16 of its 128 experts: verify --spec te at TP 1 from a TP 2 x EP 2
     # save and as written; then Megatron-LM training steps.
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/mamba_ssm-*.whl .whl/einops-*.whl \
-      >> "$OUT/session.log" 2>&1
-    export PYTHONPATH=$PWD/scripts/gpu/mamba_stand_in:$PYTHONPATH
+    export PYTHONPATH=$PWD/scripts/gpu/mamba_stand_in:/tmp/site-kernels:$PYTHONPATH
     python3 -c "import mamba_ssm; print('mamba_ssm', mamba_ssm.__version__)" >> "$OUT/session.log" 2>&1
     NEMOTRON_H=${NEMOTRON_H:-'nemotron-3-nano-30b-a3b@6+n_routed_experts=16'}
     python3 scripts/gpu/gpu_verify.py --spec te --model-class hybrid --work "$WORK/verify" --out "$OUT/verify" \

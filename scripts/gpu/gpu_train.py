@@ -77,16 +77,22 @@ def stated_settings(ckpt: Path) -> list[str]:
     return [f"--config-field={name}={value}" for line in lines for name, value in re.findall(r"args\.(\w+) = ([0-9.e+-]+)", line)]
 
 
+def for_this_machine(flags: list[str], have_te: bool) -> list[str]:
+    """A checkpoint's printed flags with what this GPU machine lacks said as flags: without Transformer Engine the
+    local spec; without APEX no gradient accumulation fusion."""
+    if not have_te:
+        return [flag for flag in flags if flag != "--moe-grouped-gemm"] + WITHOUT_TE
+    if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        # Megatron-LM's default gradient accumulation fusion is APEX's CUDA extension (seen missing on the GPU
+        # machine: its first training forward stopped there; its output layer refuses to be built without it).
+        return [*flags, "--no-gradient-accumulation-fusion"]
+    return flags
+
+
 def torchrun(options, ckpt: Path, have_te: bool, data: list[str], lr: float, iters: int, save: Path | None,
              loss_log: Path) -> tuple[list[str], dict[str, str]]:
     """The driver under torchrun with MODEL_ARGS and the load flags, as the README's commands run it."""
-    flags = script_arrays(ckpt, "MODEL_ARGS", *(["HYBRID_ARGS"] if options.hybrid_args else []))
-    if not have_te:
-        flags = [flag for flag in flags if flag != "--moe-grouped-gemm"] + WITHOUT_TE
-    elif importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
-        # Megatron-LM's default gradient accumulation fusion is APEX's CUDA extension (seen missing on the GPU
-        # machine: its first training forward stopped there).
-        flags = [*flags, "--no-gradient-accumulation-fusion"]
+    flags = for_this_machine(script_arrays(ckpt, "MODEL_ARGS", *(["HYBRID_ARGS"] if options.hybrid_args else [])), have_te)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(options.nproc),
         "scripts/training/megatron_train.py", *flags, *stated_settings(ckpt),

@@ -1,0 +1,210 @@
+"""docs/verification.md's GPU tables, made from the JSON lines tests/gpu writes (scripts/gpu/run_gpu_tests.sh).
+
+    python scripts/gpu/results_to_docs.py gpu_results.jsonl... [--docs docs/verification.md] [--out FILE]
+
+Each table lies between two marker lines of the document,
+    <!-- gpu-tests:NAME begin ... -->
+    <!-- gpu-tests:NAME end -->
+and everything between them is replaced (the rest of the document is left as it is): `layouts` (each family at the
+four-GPU layouts: Megatron-LM's load_checkpoint against transformers, mconvert verify) and `training` (each
+family's Megatron-LM training steps). Where a metric of a case appears more than once, the latest result stands.
+Each table says the machine, versions and date of its results and the command that reruns them. Writes the
+document in place, or to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BEGIN = "<!-- gpu-tests:{name} begin (made by scripts/gpu/results_to_docs.py from tests/gpu's results: edits here are overwritten) -->"
+END = "<!-- gpu-tests:{name} end -->"
+MARKER = re.compile(r"^<!-- gpu-tests:(\w+) (begin|end)\b.*-->$")
+COMMAND = "bash scripts/gpu/run_gpu_tests.sh"
+LOGITS = "test_megatron_lm_load_checkpoint_gives_transformers_logits"
+VERIFY = "test_mconvert_verify_passes_at_the_layout"
+TRAINING = "test_megatron_lm_trains_from_the_conversion"
+
+
+def read_results(paths: list[Path]) -> list[dict]:
+    """Every result line, the latest of each (family, layout, test, metric) kept, in the order first seen."""
+    latest: dict[tuple, dict] = {}
+    for path in paths:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                result = json.loads(line)
+                key = (result["family"], result["layout"], result["test"], result["metric"])
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise SystemExit(f"results_to_docs: {path}:{number}: not a result line ({error})") from None
+            if key not in latest or result.get("date", "") >= latest[key].get("date", ""):
+                latest[key] = result
+    return list(latest.values())
+
+
+def number(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list):
+        return ", ".join(number(v) for v in value)
+    if isinstance(value, float):
+        if 0.999 <= value < 1:  # a cosine near 1: how far from it
+            return f"1 - {1 - value:.2g}"
+        return f"{value:.4g}" if 1e-3 <= abs(value) < 1e4 else f"{value:.2g}"
+    return str(value)
+
+
+def cell(result: dict | None, limit: str | None = None) -> str:
+    """A metric's value (with its limit), **bold** where it failed; 'error' where its test found no value."""
+    if result is None:
+        return "not run"
+    value = "error" if result["value"] is None else number(result["value"])
+    text = f"{value} ({limit} {number(result['threshold'])})" if limit and result["threshold"] is not None else value
+    return text if result["pass"] else f"**{text}**"
+
+
+def verdict(results: list[dict | None]) -> str:
+    found = [r for r in results if r is not None]
+    if any(not r["pass"] for r in found):
+        return "**FAIL**"
+    return "PASS" if len(found) == len(results) else "incomplete"
+
+
+def provenance(results: list[dict]) -> list[str]:
+    """One line for each machine and set of versions the results came from."""
+    runs: dict[str, list[str]] = {}
+    for result in results:
+        versions = result.get("versions") or {}
+        named = ", ".join(f"{name} {version}" for name, version in versions.items() if version)
+        runs.setdefault(f"{result.get('device', 'unknown device')}; {named}", []).append(result.get("date", "")[:10])
+    return [f"Measured {min(dates)}{' to ' + max(dates) if max(dates) != min(dates) else ''} on {run}." for run, dates in runs.items()]
+
+
+def by_case(results: list[dict], test: str) -> dict[tuple[str, str], dict[str, dict]]:
+    cases: dict[tuple[str, str], dict[str, dict]] = {}
+    for result in results:
+        if result["test"] == test:
+            cases.setdefault((result["family"], result["layout"]), {})[result["metric"]] = result
+    return cases
+
+
+def layouts_table(results: list[dict]) -> list[str]:
+    megatron_lm, verify = by_case(results, LOGITS), by_case(results, VERIFY)
+    cases = list(dict.fromkeys([*megatron_lm, *verify]))
+    lines = [
+        "| family | layout | Megatron-LM's `load_checkpoint`: max abs logit diff | `mconvert verify`: worst KL | worst cosine | worst top-1 | result |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for case in cases:
+        ours, theirs = megatron_lm.get(case, {}), verify.get(case, {})
+        metrics = [ours.get("megatron_lm_max_abs_logit_diff"), theirs.get("verify_kl"), theirs.get("verify_cosine"), theirs.get("verify_top1")]
+        lines.append(
+            f"| {case[0]} | {case[1]} | {cell(metrics[0], '<=')} | {cell(metrics[1], '<=')} | {cell(metrics[2], '>=')} "
+            f"| {cell(metrics[3], '>=')} | {verdict(metrics)} |"
+        )
+    return lines
+
+
+def training_table(results: list[dict]) -> list[str]:
+    cases = by_case(results, TRAINING)
+    lines = [
+        "| family | step losses at lr 0 | transformers | abs diff | losses at lr 1e-4 | export of the lr-0 save: differing tensors | result |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (family, _), metrics in cases.items():
+        step, learning, export = (metrics.get(name) for name in ("step_loss_abs_diff", "losses_at_lr_1e-4", "export_differing_tensors"))
+        details = (step or {}).get("details", {})
+        megatron = details.get("megatron") or {}
+        tensors = (export or {}).get("details", {}).get("tensors")
+        lines.append(
+            f"| {family} | {number(list(megatron.values())) if megatron else '-'} | {number(details.get('transformers'))} "
+            f"| {cell(step, '<=')} | {cell(learning)} | {cell(export)}{f' of {tensors}' if tensors else ''} "
+            f"| {verdict([step, learning, export])} |"
+        )
+    return lines
+
+
+LAYOUTS_TEXT = (
+    "Each family's model (tests/gpu/gpu_cases.py: a real config shrunk to hidden 64, 4 heads, 8 experts, random weights "
+    "at std 0.1) converted on the CPU at each layout, then on four GPUs: Megatron-LM parses the printed MODEL_ARGS and "
+    "LOAD_ARGS, builds the model as its pretrain_gpt.py (pretrain_hybrid.py) does under Transformer Engine and loads the "
+    "checkpoint with its own `load_checkpoint`, strict; its fp32 logits of prompts longer than any window, top-k or Mamba "
+    "chunk against transformers' fp32 logits on the CPU, within the limit shown (tests/gpu/test_layouts.py); and "
+    "`mconvert verify --spec te` at the layout, within its fp32 limits (section Thresholds). TF32 off. A layout a family "
+    "cannot take is skipped with the reason the case table gives."
+)
+TRAINING_TEXT = (
+    "Each family's model (as above) trained by Megatron-LM's `pretrain` on one GPU from its fp32 conversion "
+    "(scripts/gpu/gpu_train.py, judged by scripts/training/megatron_train_check.py; one global batch): the step losses "
+    "at lr 0 against transformers' fp32 loss on the same tokens, within the limit shown, the lr-0 run's "
+    "training save exported (`mconvert mcore-to-hf`) bit for bit, and at lr 1e-4 the loss falling at every step."
+)
+# name: (the test file, its tests, what they do, the table of their results)
+SECTIONS = {
+    "layouts": ("tests/gpu/test_layouts.py", (LOGITS, VERIFY), LAYOUTS_TEXT, layouts_table),
+    "training": ("tests/gpu/test_training.py", (TRAINING,), TRAINING_TEXT, training_table),
+}
+
+
+def section(name: str, results: list[dict]) -> list[str]:
+    source, tests, text, table = SECTIONS[name]
+    mine = [result for result in results if result["test"] in tests]
+    if not mine:
+        return [*wrapped(text), "", f"No results yet: `{COMMAND}` on a machine with four GPUs runs {source}."]
+    command = f"Command: `{COMMAND}` ({source}; `{COMMAND} -k FAMILY` for one family)."
+    return [*wrapped(text), "", *provenance(mine), command, "", *table(mine)]
+
+
+def wrapped(text: str) -> list[str]:
+    """Prose at the document's width."""
+    return textwrap.wrap(text, 118, break_on_hyphens=False, break_long_words=False)
+
+
+def replace_sections(text: str, results: list[dict], source: str) -> str:
+    """The document with every marked section made anew; a marker without its pair is an error."""
+    out, inside = [], None
+    for number_, line in enumerate(text.splitlines(), 1):
+        found = MARKER.match(line.strip())
+        if inside is None:
+            out.append(line)
+            if found and found.group(2) == "begin":
+                if found.group(1) not in SECTIONS:
+                    raise SystemExit(f"results_to_docs: {source}:{number_}: no table is named {found.group(1)} ({', '.join(SECTIONS)})")
+                inside = found.group(1)
+                out[-1] = BEGIN.format(name=inside)
+                out += section(inside, results)
+            elif found:
+                raise SystemExit(f"results_to_docs: {source}:{number_}: an end marker without its begin")
+        elif found and found.groups() == (inside, "end"):
+            out.append(END.format(name=inside))
+            inside = None
+        elif found:
+            raise SystemExit(f"results_to_docs: {source}:{number_}: marker inside section {inside}")
+    if inside is not None:
+        raise SystemExit(f"results_to_docs: {source}: section {inside} has no end marker")
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", nargs="+", type=Path)
+    parser.add_argument("--docs", type=Path, default=REPO / "docs" / "verification.md")
+    parser.add_argument("--out", type=Path, help="write the document here (default: in place)")
+    options = parser.parse_args()
+    missing = [str(path) for path in options.results if not path.exists()]
+    if missing:
+        raise SystemExit(f"results_to_docs: no such results file: {', '.join(missing)}")
+    text = options.docs.read_text()
+    made = replace_sections(text, read_results(options.results), str(options.docs))
+    (options.out or options.docs).write_text(made)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

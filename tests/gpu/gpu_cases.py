@@ -1,0 +1,125 @@
+"""The cases of the GPU evidence: every family mconvert converts, each at the four-GPU layouts its shape allows.
+
+A family is one line of FAMILIES: a real config (mconvert/configs) shrunk by mconvert.synthetic (hidden 64, 4 heads,
+8 experts, vocabulary 1000), random weights at std 0.1, and what its runs need beyond that. A layout it cannot take
+is named in `skipped` with the reason, and the tests show it skipped with that reason. Imported at collection: no
+torch, no transformers, no megatron here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    name: str
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int | None = None  # expert tensor parallel size; megatron-core's default is tp
+
+    @property
+    def world(self) -> int:
+        """Ranks the layout takes (megatron-core's smallest world for it: mconvert.verify.distributed.ParallelLayout)."""
+        return math.lcm(self.tp, (self.tp if self.etp is None else self.etp) * self.ep) * self.pp
+
+    def flags(self) -> list[str]:
+        """mconvert's flags for the layout (hf-to-mcore and verify take the same)."""
+        sizes = {"--tp": self.tp, "--pp": self.pp, "--ep": self.ep, "--etp": self.etp}
+        return [word for flag, size in sizes.items() if size is not None for word in (flag, str(size))]
+
+
+# The layouts of four GPUs. Each takes all four ranks: verify and Megatron-LM's ranks run one layout a world.
+LAYOUTS = {
+    layout.name: layout
+    for layout in (
+        Layout("tp2pp2", tp=2, pp=2),
+        Layout("tp2ep2", tp=2, ep=2),  # the experts split over TP too (ETP = TP = 2)
+        Layout("ep4", ep=4),
+        # Experts with biases: megatron-core takes them at ETP 1 only, where TP 2 x EP 2 is a world of 2 ranks.
+        Layout("tp2pp2etp1", tp=2, pp=2, etp=1),
+        Layout("tp2ep4etp1", tp=2, ep=4, etp=1),
+    )
+}
+# The layout of the training test: Megatron-LM's pretrain on one GPU (scripts/gpu/gpu_train.py).
+TRAINING_LAYOUT = "tp1"
+
+BIASED_EXPERTS = "biased experts: megatron-core takes them at ETP 1 only"
+# A dense model: no experts to place.
+DENSE = {"layouts": ("tp2pp2",), "skipped": {"tp2ep2": "dense: no experts", "ep4": "dense: no experts"}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    name: str  # mconvert's family name (mconvert.mappings.FAMILIES)
+    config: str  # a real config in mconvert/configs
+    layers: int = 2
+    overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # config fields after shrinking
+    # The text-only checkpoint of an image-text config (its text_config as its own model).
+    text_only: bool = False
+    model_class: str = "gpt"  # hf-to-mcore's --model-class
+    layouts: tuple[str, ...] = ("tp2pp2", "tp2ep2", "ep4")
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)  # layout: why not
+    # Flags added to Megatron-LM's runs (the load and the training), as megatron_args.sh advises them.
+    megatron_flags: tuple[str, ...] = ()
+    # scripts/gpu/gpu_train.py's options for the training test.
+    train_options: tuple[str, ...] = ()
+    # Its layers run Triton kernels (flash-linear-attention's, mamba_ssm's) that every process compiles anew: its
+    # work is started first, so that the longest runs are not the last.
+    compiles_kernels: bool = False
+    # Megatron-LM's logits may differ from transformers' by ATOL + logit_rtol x the largest logit (tests/gpu/test_layouts.py).
+    logit_rtol: float = 1e-4
+
+
+# Gated delta-net: megatron-core's layers import flash-linear-attention (scripts/gpu/run_gpu_tests.sh installs it, and
+# mamba_ssm for Nemotron-H). Megatron-LM runs its PyTorch delta rule under --deterministic-mode, which megatron_args.sh
+# asks for on Hopper (fla refuses the backward there); verify runs fla's kernels.
+# Two implementations of the chunked delta rule, both in fp32, part further over a long prompt than attention does:
+# measured on CPU ranks (MCONVERT_GPU_TESTS_DEVICE=cpu, 160 tokens), 1e-5 to 3.5e-3 of Qwen3-Next's largest logit 8.1
+# (4.3e-4 of it; attention-only families stay under 6e-6, 1e-6 of it), while mconvert verify's prompts (up to 64
+# tokens, one chunk) give KL 2.5e-10.
+DELTA_NET = {"megatron_flags": ("--deterministic-mode",), "compiles_kernels": True, "logit_rtol": 1e-3}
+
+FAMILIES = [
+    Family("llama", "llama-3.1-8b", **DENSE),
+    Family("qwen2", "qwen2.5-7b-instruct", **DENSE),
+    Family("qwen3", "qwen3-8b", **DENSE),
+    Family("qwen2_moe", "qwen1.5-moe-a2.7b"),
+    Family("qwen3_moe", "qwen3-30b-a3b"),
+    Family("mixtral", "mixtral-8x7b-v0.1"),
+    Family("deepseek", "deepseek-v3"),
+    Family("glm4_moe", "glm-4.5-air"),
+    Family("deepseek_v32", "deepseek-v3.2"),
+    Family("gpt_oss", "gpt-oss-20b", overrides={"sliding_window": 32}, layouts=("tp2pp2etp1", "tp2ep4etp1", "ep4"),
+           skipped={"tp2pp2": BIASED_EXPERTS + " (tp2pp2etp1 instead)", "tp2ep2": BIASED_EXPERTS + " (tp2ep4etp1 instead)"}),
+    Family("qwen3_next", "qwen3-next-80b-a3b-instruct", layers=4, **DELTA_NET),
+    Family("qwen3_5", "qwen3.5-0.8b", layers=4, **DENSE, **DELTA_NET),
+    Family("qwen3_5_text", "qwen3.5-35b-a3b", layers=4, text_only=True, **DELTA_NET),
+    Family("minimax_m2", "minimax-m2.7"),
+    # Without causal_conv1d (a CUDA build) megatron-core's fused Mamba path cannot run: its other path, the same function.
+    Family("nemotron_h", "nemotron-3-nano-30b-a3b", layers=6, model_class="hybrid", compiles_kernels=True,
+           megatron_flags=("--disable-mamba-mem-eff-path",), train_options=("--model-class", "hybrid")),
+]
+FAMILY = {family.name: family for family in FAMILIES}
+
+# Layouts shown for every family, the skipped ones with their reason.
+SHOWN_LAYOUTS = ("tp2pp2", "tp2ep2", "ep4")
+
+
+def layout_cases() -> list[tuple[str, str, str | None]]:
+    """(family, layout, why skipped or None) for every family at every layout it takes or is shown skipped at."""
+    cases = []
+    for family in FAMILIES:
+        for name in dict.fromkeys((*SHOWN_LAYOUTS, *family.layouts)):
+            if name in family.layouts:
+                cases.append((family.name, name, None))
+            else:
+                cases.append((family.name, name, family.skipped[name]))
+    return cases
+
+
+def case_id(family: str, layout: str) -> str:
+    return f"{family}-{layout}"

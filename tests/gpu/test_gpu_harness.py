@@ -1,0 +1,163 @@
+"""The GPU evidence's harness, on the CPU (no GPU mark: the CPU suite runs these): the case table covers every family
+mconvert converts, the GPU tests are collected and skipped without GPUs (and without importing torch), the results
+file's lines make docs/verification.md's tables (scripts/gpu/results_to_docs.py), and the launcher's dry run selects
+what `-k` names."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from gpu_cases import FAMILIES, LAYOUTS, SHOWN_LAYOUTS, layout_cases
+
+REPO = Path(__file__).resolve().parents[2]
+GENERATOR = REPO / "scripts" / "gpu" / "results_to_docs.py"
+
+
+def test_every_family_mconvert_converts_has_a_case_and_every_layout_a_reason():
+    from mconvert.mappings import FAMILIES as MAPPED
+
+    assert sorted(family.name for family in FAMILIES) == sorted(MAPPED)
+    for family in FAMILIES:
+        assert set(family.layouts) <= set(LAYOUTS), family.name
+        assert set(SHOWN_LAYOUTS) - set(family.layouts) == set(family.skipped), family.name
+        assert all(LAYOUTS[name].world == 4 for name in family.layouts), family.name
+    assert ("gpt_oss", "tp2ep2", "biased experts: megatron-core takes them at ETP 1 only (tp2ep4etp1 instead)") in layout_cases()
+    assert ("gpt_oss", "tp2pp2etp1", None) in layout_cases()
+
+
+def run_pytest(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """pytest in a process of its own, reporting which heavy modules collecting and skipping imported."""
+    probe = (
+        "import sys, pytest; code = pytest.main(sys.argv[1:]); "
+        "print('imported:', sorted(m for m in ('torch', 'transformers', 'megatron') if m in sys.modules)); sys.exit(code)"
+    )
+    return subprocess.run([sys.executable, "-c", probe, "-p", "no:cacheprovider", *args], capture_output=True, text=True,
+                          cwd=REPO, env={**os.environ, "PATH": os.path.dirname(sys.executable), **(env or {})})
+
+
+def test_without_gpus_the_gpu_tests_are_skipped_with_the_count_and_nothing_heavy_imported():
+    run = run_pytest("-m", "gpu", "tests/gpu", "-q", "-rs")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    families, layouts = len(FAMILIES), len(layout_cases())
+    assert f"{2 * layouts + families} skipped" in run.stdout, run.stdout[-2000:]
+    assert "needs 4 CUDA GPU(s), 0 visible" in run.stdout and "needs 1 CUDA GPU(s), 0 visible" in run.stdout
+    assert "dense: no experts" in run.stdout  # the case table's reasons, where the GPU count does not come first
+    assert "imported: []" in run.stdout
+
+
+def test_k_selects_one_familys_cases():
+    run = run_pytest("-m", "gpu", "tests/gpu", "-k", "gpt_oss", "--collect-only", "-q")
+    collected = [line for line in run.stdout.splitlines() if "::" in line]
+    assert collected and all("gpt_oss" in line for line in collected), run.stdout
+    # Megatron-LM and verify at five layouts (two shown skipped), and the training test.
+    assert len(collected) == 2 * 5 + 1
+
+
+def result(family, layout, test, metric, value, threshold, passed, date="2026-11-27T10:00:00+00:00", **details):
+    return {"family": family, "layout": layout, "test": test, "metric": metric, "value": value, "threshold": threshold,
+            "pass": passed, "device": "4 x NVIDIA H100 80GB HBM3",
+            "versions": {"torch": "2.11.0+cu130", "transformer-engine": "2.20.2", "megatron-core": "0.19.2"},
+            "date": date, "details": details}
+
+
+LOGITS = "test_megatron_lm_load_checkpoint_gives_transformers_logits"
+VERIFY = "test_mconvert_verify_passes_at_the_layout"
+TRAINING = "test_megatron_lm_trains_from_the_conversion"
+SAMPLE = [
+    result("gpt_oss", "tp2pp2", LOGITS, "megatron_lm_max_abs_logit_diff", 3.1e-6, 4.2e-4, True),
+    result("gpt_oss", "tp2pp2", VERIFY, "verify_kl", 2e-11, 1e-5, True),
+    result("gpt_oss", "tp2pp2", VERIFY, "verify_cosine", 0.9999999, 0.99999, True),
+    result("gpt_oss", "tp2pp2", VERIFY, "verify_top1", 1.0, 0.99, True),
+    # A first run's failure, then the rerun's pass: the later stands.
+    result("qwen3_moe", "ep4", LOGITS, "megatron_lm_max_abs_logit_diff", 0.31, 4.1e-4, False),
+    result("qwen3_moe", "ep4", LOGITS, "megatron_lm_max_abs_logit_diff", 2.2e-6, 4.1e-4, True, date="2026-11-28T09:00:00+00:00"),
+    result("qwen3_moe", "ep4", VERIFY, "verify_kl", None, 1e-5, False, error="the torchrun ended (exit 1) in this job"),
+    result("gpt_oss", "tp1", TRAINING, "step_loss_abs_diff", 7.2e-7, 1e-4, True,
+           megatron={"1": 6.9084, "2": 6.9084}, transformers=6.90839),
+    result("gpt_oss", "tp1", TRAINING, "losses_at_lr_1e-4", [6.908, 6.52, 6.1, 5.7], "each step below the one before", True),
+    result("gpt_oss", "tp1", TRAINING, "export_differing_tensors", 0, 0, True, tensors=37),
+]
+DOC = """# Title
+
+Prose before, kept.
+
+<!-- gpu-tests:layouts begin -->
+| old | hand-copied |
+<!-- gpu-tests:layouts end -->
+
+Prose between, kept.
+
+<!-- gpu-tests:training begin -->
+<!-- gpu-tests:training end -->
+Prose after.
+"""
+
+
+def generate(tmp_path: Path, doc: str, results: list[dict]) -> subprocess.CompletedProcess:
+    (tmp_path / "doc.md").write_text(doc)
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in results))
+    return subprocess.run([sys.executable, str(GENERATOR), str(tmp_path / "results.jsonl"), "--docs", str(tmp_path / "doc.md")],
+                          capture_output=True, text=True)
+
+
+def test_the_generator_makes_the_tables_between_the_markers_and_keeps_the_prose(tmp_path):
+    run = generate(tmp_path, DOC, SAMPLE)
+    assert run.returncode == 0, run.stderr
+    made = (tmp_path / "doc.md").read_text()
+    assert "hand-copied" not in made
+    for kept in ("# Title\n\nProse before, kept.\n", "Prose between, kept.", "<!-- gpu-tests:training end -->\nProse after.\n"):
+        assert kept in made
+    lines = made.splitlines()
+    assert "| gpt_oss | tp2pp2 | 3.1e-06 (<= 0.00042) | 2e-11 (<= 1e-05) | 1 - 1e-07 (>= 1 - 1e-05) | 1 (>= 0.99) | PASS |" in lines
+    # The later run's pass stands; the verify that failed with no value says so, bold, and fails the row.
+    assert "| qwen3_moe | ep4 | 2.2e-06 (<= 0.00041) | **error (<= 1e-05)** | not run | not run | **FAIL** |" in lines
+    assert "| gpt_oss | 6.908, 6.908 | 6.908 | 7.2e-07 (<= 0.0001) | 6.908, 6.52, 6.1, 5.7 | 0 of 37 | PASS |" in lines
+    assert "Measured 2026-11-27 to 2026-11-28 on 4 x NVIDIA H100 80GB HBM3; torch 2.11.0+cu130, transformer-engine 2.20.2, " \
+           "megatron-core 0.19.2." in lines
+    # Made again from the same results, the document does not change.
+    again = generate(tmp_path, made, SAMPLE)
+    assert again.returncode == 0 and (tmp_path / "doc.md").read_text() == made
+
+
+def test_the_generator_refuses_a_section_without_its_end_marker_in_one_line(tmp_path):
+    run = generate(tmp_path, DOC.replace("<!-- gpu-tests:training end -->\n", ""), SAMPLE)
+    assert run.returncode == 1 and run.stderr.strip() == f"results_to_docs: {tmp_path / 'doc.md'}: section training has no end marker"
+    assert (tmp_path / "doc.md").read_text() == DOC.replace("<!-- gpu-tests:training end -->\n", "")
+
+
+def test_the_generator_changes_only_verification_mds_marked_sections(tmp_path):
+    doc = (REPO / "docs" / "verification.md").read_text()
+    assert doc.count("<!-- gpu-tests:") == 4  # the two sections, begun and ended
+    run = generate(tmp_path, doc, SAMPLE)
+    assert run.returncode == 0, run.stderr
+    made = (tmp_path / "doc.md").read_text()
+
+    def outside(text: str) -> list[str]:
+        kept, inside = [], False
+        for line in text.splitlines():
+            if line.startswith("<!-- gpu-tests:"):
+                inside = " begin" in line
+            elif not inside:
+                kept.append(line)
+        return kept
+
+    assert outside(made) == outside(doc)
+    assert "| gpt_oss | tp2pp2 |" in made
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the launcher is a bash script for Linux GPU machines")
+def test_the_launchers_dry_run_shows_what_it_would_run_and_selects_by_k(tmp_path):
+    launcher = REPO / "scripts" / "gpu" / "run_gpu_tests.sh"
+    assert subprocess.run(["bash", "-n", str(launcher)]).returncode == 0
+    run = subprocess.run(["bash", str(launcher), "--dry-run", "-k", "qwen3_moe"], capture_output=True, text=True,
+                         env={**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "would run: " in run.stdout and "-m gpu tests/gpu -k qwen3_moe" in run.stdout
+    collected = [line for line in run.stdout.splitlines() if "::" in line]
+    assert len(collected) == 2 * 3 + 1 and all("qwen3_moe" in line for line in collected)
+    assert (tmp_path / "gpu_tests.log").exists()
