@@ -122,10 +122,10 @@ def windows_on_the_other_layers(ckpt):
 @pytest.mark.parametrize("fault", ["sinks zeroed", "window on the other layer", "gate and up not de-interleaved"])
 def test_a_planted_fault_moves_megatrons_logits(fault, hf, tmp_path, monkeypatch):
     if fault == "sinks zeroed":
-        attention = tuple(Zeroed(e.mcore, e.hf) if e.mcore.endswith("softmax_offset") else e for e in gpt_oss.TABLE.attention)
+        attention = tuple(Zeroed(e.mcore, e.hf, split=e.split) if e.mcore.endswith("softmax_offset") else e for e in gpt_oss.TABLE.attention)
         monkeypatch.setitem(mappings.FAMILIES, "gpt_oss", planted(attention=attention))
     elif fault == "gate and up not de-interleaved":
-        experts = tuple(Transpose(e.mcore, e.hf) if e.mcore == "linear_fc1.weight" else e for e in gpt_oss.TABLE.fused_experts)
+        experts = tuple(Transpose(e.mcore, e.hf, split=e.split) if e.mcore == "linear_fc1.weight" else e for e in gpt_oss.TABLE.fused_experts)
         monkeypatch.setitem(mappings.FAMILIES, "gpt_oss", planted(experts=experts))
     parallelism = LAYOUTS["tp2-ep2-etp1"]
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)

@@ -115,7 +115,7 @@ def test_a_planted_fault_moves_megatrons_logits(fault, made, tmp_path, monkeypat
         if fault == "sections read flat" and isinstance(entry, Section) and "in_proj_qkvz" in entry.hf:
             entry = dataclasses.replace(entry, sections=flat)
         elif fault == "output norm not zero-centred" and entry.mcore.endswith("out_norm.weight"):
-            entry = Rename(entry.mcore, entry.hf)
+            entry = Rename(entry.mcore, entry.hf, split=entry.split)
         entries.append(entry)
     table = dataclasses.replace(qwen3_next.TABLE, linear_attention=tuple(entries))
     monkeypatch.setitem(mappings.FAMILIES, "qwen3_next", dataclasses.replace(qwen3_next.FAMILY, table=table))

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mconvert.mappings import get_mapping
+from mconvert.mappings.splits import Column, GatedColumn, Replicated
 from mconvert.mappings.transforms import Concat, QKVInterleave, Rename
 from mconvert.synthetic import real_config, shrink
 
@@ -19,7 +20,7 @@ def test_qkv_interleave_is_group_major(spec):
     q = torch.arange(spec.num_attention_heads * d).float().reshape(-1, 1)
     k = -torch.arange(groups * d).float().reshape(-1, 1) - 1
     v = torch.full((groups * d, 1), 1e6)
-    fused = QKVInterleave("qkv", "q", "k", "v").to_mcore([q, k, v], spec)
+    fused = QKVInterleave("qkv", "q", "k", "v", split=Column(QKVInterleave.fused_rows)).to_mcore([q, k, v], spec)
     group_rows = (per_group + 2) * d
     for g in range(groups):
         block = fused[g * group_rows : (g + 1) * group_rows]
@@ -30,7 +31,8 @@ def test_qkv_interleave_is_group_major(spec):
 
 @pytest.mark.parametrize(
     "entry",
-    [Rename("m", "h"), Concat("fc1", ("gate", "up")), QKVInterleave("qkv", "q", "k", "v")],
+    [Rename("m", "h", split=Replicated(48)), Concat("fc1", ("gate", "up"), split=GatedColumn(128)),
+     QKVInterleave("qkv", "q", "k", "v", split=Column(QKVInterleave.fused_rows))],
     ids=["rename", "concat", "qkv"],
 )
 @pytest.mark.parametrize("bias", [False, True])

@@ -194,7 +194,7 @@ def build_plan(
         return (hybrid_layer_key(name, layer, spec), ()) if hybrid else layer_key(name, layer, spec)
 
     for entry in _active(table.model, spec):
-        add((model_key(entry.mcore),), (), (), tensor_layout(entry.mcore, spec, parallelism), entry, list(entry.hf_names))
+        add((model_key(entry.mcore),), (), (), tensor_layout(entry, spec, parallelism), entry, list(entry.hf_names))
 
     # Multi-token prediction layers follow the decoder's, in HF's numbering and here; each is built like the
     # decoder's last layer.
@@ -206,9 +206,9 @@ def build_plan(
             own, prefix = table.mtp_prefixes(spec.num_layers, layer - spec.num_layers)
             for entry in _active(table.mtp, spec):
                 key = mtp_key(entry.mcore, layer - spec.num_layers)
-                add((key,), (), (), tensor_layout(entry.mcore, spec, parallelism), entry, [own + n for n in entry.hf_names])
+                add((key,), (), (), tensor_layout(entry, spec, parallelism), entry, [own + n for n in entry.hf_names])
             for entry in _active(table.mtp_copies, spec):
-                layout = tensor_layout(entry.mcore, spec, parallelism)
+                layout = tensor_layout(entry, spec, parallelism)
                 add((model_key(entry.mcore),), (), (), layout, entry, [own + n for n in entry.hf_names], copy=True)
         # A family whose HF models hold their experts only fused (gpt-oss) has no per-expert layout. The hub keeps
         # an MTP layer's experts one by one where it fuses the decoder's (Qwen3.5-MoE).
@@ -226,7 +226,7 @@ def build_plan(
         for entry in _active(block, spec):
             names = checkpoint_names(entry.mcore, spec, is_moe)
             keys = [located(name, layer) for name in names]
-            layout = tensor_layout(entry.mcore, spec, parallelism)
+            layout = tensor_layout(entry, spec, parallelism)
             add(tuple(k for k, _ in keys), keys[0][1], layers, layout, entry, [prefix + n for n in entry.hf_names])
         for module in EXTRA_STATE_ONLY_MODULES if spec.layer_blocks is None or spec.layer_blocks[layer] == ATTENTION else ():
             key, offsets = located(module, layer)
@@ -238,7 +238,7 @@ def build_plan(
         for expert in range(num_experts):
             for entry in _active(experts, spec):
                 key, offsets = located(EXPERTS_PREFIX + entry.mcore, layer)
-                layout = tensor_layout(entry.mcore, spec, parallelism, expert=True)
+                layout = tensor_layout(entry, spec, parallelism, expert=True)
                 sources = [prefix + n.format(expert=expert) for n in entry.hf_names]
                 add((key,), (*offsets, expert), (*layers, num_experts), layout, entry, sources)
 

@@ -12,48 +12,94 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from mconvert import dtypes
 from mconvert.errors import ConversionError
 from mconvert.mappings import llama, qwen2_moe
 from mconvert.mappings.family import Family, Table
 from mconvert.mappings.spec import MLASpec, ModelSpec, MoESpec, read_dense_spec, require, write_dense_config
+from mconvert.mappings.splits import Column, Replicated, Row, Vocabulary
 from mconvert.mappings.transforms import Concat, Rename
 
 # transformers' latent norms (q_a_layernorm, kv_a_layernorm) have a fixed epsilon whatever rms_norm_eps says.
 LATENT_NORM_EPS = 1e-6
 
+
+def _query_rows(spec: ModelSpec) -> int:
+    """Every head's query: its part without rope, then its rope part."""
+    return spec.num_attention_heads * (spec.mla.qk_head_dim + spec.mla.qk_pos_emb_head_dim)
+
+
+def _kv_latent_rows(spec: ModelSpec) -> int:
+    """The compressed latent, then the rope part of the key that all heads share."""
+    return spec.mla.kv_lora_rank + spec.mla.qk_pos_emb_head_dim
+
+
+def _kv_rows(spec: ModelSpec) -> int:
+    """Every head's key without rope, then its value."""
+    return spec.num_attention_heads * (spec.mla.qk_head_dim + spec.mla.v_head_dim)
+
+
+def _value_width(spec: ModelSpec) -> int:
+    return spec.num_attention_heads * spec.mla.v_head_dim
+
+
+def twice_hidden(spec: ModelSpec) -> int:
+    """eh_proj's input: the embedding's norm and the hidden state's side by side."""
+    return 2 * spec.hidden_size
+
+
 # The latent norms are fused into the up projections under the Transformer Engine spec; mcore/layout.py
-# writes them under the local spec's names (q_layernorm, kv_layernorm) too.
+# writes them under the local spec's names (q_layernorm, kv_layernorm) too. The down projections are whole on
+# every TP rank (Transformer Engine's duplicated linears); the up projections split whole heads; linear_proj
+# splits its input.
 MLA_ATTENTION = (
-    Rename("input_layernorm.weight", "input_layernorm.weight"),
-    Rename("self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight", when="q_low_rank"),
-    Rename("self_attention.linear_q_up_proj.layer_norm_weight", "self_attn.q_a_layernorm.weight", when="q_low_rank"),
-    Rename("self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight", when="q_low_rank"),
-    Rename("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight", when="q_full_rank"),
-    Rename("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight"),
-    Rename("self_attention.linear_kv_up_proj.layer_norm_weight", "self_attn.kv_a_layernorm.weight"),
-    Rename("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight"),
-    Rename("self_attention.linear_proj.weight", "self_attn.o_proj.weight"),
+    Rename("input_layernorm.weight", "input_layernorm.weight", split=Replicated("hidden_size")),
+    Rename(
+        "self_attention.linear_q_down_proj.weight", "self_attn.q_a_proj.weight", when="q_low_rank",
+        split=Replicated("mla.q_lora_rank", "hidden_size"),
+    ),
+    Rename(
+        "self_attention.linear_q_up_proj.layer_norm_weight", "self_attn.q_a_layernorm.weight", when="q_low_rank",
+        split=Replicated("mla.q_lora_rank"),
+    ),
+    Rename(
+        "self_attention.linear_q_up_proj.weight", "self_attn.q_b_proj.weight", when="q_low_rank",
+        split=Column(_query_rows, "mla.q_lora_rank"),
+    ),
+    Rename("self_attention.linear_q_proj.weight", "self_attn.q_proj.weight", when="q_full_rank", split=Column(_query_rows, "hidden_size")),
+    Rename("self_attention.linear_kv_down_proj.weight", "self_attn.kv_a_proj_with_mqa.weight", split=Replicated(_kv_latent_rows, "hidden_size")),
+    Rename("self_attention.linear_kv_up_proj.layer_norm_weight", "self_attn.kv_a_layernorm.weight", split=Replicated("mla.kv_lora_rank")),
+    Rename("self_attention.linear_kv_up_proj.weight", "self_attn.kv_b_proj.weight", split=Column(_kv_rows, "mla.kv_lora_rank")),
+    Rename("self_attention.linear_proj.weight", "self_attn.o_proj.weight", split=Row("hidden_size", _value_width)),
 )
+
+# The router's expert bias: one per expert, whole on every rank, fp32 whatever the weights' dtype (Megatron keeps it
+# so, as transformers keeps e_score_correction_bias: bf16 steps are coarser than its updates).
+EXPERT_BIAS = Replicated("moe.num_experts", dtype=dtypes.float32)
 
 # The router (with V3's expert bias) and the shared experts: one MLP of n_shared_experts x the experts' width.
 MOE_MLP = (
     *qwen2_moe.ROUTER,
-    Rename("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias", when="router_expert_bias"),
-    Concat("mlp.shared_experts.linear_fc1.weight", ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight")),
-    Rename("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight"),
+    Rename("mlp.router.expert_bias", "mlp.gate.e_score_correction_bias", when="router_expert_bias", split=EXPERT_BIAS),
+    Concat(
+        "mlp.shared_experts.linear_fc1.weight", ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+        split=qwen2_moe.SHARED_FC1,
+    ),
+    Rename("mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.down_proj.weight", split=qwen2_moe.SHARED_FC2),
 )
 
-# A multi-token prediction layer's own tensors: eh_proj takes [embedding norm; hidden norm] as Megatron does.
+# A multi-token prediction layer's own tensors: eh_proj takes [embedding norm; hidden norm] as Megatron does, its
+# output split across TP ranks.
 MTP = (
-    Rename("enorm.weight", "enorm.weight"),
-    Rename("hnorm.weight", "hnorm.weight"),
-    Rename("eh_proj.weight", "eh_proj.weight"),
-    Rename("final_layernorm.weight", "shared_head.norm.weight"),
+    Rename("enorm.weight", "enorm.weight", split=Replicated("hidden_size")),
+    Rename("hnorm.weight", "hnorm.weight", split=Replicated("hidden_size")),
+    Rename("eh_proj.weight", "eh_proj.weight", split=Column("hidden_size", twice_hidden)),
+    Rename("final_layernorm.weight", "shared_head.norm.weight", split=Replicated("hidden_size")),
 )
 # Megatron's MTP layers use the model's embedding and output layer; the hub stores copies in each.
 MTP_COPIES = (
-    Rename("embedding.word_embeddings.weight", "embed_tokens.weight"),
-    Rename("output_layer.weight", "shared_head.head.weight"),
+    Rename("embedding.word_embeddings.weight", "embed_tokens.weight", split=Vocabulary()),
+    Rename("output_layer.weight", "shared_head.head.weight", split=Vocabulary()),
 )
 
 TABLE = Table(

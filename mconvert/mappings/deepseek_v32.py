@@ -19,16 +19,24 @@ from mconvert.errors import ConversionError
 from mconvert.mappings import deepseek
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec, SparseAttentionSpec, require, shared_top_k_schedule
+from mconvert.mappings.splits import Replicated
 from mconvert.mappings.transforms import Rename
 
+
+def _query_width(spec: ModelSpec) -> int:
+    """wq_b's output: every indexer head's query."""
+    return spec.sparse_attention.index_heads * spec.sparse_attention.index_head_dim
+
+
+# The indexer: every tensor whole on every TP rank.
 INDEXER = tuple(
-    Rename(f"self_attention.core_attention.indexer.{mcore}", f"self_attn.indexer.{hf}")
-    for mcore, hf in (
-        ("linear_wq_b.weight", "wq_b.weight"),
-        ("linear_wk.weight", "wk.weight"),
-        ("k_norm.weight", "k_norm.weight"),
-        ("k_norm.bias", "k_norm.bias"),
-        ("linear_weights_proj.weight", "weights_proj.weight"),
+    Rename(f"self_attention.core_attention.indexer.{mcore}", f"self_attn.indexer.{hf}", split=Replicated(*dims))
+    for mcore, hf, dims in (
+        ("linear_wq_b.weight", "wq_b.weight", (_query_width, "mla.q_lora_rank")),
+        ("linear_wk.weight", "wk.weight", ("sparse_attention.index_head_dim", "hidden_size")),
+        ("k_norm.weight", "k_norm.weight", ("sparse_attention.index_head_dim",)),
+        ("k_norm.bias", "k_norm.bias", ("sparse_attention.index_head_dim",)),
+        ("linear_weights_proj.weight", "weights_proj.weight", ("sparse_attention.index_heads", "hidden_size")),
     )
 )
 

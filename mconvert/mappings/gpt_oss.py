@@ -11,25 +11,27 @@ import dataclasses
 from typing import Any
 
 from mconvert.errors import ConversionError
-from mconvert.mappings import llama
+from mconvert.mappings import llama, qwen2_moe
 from mconvert.mappings.family import Family, Table
 from mconvert.mappings.spec import ModelSpec, MoESpec, read_dense_spec, require, write_dense_config
+from mconvert.mappings.splits import Column, GatedColumn, Replicated
 from mconvert.mappings.transforms import Deinterleave, Rename, Transpose
 
-ATTENTION = llama.ATTENTION + (Rename("self_attention.core_attention.softmax_offset", "self_attn.sinks"),)
+# The sinks: one logit per head, split across TP ranks as the heads are.
+ATTENTION = llama.ATTENTION + (Rename("self_attention.core_attention.softmax_offset", "self_attn.sinks", split=Column("num_attention_heads")),)
 
 ROUTER = (
-    Rename("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
-    Rename("mlp.router.weight", "mlp.router.weight"),
-    Rename("mlp.router.bias", "mlp.router.bias"),
+    Rename("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", split=Replicated("hidden_size")),
+    Rename("mlp.router.weight", "mlp.router.weight", split=Replicated("moe.num_experts", "hidden_size")),
+    Rename("mlp.router.bias", "mlp.router.bias", split=Replicated("moe.num_experts")),
 )
 
 # One expert's slices of the fused tensors.
 FUSED_EXPERTS = (
-    Deinterleave("linear_fc1.weight", "mlp.experts.gate_up_proj[{expert}]", transposed=True),
-    Deinterleave("linear_fc1.bias", "mlp.experts.gate_up_proj_bias[{expert}]"),
-    Transpose("linear_fc2.weight", "mlp.experts.down_proj[{expert}]"),
-    Rename("linear_fc2.bias", "mlp.experts.down_proj_bias[{expert}]"),
+    Deinterleave("linear_fc1.weight", "mlp.experts.gate_up_proj[{expert}]", transposed=True, split=qwen2_moe.EXPERT_FC1),
+    Deinterleave("linear_fc1.bias", "mlp.experts.gate_up_proj_bias[{expert}]", split=GatedColumn("moe.ffn_hidden_size")),
+    Transpose("linear_fc2.weight", "mlp.experts.down_proj[{expert}]", split=qwen2_moe.EXPERT_FC2),
+    Rename("linear_fc2.bias", "mlp.experts.down_proj_bias[{expert}]", split=Replicated("hidden_size")),
 )
 
 TABLE = Table(model=llama.MODEL, attention=ATTENTION, dense_mlp=(), moe_mlp=ROUTER, fused_experts=FUSED_EXPERTS)

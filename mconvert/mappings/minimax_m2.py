@@ -16,12 +16,30 @@ import dataclasses
 from typing import Any
 
 from mconvert.errors import ConversionError
-from mconvert.mappings import llama, mixtral, qwen2_moe
+from mconvert.mappings import deepseek, llama, mixtral, qwen2_moe
 from mconvert.mappings.family import Family, Table
 from mconvert.mappings.spec import ModelSpec, MoESpec, read_dense_spec, require, write_dense_config
+from mconvert.mappings.splits import Column, attention_width
 from mconvert.mappings.transforms import Rename
 
-ROUTING_BIAS = Rename("mlp.router.expert_bias", "block_sparse_moe.e_score_correction_bias")
+
+def _key_width(spec: ModelSpec) -> int:
+    """Every key head's channels."""
+    return spec.num_query_groups * spec.head_dim
+
+
+# The q/k norms across heads: one weight per channel of the layer's query (key) heads, split across TP ranks as
+# the heads are; in place of Llama's, which span one head.
+QK_NORMS = {
+    entry.mcore: entry
+    for entry in (
+        Rename("self_attention.q_layernorm.weight", "self_attn.q_norm.weight", when="qk_norm", split=Column(attention_width)),
+        Rename("self_attention.k_layernorm.weight", "self_attn.k_norm.weight", when="qk_norm", split=Column(_key_width)),
+    )
+}
+ATTENTION = tuple(QK_NORMS.get(entry.mcore, entry) for entry in llama.ATTENTION)
+
+ROUTING_BIAS = Rename("mlp.router.expert_bias", "block_sparse_moe.e_score_correction_bias", split=deepseek.EXPERT_BIAS)
 
 # MiniMax's published checkpoints (M2 to M2.7) hold no weights for the modules their configs name
 # (`num_mtp_modules: 3`; MiniMax-AI/MiniMax-M2.7 issue 16 counts 0 `mtp.*` keys of 1,369), and transformers' model has
@@ -31,13 +49,13 @@ MTP_LEFT_OUT = ("MiniMax publishes no weights for them, and transformers' MiniMa
 
 TABLE = Table(
     model=llama.MODEL,
-    attention=llama.ATTENTION,
+    attention=ATTENTION,
     dense_mlp=(),
     moe_mlp=(*mixtral.ROUTER, ROUTING_BIAS),
     experts=mixtral.EXPERTS,
     # transformers v5 in memory: Mixtral's fused layout, the routing bias beside the router under `mlp.`.
     fused_experts=qwen2_moe.FUSED_EXPERTS,
-    fused_moe_mlp=(*qwen2_moe.ROUTER, Rename("mlp.router.expert_bias", "mlp.e_score_correction_bias")),
+    fused_moe_mlp=(*qwen2_moe.ROUTER, Rename("mlp.router.expert_bias", "mlp.e_score_correction_bias", split=deepseek.EXPERT_BIAS)),
     mtp_left_out=MTP_LEFT_OUT,
     mtp_count_field="num_mtp_modules",
 )

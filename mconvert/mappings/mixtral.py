@@ -10,16 +10,20 @@ from mconvert.errors import ConversionError
 from mconvert.mappings import llama, qwen2_moe
 from mconvert.mappings.family import Family, Table
 from mconvert.mappings.spec import ModelSpec, MoESpec, read_dense_spec, require, write_dense_config
+from mconvert.mappings.splits import Replicated
 from mconvert.mappings.transforms import Concat, Rename
 
 ROUTER = (
-    Rename("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
-    Rename("mlp.router.weight", "block_sparse_moe.gate.weight"),
+    Rename("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", split=Replicated("hidden_size")),
+    Rename("mlp.router.weight", "block_sparse_moe.gate.weight", split=Replicated("moe.num_experts", "hidden_size")),
 )
 
 EXPERTS = (
-    Concat("linear_fc1.weight", ("block_sparse_moe.experts.{expert}.w1.weight", "block_sparse_moe.experts.{expert}.w3.weight")),
-    Rename("linear_fc2.weight", "block_sparse_moe.experts.{expert}.w2.weight"),
+    Concat(
+        "linear_fc1.weight", ("block_sparse_moe.experts.{expert}.w1.weight", "block_sparse_moe.experts.{expert}.w3.weight"),
+        split=qwen2_moe.EXPERT_FC1,
+    ),
+    Rename("linear_fc2.weight", "block_sparse_moe.experts.{expert}.w2.weight", split=qwen2_moe.EXPERT_FC2),
 )
 
 TABLE = Table(

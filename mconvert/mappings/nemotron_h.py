@@ -17,12 +17,13 @@ from mconvert.mappings import deepseek
 from mconvert.mappings.family import Family, Table
 from mconvert.mappings.mamba_spec import MambaSpec
 from mconvert.mappings.spec import ModelSpec, read_dense_spec, require, write_dense_config
+from mconvert.mappings.splits import Column, Replicated, Row, Sectioned, Vocabulary, attention_width
 from mconvert.mappings.transforms import QKVInterleave, Rename, Section
 
 MODEL = (
-    Rename("embedding.word_embeddings.weight", "backbone.embeddings.weight"),
-    Rename("decoder.final_layernorm.weight", "backbone.norm_f.weight"),
-    Rename("output_layer.weight", "lm_head.weight", when="untie_embeddings"),
+    Rename("embedding.word_embeddings.weight", "backbone.embeddings.weight", split=Vocabulary()),
+    Rename("decoder.final_layernorm.weight", "backbone.norm_f.weight", split=Replicated("hidden_size")),
+    Rename("output_layer.weight", "lm_head.weight", when="untie_embeddings", split=Vocabulary()),
 )
 
 
@@ -34,41 +35,54 @@ def _conv(spec: ModelSpec):
     return 1, spec.mamba.conv_sections()
 
 
+# megatron-core's MambaMixer splits its heads across TP ranks: the sections of in_proj and conv1d by rows (conv1d's 4
+# taps, fixed), A_log, D and dt_bias (one per head) and the gated norm; out_proj by its input.
 MAMBA = (
-    Rename("mixer.in_proj.layer_norm_weight", "norm.weight"),
-    *(Section(f"mixer.in_proj.weight.{name}", "mixer.in_proj.weight", sections=_in_proj, section=name) for name in ("z", "x", "B", "C", "dt")),
-    *(Section(f"mixer.conv1d.{param}.{name}", f"mixer.conv1d.{param}", sections=_conv, section=name)
-      for param in ("weight", "bias") for name in ("x", "B", "C")),
-    Rename("mixer.A_log", "mixer.A_log"),
-    Rename("mixer.D", "mixer.D"),
-    Rename("mixer.dt_bias", "mixer.dt_bias"),
-    Rename("mixer.norm.weight", "mixer.norm.weight"),
-    Rename("mixer.out_proj.weight", "mixer.out_proj.weight"),
+    Rename("mixer.in_proj.layer_norm_weight", "norm.weight", split=Replicated("hidden_size")),
+    *(Section(f"mixer.in_proj.weight.{name}", "mixer.in_proj.weight", sections=_in_proj, section=name, split=Sectioned("hidden_size"))
+      for name in ("z", "x", "B", "C", "dt")),
+    *(Section(f"mixer.conv1d.{param}.{name}", f"mixer.conv1d.{param}", sections=_conv, section=name, split=split)
+      for param, split in (("weight", Sectioned(1, 4)), ("bias", Sectioned())) for name in ("x", "B", "C")),
+    Rename("mixer.A_log", "mixer.A_log", split=Column("mamba.num_heads")),
+    Rename("mixer.D", "mixer.D", split=Column("mamba.num_heads")),
+    Rename("mixer.dt_bias", "mixer.dt_bias", split=Column("mamba.num_heads")),
+    Rename("mixer.norm.weight", "mixer.norm.weight", split=Column("mamba.inner")),
+    Rename("mixer.out_proj.weight", "mixer.out_proj.weight", split=Row("hidden_size", "mamba.inner")),
 )
 
 ATTENTION = (
-    Rename("self_attention.linear_qkv.layer_norm_weight", "norm.weight"),
-    QKVInterleave("self_attention.linear_qkv.weight", "mixer.q_proj.weight", "mixer.k_proj.weight", "mixer.v_proj.weight"),
-    Rename("self_attention.linear_proj.weight", "mixer.o_proj.weight"),
+    Rename("self_attention.linear_qkv.layer_norm_weight", "norm.weight", split=Replicated("hidden_size")),
+    QKVInterleave(
+        "self_attention.linear_qkv.weight", "mixer.q_proj.weight", "mixer.k_proj.weight", "mixer.v_proj.weight",
+        split=Column(QKVInterleave.fused_rows, "hidden_size"),
+    ),
+    Rename("self_attention.linear_proj.weight", "mixer.o_proj.weight", split=Row("hidden_size", attention_width)),
 )
 
+# The MLPs have no gate: fc1 is the up projection alone, split by rows as a column-parallel layer's.
 DENSE_MLP = (
-    Rename("mlp.linear_fc1.layer_norm_weight", "norm.weight"),
-    Rename("mlp.linear_fc1.weight", "mixer.up_proj.weight"),
-    Rename("mlp.linear_fc2.weight", "mixer.down_proj.weight"),
+    Rename("mlp.linear_fc1.layer_norm_weight", "norm.weight", split=Replicated("hidden_size")),
+    Rename("mlp.linear_fc1.weight", "mixer.up_proj.weight", split=Column("ffn_hidden_size", "hidden_size")),
+    Rename("mlp.linear_fc2.weight", "mixer.down_proj.weight", split=Row("hidden_size", "ffn_hidden_size")),
 )
 
 MOE_MLP = (
-    Rename("pre_mlp_layernorm.weight", "norm.weight"),
-    Rename("mlp.router.weight", "mixer.gate.weight"),
-    Rename("mlp.router.expert_bias", "mixer.gate.e_score_correction_bias"),
-    Rename("mlp.shared_experts.linear_fc1.weight", "mixer.shared_experts.up_proj.weight"),
-    Rename("mlp.shared_experts.linear_fc2.weight", "mixer.shared_experts.down_proj.weight"),
+    Rename("pre_mlp_layernorm.weight", "norm.weight", split=Replicated("hidden_size")),
+    Rename("mlp.router.weight", "mixer.gate.weight", split=Replicated("moe.num_experts", "hidden_size")),
+    Rename("mlp.router.expert_bias", "mixer.gate.e_score_correction_bias", split=deepseek.EXPERT_BIAS),
+    Rename(
+        "mlp.shared_experts.linear_fc1.weight", "mixer.shared_experts.up_proj.weight",
+        split=Column("moe.shared_expert_ffn_hidden_size", "hidden_size"),
+    ),
+    Rename(
+        "mlp.shared_experts.linear_fc2.weight", "mixer.shared_experts.down_proj.weight",
+        split=Row("hidden_size", "moe.shared_expert_ffn_hidden_size"),
+    ),
 )
 
 EXPERTS = (
-    Rename("linear_fc1.weight", "mixer.experts.{expert}.up_proj.weight"),
-    Rename("linear_fc2.weight", "mixer.experts.{expert}.down_proj.weight"),
+    Rename("linear_fc1.weight", "mixer.experts.{expert}.up_proj.weight", split=Column("moe.ffn_hidden_size", "hidden_size")),
+    Rename("linear_fc2.weight", "mixer.experts.{expert}.down_proj.weight", split=Row("hidden_size", "moe.ffn_hidden_size")),
 )
 
 TABLE = Table(

@@ -10,31 +10,43 @@ from mconvert.errors import ConversionError
 from mconvert.mappings import llama
 from mconvert.mappings.family import Family, Table
 from mconvert.mappings.spec import ModelSpec, MoESpec, read_dense_spec, require, write_dense_config
+from mconvert.mappings.splits import GatedColumn, Replicated, Row
 from mconvert.mappings.transforms import Concat, Rename
 
 # The router and the post-attention norm, which Megatron keeps apart from the experts in MoE layers.
 ROUTER = (
-    Rename("pre_mlp_layernorm.weight", "post_attention_layernorm.weight"),
-    Rename("mlp.router.weight", "mlp.gate.weight"),
+    Rename("pre_mlp_layernorm.weight", "post_attention_layernorm.weight", split=Replicated("hidden_size")),
+    Rename("mlp.router.weight", "mlp.gate.weight", split=Replicated("moe.num_experts", "hidden_size")),
 )
 
+# The shared experts: one MLP beside the routed ones, split across the TP ranks as a dense MLP is.
+SHARED_FC1 = GatedColumn("moe.shared_expert_ffn_hidden_size", "hidden_size")
+SHARED_FC2 = Row("hidden_size", "moe.shared_expert_ffn_hidden_size")
+
 SHARED_EXPERT = (
-    Concat("mlp.shared_experts.linear_fc1.weight", ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")),
-    Rename("mlp.shared_experts.linear_fc2.weight", "mlp.shared_expert.down_proj.weight"),
-    Rename("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight"),
+    Concat(
+        "mlp.shared_experts.linear_fc1.weight", ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+        split=SHARED_FC1,
+    ),
+    Rename("mlp.shared_experts.linear_fc2.weight", "mlp.shared_expert.down_proj.weight", split=SHARED_FC2),
+    Rename("mlp.shared_experts.gate_weight", "mlp.shared_expert_gate.weight", split=Replicated(1, "hidden_size")),
 )
+
+# One expert's fc1 and fc2, split across the expert tensor-parallel ranks (ETP) as a dense MLP's are across TP.
+EXPERT_FC1 = GatedColumn("moe.ffn_hidden_size", "hidden_size")
+EXPERT_FC2 = Row("hidden_size", "moe.ffn_hidden_size")
 
 # One expert, as the hub checkpoints store it.
 EXPERTS = (
-    Concat("linear_fc1.weight", ("mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight")),
-    Rename("linear_fc2.weight", "mlp.experts.{expert}.down_proj.weight"),
+    Concat("linear_fc1.weight", ("mlp.experts.{expert}.gate_proj.weight", "mlp.experts.{expert}.up_proj.weight"), split=EXPERT_FC1),
+    Rename("linear_fc2.weight", "mlp.experts.{expert}.down_proj.weight", split=EXPERT_FC2),
 )
 
 # One expert's slice of transformers v5's fused tensors: gate_up_proj [E, 2F, H] holds [gate; up] per expert,
 # which is Megatron's fc1 as it is; down_proj [E, H, F].
 FUSED_EXPERTS = (
-    Rename("linear_fc1.weight", "mlp.experts.gate_up_proj[{expert}]"),
-    Rename("linear_fc2.weight", "mlp.experts.down_proj[{expert}]"),
+    Rename("linear_fc1.weight", "mlp.experts.gate_up_proj[{expert}]", split=EXPERT_FC1),
+    Rename("linear_fc2.weight", "mlp.experts.down_proj[{expert}]", split=EXPERT_FC2),
 )
 
 TABLE = Table(

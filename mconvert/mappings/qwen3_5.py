@@ -19,13 +19,16 @@ from mconvert.errors import ConversionError
 from mconvert.mappings import qwen2_moe, qwen3_next
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec, read_dense_spec, write_dense_config
+from mconvert.mappings.splits import Column, Replicated, Sectioned, Vocabulary
 from mconvert.mappings.transforms import Rename, Section
 
 LINEAR_ATTENTION = qwen3_next.DELTA_NET_REST + (
-    *(Section(f"self_attention.in_proj.weight.{name}", "linear_attn.in_proj_qkv.weight", sections=qwen3_next.flat_qkv, section=name) for name in ("query", "key", "value")),
-    Rename("self_attention.in_proj.weight.z", "linear_attn.in_proj_z.weight"),
-    Rename("self_attention.in_proj.weight.beta", "linear_attn.in_proj_b.weight"),
-    Rename("self_attention.in_proj.weight.alpha", "linear_attn.in_proj_a.weight"),
+    *(Section(f"self_attention.in_proj.weight.{name}", "linear_attn.in_proj_qkv.weight", sections=qwen3_next.flat_qkv, section=name,
+              split=Sectioned("hidden_size"))
+      for name in ("query", "key", "value")),
+    Rename("self_attention.in_proj.weight.z", "linear_attn.in_proj_z.weight", split=Column("linear_attention.value_dim", "hidden_size")),
+    Rename("self_attention.in_proj.weight.beta", "linear_attn.in_proj_b.weight", split=Column("linear_attention.value_heads", "hidden_size")),
+    Rename("self_attention.in_proj.weight.alpha", "linear_attn.in_proj_a.weight", split=Column("linear_attention.value_heads", "hidden_size")),
 )
 
 # Qwen3-Next's table with the delta-net's projections one by one; the experts are read fused (as the hub has them)
@@ -41,9 +44,9 @@ TEXT_TABLE = dataclasses.replace(
 TABLE = dataclasses.replace(
     TEXT_TABLE,
     model=(
-        Rename("embedding.word_embeddings.weight", "model.language_model.embed_tokens.weight"),
-        Rename("decoder.final_layernorm.weight", "model.language_model.norm.weight"),
-        Rename("output_layer.weight", "lm_head.weight", when="untie_embeddings"),
+        Rename("embedding.word_embeddings.weight", "model.language_model.embed_tokens.weight", split=Vocabulary()),
+        Rename("decoder.final_layernorm.weight", "model.language_model.norm.weight", split=Replicated("hidden_size")),
+        Rename("output_layer.weight", "lm_head.weight", when="untie_embeddings", split=Vocabulary()),
     ),
     layer_prefix="model.language_model.layers.{layer}.",
     copied_back=("model.visual.",),

@@ -15,10 +15,11 @@ import dataclasses
 from typing import Any
 
 from mconvert.errors import ConversionError
-from mconvert.mappings import llama, qwen2_moe
+from mconvert.mappings import deepseek, llama, qwen2_moe
 from mconvert.mappings.family import Family, Table
 from mconvert.mappings.glm4_moe import partial_rotary_factor
 from mconvert.mappings.spec import LinearAttentionSpec, ModelSpec, read_dense_spec, require, write_dense_config
+from mconvert.mappings.splits import Column, Replicated, Row, Sectioned
 from mconvert.mappings.transforms import Rename, Section, Shift
 
 
@@ -41,21 +42,26 @@ def flat_qkv(spec: ModelSpec):
 
 
 def conv1d(hf: str) -> tuple[Section, ...]:
-    return tuple(Section(f"self_attention.conv1d.weight.{name}", hf, sections=flat_qkv, section=name) for name in ("query", "key", "value"))
+    return tuple(
+        Section(f"self_attention.conv1d.weight.{name}", hf, sections=flat_qkv, section=name, split=Sectioned(1, "linear_attention.conv_kernel"))
+        for name in ("query", "key", "value")
+    )
 
 
-# What every gated delta-net layer has beside its input projections (the Qwen3.5 naming too).
+# What every gated delta-net layer has beside its input projections (the Qwen3.5 naming too). megatron-core's
+# GatedDeltaNet splits its heads across TP ranks: the sections of in_proj and conv1d by rows, A_log and dt_bias (one
+# per value head), out_proj by its input; the output norm spans one head.
 DELTA_NET_REST = (
-    Rename("self_attention.in_proj.layer_norm_weight", "input_layernorm.weight"),
+    Rename("self_attention.in_proj.layer_norm_weight", "input_layernorm.weight", split=Replicated("hidden_size")),
     *conv1d("linear_attn.conv1d.weight"),
-    Rename("self_attention.A_log", "linear_attn.A_log"),
-    Rename("self_attention.dt_bias", "linear_attn.dt_bias"),
-    Shift("self_attention.out_norm.weight", "linear_attn.norm.weight", by=1.0),
-    Rename("self_attention.out_proj.weight", "linear_attn.out_proj.weight"),
+    Rename("self_attention.A_log", "linear_attn.A_log", split=Column("linear_attention.value_heads")),
+    Rename("self_attention.dt_bias", "linear_attn.dt_bias", split=Column("linear_attention.value_heads")),
+    Shift("self_attention.out_norm.weight", "linear_attn.norm.weight", by=1.0, split=Replicated("linear_attention.value_head_dim")),
+    Rename("self_attention.out_proj.weight", "linear_attn.out_proj.weight", split=Row("hidden_size", "linear_attention.value_dim")),
 )
 
 LINEAR_ATTENTION = DELTA_NET_REST + tuple(
-    Section(f"self_attention.in_proj.weight.{name}", hf, sections=sections, section=name)
+    Section(f"self_attention.in_proj.weight.{name}", hf, sections=sections, section=name, split=Sectioned("hidden_size"))
     for hf, sections, names in (
         ("linear_attn.in_proj_qkvz.weight", _grouped_qkvz, ("query", "key", "value", "z")),
         ("linear_attn.in_proj_ba.weight", _grouped_ba, ("beta", "alpha")),
@@ -66,10 +72,10 @@ LINEAR_ATTENTION = DELTA_NET_REST + tuple(
 # The multi-token prediction layer, kept apart under `mtp.` (its decoder layer, full attention, under `mtp.layers.0.`):
 # eh_proj takes [embedding norm; hidden norm], as Megatron's does; its norms are zero-centred as the model's.
 MTP = (
-    Rename("enorm.weight", "pre_fc_norm_embedding.weight"),
-    Rename("hnorm.weight", "pre_fc_norm_hidden.weight"),
-    Rename("eh_proj.weight", "fc.weight"),
-    Rename("final_layernorm.weight", "norm.weight"),
+    Rename("enorm.weight", "pre_fc_norm_embedding.weight", split=Replicated("hidden_size")),
+    Rename("hnorm.weight", "pre_fc_norm_hidden.weight", split=Replicated("hidden_size")),
+    Rename("eh_proj.weight", "fc.weight", split=Column("hidden_size", deepseek.twice_hidden)),
+    Rename("final_layernorm.weight", "norm.weight", split=Replicated("hidden_size")),
 )
 # Megatron-LM 0.19.2's model builder builds no multi-token prediction block beside gated delta-net in GPTModel (its
 # mtp_block_spec asks get_gpt_decoder_layer_specs, which refuses the attention variant); HybridModel does.

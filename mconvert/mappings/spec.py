@@ -197,11 +197,6 @@ class ModelSpec:
         uniform_moe = self.moe is None or len(set(self.moe.moe_layers)) == 1
         return uniform_moe and self.linear_attention is None and not shared_top_k and self.layer_blocks is None
 
-    @property
-    def gated_mlp(self) -> bool:
-        """Whether fc1 holds a gate beside its up projection (all but the squared-ReLU MLP)."""
-        return self.activation != "squared_relu"
-
     def layer_has_indexer(self, layer: int) -> bool:
         return self.sparse_attention is not None and self.sparse_attention.indexer_layers[layer]
 

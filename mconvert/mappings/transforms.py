@@ -8,7 +8,8 @@ the Megatron tensor as consecutive parts along dim 0 (their concatenation is `to
 writer cutting it into chunks along dim 0 (fc1's gate and up halves) need not concatenate first.
 
 `when` names a boolean attribute of the ModelSpec that must hold for the entry to exist (a bias that only some
-configs have, the output layer of an untied model).
+configs have, the output layer of an untied model). `split` declares the Megatron tensor's shape and how tensor
+parallelism splits it (mconvert.mappings.splits: column, row, replicated, gated, sectioned, the vocabulary).
 
 Tensors are numpy arrays (the converters') or torch tensors (in memory, on any device: weight sync, the way back):
 the few operations that the two spell differently are below.
@@ -16,10 +17,12 @@ the few operations that the two spell differently are below.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
+
+from mconvert.mappings.splits import Split
 
 if TYPE_CHECKING:
     from mconvert.mappings.spec import ModelSpec
@@ -66,6 +69,7 @@ class Rename:
     mcore: str
     hf: str
     when: str | None = None
+    split: Split = field(kw_only=True)
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -91,6 +95,7 @@ class Concat:
     mcore: str
     hf_names: tuple[str, ...]
     when: str | None = None
+    split: Split = field(kw_only=True)
 
     def hf_shapes(self, shape: Shape, spec: ModelSpec) -> list[Shape]:
         parts = len(self.hf_names)
@@ -123,6 +128,7 @@ class QKVInterleave:
     k: str
     v: str
     when: str | None = None
+    split: Split = field(kw_only=True)
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -134,6 +140,11 @@ class QKVInterleave:
         heads_per_group = spec.num_attention_heads // spec.num_query_groups
         gated = 2 if spec.attention_output_gate else 1
         return gated * heads_per_group * spec.head_dim, spec.head_dim, spec.head_dim
+
+    @staticmethod
+    def fused_rows(spec: ModelSpec) -> int:
+        """Rows of Megatron's fused tensor: every query group's."""
+        return spec.num_query_groups * sum(QKVInterleave._rows(spec))
 
     def hf_shapes(self, shape: Shape, spec: ModelSpec) -> list[Shape]:
         rest = shape[1:]
@@ -186,6 +197,7 @@ class Deinterleave:
     hf: str
     transposed: bool = False
     when: str | None = None
+    split: Split = field(kw_only=True)
 
     @property
     def hf_names(self) -> tuple[str, ...]:

@@ -12,6 +12,7 @@ from typing import Any
 
 from mconvert.errors import ConversionError
 from mconvert.mappings.spec import ModelSpec
+from mconvert.mappings.transforms import QKVInterleave
 
 
 @dataclass(frozen=True)
@@ -198,9 +199,7 @@ class Parallelism:
         else:
             # Above the query groups, megatron-core splits the fused QKV's rows evenly still (each rank gathers
             # the group it reads): the rows must divide.
-            gated = 2 if spec.attention_output_gate else 1
-            rows = spec.num_query_groups * (gated * spec.num_attention_heads // spec.num_query_groups + 2) * spec.head_dim
-            checks.append(("--tp", self.tp, "the fused QKV's rows", rows))
+            checks.append(("--tp", self.tp, "the fused QKV's rows", QKVInterleave.fused_rows(spec)))
         if spec.moe is None or not all(spec.moe.moe_layers):
             checks.append(("--tp", self.tp, "intermediate_size", spec.ffn_hidden_size))
         if spec.mamba is not None:

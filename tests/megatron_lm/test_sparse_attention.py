@@ -138,7 +138,7 @@ class Zeroed(Rename):
 @pytest.mark.parametrize("name", ["deepseek-v3.2", "glm-5.1"])
 def test_a_planted_fault_moves_megatrons_logits(fault, name, made, tmp_path, monkeypatch):
     if fault == "indexer weights zeroed":
-        indexer = tuple(Zeroed(entry.mcore, entry.hf) if entry.mcore.endswith("linear_wq_b.weight") else entry for entry in deepseek_v32.INDEXER)
+        indexer = tuple(Zeroed(entry.mcore, entry.hf, split=entry.split) if entry.mcore.endswith("linear_wq_b.weight") else entry for entry in deepseek_v32.INDEXER)
         table = dataclasses.replace(deepseek_v32.TABLE, indexer=indexer)
         monkeypatch.setitem(mappings.FAMILIES, "deepseek_v32", dataclasses.replace(deepseek_v32.FAMILY, table=table))
     hf = made(name, rms_norm_eps=1e-6)
