@@ -18,16 +18,16 @@ import numpy as np
 from mconvert.dtypes import dtype_of, is_floating
 from mconvert.errors import ConversionError
 from mconvert.formats.safetensors import Part, Rows
-from mconvert.mappings.family import Family
+from mconvert.mappings.family import Family, active
 from mconvert.mappings.spec import ModelSpec
 from mconvert.mappings.transforms import Entry, Section, Shift
-from mconvert.mcore.hybrid import ATTENTION, MAMBA, MLP, MOE, hybrid_layer_key, hybrid_model_key
+from mconvert.mcore.hybrid import hybrid_layer_key, hybrid_model_key
 from mconvert.mcore.layout import (
     EXPERTS_PREFIX,
-    EXTRA_STATE_ONLY_MODULES,
     TensorLayout,
     checkpoint_names,
     extra_state_key,
+    extra_state_only,
     layer_axis,
     layer_key,
     mtp_key,
@@ -157,10 +157,6 @@ class Plan:
         return groups
 
 
-def _active(entries: tuple[Entry, ...], spec: ModelSpec) -> list[Entry]:
-    return [entry for entry in entries if entry.when is None or getattr(spec, entry.when)]
-
-
 def build_plan(
     family: Family,
     spec: ModelSpec,
@@ -177,14 +173,6 @@ def build_plan(
     pieces: list[Piece] = []
     # Modules that own a `_extra_state`: (module key, offsets) -> leading shape of its stacked tensors.
     modules: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
-
-    def add(keys: tuple[str, ...], offsets, leading, layout: TensorLayout, entry: Entry, sources: list[str], copy=False):
-        if not copy:
-            for key in keys:
-                shapes.setdefault(key, (*leading, *layout.shape))
-                modules[key.rsplit(".", 1)[0], offsets] = leading
-        pieces.append(Piece(keys, offsets, layout, entry, tuple(HFRef.of(entry, s, spec) for s in sources), copy))
-
     hybrid = parallelism.model_class == "hybrid"
 
     def model_key(name: str) -> str:
@@ -193,54 +181,36 @@ def build_plan(
     def located(name: str, layer: int) -> tuple[str, tuple[int, ...]]:
         return (hybrid_layer_key(name, layer, spec), ()) if hybrid else layer_key(name, layer, spec)
 
-    for entry in _active(table.model, spec):
-        add((model_key(entry.mcore),), (), (), tensor_layout(entry, spec, parallelism), entry, list(entry.hf_names))
+    def add(keys: tuple[str, ...], offsets, leading, entry: Entry, sources: list[str], copy=False, expert=False):
+        layout = tensor_layout(entry, spec, parallelism, expert)
+        if not copy:
+            for key in keys:
+                shapes.setdefault(key, (*leading, *layout.shape))
+                modules[key.rsplit(".", 1)[0], offsets] = leading
+        pieces.append(Piece(keys, offsets, layout, entry, tuple(HFRef.of(entry, s, spec) for s in sources), copy))
 
-    # Multi-token prediction layers follow the decoder's, in HF's numbering and here; each is built like the
-    # decoder's last layer.
+    for entry in active(table.model, spec):
+        add((model_key(entry.mcore),), (), (), entry, list(entry.hf_names))
+    # Multi-token prediction layers follow the decoder's, in HF's numbering and here.
     for layer in range(spec.num_layers + spec.mtp_layers):
-        layers = layer_axis(spec) if layer < spec.num_layers and not hybrid else ()
-        prefix = table.layer_prefix.format(layer=layer)
-        is_moe = spec.layer_is_moe(min(layer, spec.num_layers - 1))
-        if layer >= spec.num_layers:
-            own, prefix = table.mtp_prefixes(spec.num_layers, layer - spec.num_layers)
-            for entry in _active(table.mtp, spec):
-                key = mtp_key(entry.mcore, layer - spec.num_layers)
-                add((key,), (), (), tensor_layout(entry, spec, parallelism), entry, [own + n for n in entry.hf_names])
-            for entry in _active(table.mtp_copies, spec):
-                layout = tensor_layout(entry, spec, parallelism)
-                add((model_key(entry.mcore),), (), (), layout, entry, [own + n for n in entry.hf_names], copy=True)
-        # A family whose HF models hold their experts only fused (gpt-oss) has no per-expert layout. The hub keeps
-        # an MTP layer's experts one by one where it fuses the decoder's (Qwen3.5-MoE).
-        hub_fused = table.hub_experts_fused and layer < spec.num_layers
-        fused = not table.experts or (hub_fused if fused_expert_layers is None else layer in fused_expert_layers)
-        moe_mlp = table.fused_moe_mlp if fused and table.fused_moe_mlp is not None else table.moe_mlp
-        decoder_layer = min(layer, spec.num_layers - 1)
-        attention = table.linear_attention if spec.layer_is_linear(decoder_layer) else table.attention
-        if spec.layer_has_indexer(decoder_layer):
-            attention += table.indexer
-        if spec.layer_blocks is not None:  # one block a layer, its entries by its symbol
-            block = {MAMBA: table.mamba, ATTENTION: attention, MLP: table.dense_mlp, MOE: moe_mlp}[spec.layer_blocks[layer]]
-        else:
-            block = attention + (moe_mlp if is_moe else table.dense_mlp)
-        for entry in _active(block, spec):
-            names = checkpoint_names(entry.mcore, spec, is_moe)
-            keys = [located(name, layer) for name in names]
-            layout = tensor_layout(entry, spec, parallelism)
-            add(tuple(k for k, _ in keys), keys[0][1], layers, layout, entry, [prefix + n for n in entry.hf_names])
-        for module in EXTRA_STATE_ONLY_MODULES if spec.layer_blocks is None or spec.layer_blocks[layer] == ATTENTION else ():
+        held = table.layer(spec, layer, fused_expert_layers)
+        stacked = layer_axis(spec) if layer < spec.num_layers and not hybrid else ()
+        for entry in held.mtp:
+            add((mtp_key(entry.mcore, layer - spec.num_layers),), (), (), entry, [held.mtp_prefix + n for n in entry.hf_names])
+        for entry in held.mtp_copies:
+            add((model_key(entry.mcore),), (), (), entry, [held.mtp_prefix + n for n in entry.hf_names], copy=True)
+        for entry in held.entries:
+            keys = [located(name, layer) for name in checkpoint_names(entry.mcore, spec)]
+            add(tuple(k for k, _ in keys), keys[0][1], stacked, entry, [held.prefix + n for n in entry.hf_names])
+        for module in extra_state_only([entry.mcore for entry in held.entries]):
             key, offsets = located(module, layer)
-            modules[key, offsets] = layers
-        if not is_moe:
-            continue
-        num_experts = spec.moe.num_experts
-        experts = table.fused_experts if fused else table.experts
-        for expert in range(num_experts):
-            for entry in _active(experts, spec):
+            modules[key, offsets] = stacked
+        experts = spec.moe.num_experts if held.experts else 0
+        for expert in range(experts):
+            for entry in held.experts:
                 key, offsets = located(EXPERTS_PREFIX + entry.mcore, layer)
-                layout = tensor_layout(entry, spec, parallelism, expert=True)
-                sources = [prefix + n.format(expert=expert) for n in entry.hf_names]
-                add((key,), (*offsets, expert), (*layers, num_experts), layout, entry, sources)
+                sources = [held.prefix + n.format(expert=expert) for n in entry.hf_names]
+                add((key,), (*offsets, expert), (*stacked, experts), entry, sources, expert=True)
 
     if hybrid:
         # HybridModel asks for its output layer's `_extra_state` whether or not the layer shares the embedding's

@@ -9,6 +9,39 @@ from mconvert.mappings.spec import ModelSpec
 from mconvert.mappings.transforms import Entry
 
 
+def active(entries, spec: ModelSpec) -> tuple[Entry, ...]:
+    """The entries that exist for `spec` (their `when` holds)."""
+    return tuple(entry for entry in entries if entry.when is None or getattr(spec, entry.when))
+
+
+# The scope of the table that holds a one-block layer's tensors (ModelSpec.layer_blocks), by its hybrid symbol.
+BLOCK_SCOPES = {"M": "mamba", "*": "attention", "-": "dense_mlp", "E": "moe_mlp"}
+
+
+def layer_scopes(spec: ModelSpec, layer: int) -> tuple[str, ...]:
+    """The scopes of the table that decoder layer `layer` is made of, in order: its one block where each HF layer is
+    one (ModelSpec.layer_blocks); else its attention (gated delta-net's on linear-attention layers), the indexer where
+    it runs one, and its MLP, with experts or dense. A `moe_mlp` scope brings the layer's experts."""
+    if spec.layer_blocks is not None:
+        return (BLOCK_SCOPES[spec.layer_blocks[layer]],)
+    attention = ("linear_attention" if spec.layer_is_linear(layer) else "attention",) + (("indexer",) if spec.layer_has_indexer(layer) else ())
+    return (*attention, "moe_mlp" if spec.layer_is_moe(layer) else "dense_mlp")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """The entries of one HF layer that exist for a model, in the order the plan takes them: an MTP layer's own
+    tensors and its copies of model tensors (their HF names relative to `mtp_prefix`), the layer's blocks, then each
+    expert's (HF names relative to `prefix`)."""
+
+    prefix: str
+    mtp_prefix: str
+    mtp: tuple[Entry, ...]
+    mtp_copies: tuple[Entry, ...]
+    entries: tuple[Entry, ...]
+    experts: tuple[Entry, ...]
+
+
 @dataclass(frozen=True)
 class Table:
     """Which HF tensors make which Megatron tensors, per scope.
@@ -63,6 +96,27 @@ class Table:
     # Prefixes of left-out tensors that the way back copies unchanged from the original checkpoint that
     # `--hf-config` names (the vision tower, which the Megatron checkpoint has none of to give).
     copied_back: tuple[str, ...] = ()
+
+    def layer(self, spec: ModelSpec, layer: int, fused_expert_layers: frozenset[int] | None = None) -> Layer:
+        """What HF layer `layer` holds (layers from num_layers on: the MTP layers, each built as the decoder's last
+        layer is). `fused_expert_layers`: the layers whose experts the HF side holds fused, None for the hub's
+        layout (a family whose HF models hold their experts only fused, gpt-oss, has no other; the hub keeps an MTP
+        layer's experts one by one where it fuses the decoder's, Qwen3.5-MoE)."""
+        mtp = layer >= spec.num_layers
+        own, prefix = self.mtp_prefixes(spec.num_layers, layer - spec.num_layers) if mtp else ("", self.layer_prefix.format(layer=layer))
+        hub_fused = self.hub_experts_fused and not mtp
+        fused = not self.experts or (hub_fused if fused_expert_layers is None else layer in fused_expert_layers)
+        scopes = layer_scopes(spec, min(layer, spec.num_layers - 1))
+        moe_mlp = self.fused_moe_mlp if fused and self.fused_moe_mlp is not None else self.moe_mlp
+        entries = [entry for scope in scopes for entry in (moe_mlp if scope == "moe_mlp" else getattr(self, scope))]
+        return Layer(
+            prefix=prefix,
+            mtp_prefix=own,
+            mtp=active(self.mtp, spec) if mtp else (),
+            mtp_copies=active(self.mtp_copies, spec) if mtp else (),
+            entries=active(entries, spec),
+            experts=active(self.fused_experts if fused else self.experts, spec) if "moe_mlp" in scopes else (),
+        )
 
     def mtp_prefixes(self, num_layers: int, mtp_layer: int) -> tuple[str, str]:
         """(the prefix of MTP layer `mtp_layer`'s own tensors, that of its decoder layer's)."""

@@ -38,18 +38,24 @@ MLA_LOCAL_SPEC_NAMES = {
     "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
-# Modules with `_extra_state` that own no tensor we write: attention's core (asked for by megatron-core 0.13/0.14).
-EXTRA_STATE_ONLY_MODULES = ("self_attention.core_attention",)
+# Modules with `_extra_state` that own no tensor we write, by the module of a layer's tensors beside which they
+# are: attention's core (asked for by megatron-core 0.13/0.14), in every layer with a self-attention module.
+EXTRA_STATE_ONLY_MODULES = {"self_attention.": "self_attention.core_attention"}
 
 
-def checkpoint_names(name: str, spec: ModelSpec, is_moe_layer: bool) -> tuple[str, ...]:
+def checkpoint_names(name: str, spec: ModelSpec) -> tuple[str, ...]:
     """The names a layer's tensor `name` is written under: its Transformer Engine spec name first, then the
     local spec's where that differs."""
-    if is_moe_layer and name == MOE_NORM:
+    if name == MOE_NORM:
         return (name, MOE_NORM_LOCAL)
     if spec.mla is not None and name in MLA_LOCAL_SPEC_NAMES:
         return (name, MLA_LOCAL_SPEC_NAMES[name])
     return (name,)
+
+
+def extra_state_only(names: list[str]) -> list[str]:
+    """The modules with an `_extra_state` and no tensor of a layer whose tensors are `names`."""
+    return [module for scope, module in EXTRA_STATE_ONLY_MODULES.items() if any(name.startswith(scope) for name in names)]
 
 
 @dataclass(frozen=True)
