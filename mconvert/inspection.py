@@ -114,7 +114,7 @@ def inspect_hf(directory: Path) -> dict[str, Any]:
 
 
 def inspect_megatron(load_dir: Path) -> dict[str, Any]:
-    from mconvert.converters.mcore_sources import TorchDistTensors, open_megatron_checkpoint
+    from mconvert.converters.mcore_sources import open_megatron_checkpoint
     from mconvert.converters.mcore_to_hf import plan_export
 
     source = open_megatron_checkpoint(load_dir)
@@ -126,11 +126,11 @@ def inspect_megatron(load_dir: Path) -> dict[str, Any]:
     tensors = []
     for key, shape in sorted(shapes.items()):
         entry: dict[str, Any] = {"name": key, "shape": list(shape)}
-        if isinstance(source, TorchDistTensors):
+        if source.format == "torch_dist":
             meta = source.dcp.metadata.state_dict_metadata[key]
             entry |= {"dtype": _dtype_name(meta.properties.dtype), "chunks": len(meta.chunks), "chunk_shape": list(meta.chunks[0].sizes)}
         tensors.append(entry)
-    if isinstance(source, TorchDistTensors):
+    if source.format == "torch_dist":
         suits = suitable_layouts(spec, embedding_rows, written_for.make_vocab_size_divisible_by)
     elif source.format == fsdp_dtensor.FORMAT:
         # Each tensor whole, read by a Megatron-FSDP run at any TP its vocabulary padding allows and any EP (measured:

@@ -19,9 +19,9 @@ from cli_runner import run_cli
 from safetensors.torch import load_file, save_file
 
 from mconvert.converters.fsdp_saves import FsdpCheckpoint
+from mconvert.converters.mcore_sources import open_megatron_checkpoint
 from mconvert.converters.model_keyed import Where
 from mconvert.formats.dcp import _stored_at
-from mconvert.mcore.checkpoint import iteration_dir
 from mconvert.mcore.layout import EXPERTS_PREFIX
 
 FIXTURES = Path(__file__).parent / "fixtures" / "fsdp"
@@ -68,7 +68,7 @@ def expert_parallel_size(fixture: Path) -> int:
 @pytest.mark.parametrize("name", SAVES)
 def test_the_way_back_reads_the_weights_the_run_trained(name):
     fixture = FIXTURES / name
-    save = FsdpCheckpoint(iteration_dir(fixture / "save"))
+    save = open_megatron_checkpoint(fixture / "save")
     assert save.format == name.split("-")[0]
     trained = json.loads((fixture / "weights.sha256.json").read_text())
     read = read_by_model_name(save)
@@ -85,7 +85,7 @@ def test_the_way_back_reads_the_weights_the_run_trained(name):
 
 def test_a_region_read_under_another_name_is_caught():
     fixture = FIXTURES / "torch_dcp-llama"
-    save = FsdpCheckpoint(iteration_dir(fixture / "save"))
+    save = open_megatron_checkpoint(fixture / "save")
     first, second = ("mlp.linear_fc2.weight", 0, None), ("mlp.linear_fc2.weight", 1, None)
     save.entries[first], save.entries[second] = save.entries[second], save.entries[first]
     trained = json.loads((fixture / "weights.sha256.json").read_text())
@@ -136,7 +136,7 @@ def test_chunks_of_a_data_parallel_save_read_in_each_others_place_are_caught():
     """A save at data-parallel size 2 holds each weight in two chunks, one a rank (most of FSDP2's): a reader that
     put one rank's chunk where the other's belongs would read equal shapes, wrong bytes."""
     fixture = FIXTURES / "torch_dcp-deepseek-dp2"
-    save = FsdpCheckpoint(iteration_dir(fixture / "save"))
+    save = open_megatron_checkpoint(fixture / "save")
     chunks = save.dcp.metadata.state_dict_metadata[key := "model.decoder.layers.0.mlp.linear_fc2.weight"].chunks
     assert len(chunks) == 2 and chunks[0].sizes == chunks[1].sizes
     first, second = (_stored_at(key, chunk.offsets) for chunk in chunks)

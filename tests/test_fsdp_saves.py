@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from cli_runner import assert_nothing_left, assert_one_line_error, run_cli
 
-from mconvert.converters.fsdp_saves import FsdpCheckpoint
+from mconvert.converters.mcore_sources import open_megatron_checkpoint
 from mconvert.mcore.checkpoint import TRACKER_FILE
 
 
@@ -39,14 +39,14 @@ def test_the_way_back_reads_the_names_as_megatron_lm_nests_them(tmp_path):
         "embedding.word_embeddings.weight": torch.randn(8, 3),
     }
     megatron_lm_save(tmp_path / "fsdp", model, "module.", pipeline_model_parallel_size=1)
-    save = FsdpCheckpoint(tmp_path / "fsdp")
+    save = open_megatron_checkpoint(tmp_path / "fsdp")
     assert save.format == "fsdp_dtensor" and save.args.pipeline_model_parallel_size == 1
     assert save.entries[("mlp.linear_fc1.weight", 0, None)] == (
         "model.module.decoder.layers.0.mlp.linear_fc1.weight_w", "model.module.decoder.layers.0.mlp.linear_fc1.weight_v")
     assert ("mlp.experts.experts.linear_fc2.weight", 1, 5) in save.entries
     assert ("mtp.layers.0.transformer_layer.input_layernorm.weight", None, None) in save.entries
     megatron_lm_save(tmp_path / "dcp", {"decoder.layers.0.mlp.linear_fc1.weight": torch.cat([gate, up])}, "")
-    assert FsdpCheckpoint(tmp_path / "dcp").format == "torch_dcp"
+    assert open_megatron_checkpoint(tmp_path / "dcp").format == "torch_dcp"
 
 
 @pytest.mark.parametrize("model, args, expected", [

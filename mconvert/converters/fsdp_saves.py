@@ -19,7 +19,6 @@ from 0 under the same names, which no reader can tell apart: such saves are refu
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 
@@ -30,24 +29,20 @@ from mconvert.formats.dcp import DCPCheckpoint
 from mconvert.mcore import fsdp_dtensor
 
 Shape = tuple[int, ...]
-# Each format's prefix of the model's names; the longer first (fsdp_dtensor's keys also start with `model.`).
+# Each format's prefix of the model's names.
 MODEL_PREFIXES = {fsdp_dtensor.FORMAT: fsdp_dtensor.MODEL_PREFIX, "torch_dcp": "model."}
 FSDP_FORMATS = tuple(MODEL_PREFIXES)
 
 
-def is_fsdp_save(directory: Path) -> bool:
-    """A DCP folder without torch_dist's metadata.json: how Megatron-LM tells its FSDP formats from torch_dist."""
-    return (directory / ".metadata").exists() and not (directory / "metadata.json").exists()
-
-
 class FsdpCheckpoint(ModelKeyedCheckpoint):
-    """One iteration of an fsdp_dtensor or torch_dcp save: an entry per region names the DCP key that holds it, or
-    the two (gate, up) that Megatron-FSDP split it into."""
+    """One iteration of an fsdp_dtensor or torch_dcp save (`format`, as mcore_sources.open_megatron_checkpoint tells
+    it): an entry per region names the DCP key that holds it, or the two (gate, up) that Megatron-FSDP split it into."""
 
-    def __init__(self, directory: Path):
-        self.dcp = DCPCheckpoint(directory)
+    def __init__(self, dcp: DCPCheckpoint, format: str):
+        self.dcp = dcp
+        directory = dcp.directory
         self.location = str(directory)
-        self.format = "fsdp_dtensor" if any(k.startswith(MODEL_PREFIXES["fsdp_dtensor"]) for k in self.dcp.shapes) else "torch_dcp"
+        self.format = format
         self.args = self._read_args()
         stages = getattr(self.args, "pipeline_model_parallel_size", 1) or 1
         if stages > 1:

@@ -1,7 +1,8 @@
 """The Megatron checkpoints the way back reads, behind one protocol: a torch_dist directory (through its DCP
 metadata), Megatron-LM's legacy per-rank `torch` files (mconvert.converters.legacy_source), its FSDP saves
-(fsdp_dtensor and torch_dcp: mconvert.converters.fsdp_saves), or a global state dict in memory; and where a plan
-piece lies in a stored tensor."""
+(fsdp_dtensor and torch_dcp: mconvert.converters.fsdp_saves), or a global state dict in memory; the one function
+that tells which kind a directory holds and opens its reader (open_megatron_checkpoint); and where a plan piece
+lies in a stored tensor."""
 
 from __future__ import annotations
 
@@ -11,11 +12,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
+from mconvert.converters.fsdp_saves import FsdpCheckpoint
+from mconvert.converters.legacy_source import LegacyCheckpoint
 from mconvert.converters.plan import Piece, Plan
+from mconvert.dtypes import dtype_of
 from mconvert.errors import ConversionError
 from mconvert.formats.dcp import DCPCheckpoint
+from mconvert.formats.legacy_torch import is_legacy_checkpoint
+from mconvert.mcore import fsdp_dtensor
 from mconvert.mcore.checkpoint import iteration_dir, read_common_args
 from mconvert.mcore.layout import MODEL_KEY_PREFIXES
 
@@ -41,6 +48,11 @@ class MegatronTensors(Protocol):
     def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
         """The piece's region (layout shape, but the vocabulary rows as stored), in `into` (a uint8 buffer
         of at least its bytes) where the format reads into given memory. Safe to call from several threads."""
+        ...
+
+    def byte_span(self, key: str, offsets: Shape, shape: Shape, dtype: np.dtype) -> tuple[Path, int] | None:
+        """(file, position) of a region of the stored tensor `key` where it lies in a file as one run of bytes of
+        `dtype`, to be copied file to file; None where it does not, or the format does not say."""
         ...
 
 
@@ -82,6 +94,9 @@ class TorchDistTensors:
         region = self.dcp.read_region(key, *piece_region(piece, self.dcp.shapes[key]), into=into)
         return region.reshape(region.shape[len(piece.offsets) :])
 
+    def byte_span(self, key: str, offsets: Shape, shape: Shape, dtype: np.dtype) -> tuple[Path, int] | None:
+        return self.dcp.byte_span(key, offsets, shape) if dtype_of(self.dcp.dtypes[key]) == dtype else None
+
 
 @dataclass
 class StateDictTensors:
@@ -103,14 +118,21 @@ class StateDictTensors:
     def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
         return self.state_dict[stored_key(piece, self.state_dict)][piece.offsets]
 
+    def byte_span(self, key: str, offsets: Shape, shape: Shape, dtype: np.dtype) -> None:
+        return None
+
 
 def open_megatron_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None) -> MegatronTensors:
-    """The weights of a Megatron checkpoint directory (torch_dist, the legacy per-rank `torch` format, or an FSDP
-    run's fsdp_dtensor or torch_dcp) at the iteration the tracker file names (or `iteration`)."""
-    from mconvert.converters.fsdp_saves import FsdpCheckpoint, is_fsdp_save
-    from mconvert.converters.legacy_source import LegacyCheckpoint
-    from mconvert.formats.legacy_torch import is_legacy_checkpoint
+    """The reader of a Megatron save at the iteration the tracker file names (or `iteration`): the one place that
+    tells, from the iteration directory's files, which kind of save it is.
 
+    - Megatron-LM's legacy `torch` format: a `model_optim_rng.pt` per model-parallel rank (`mp_rank_*/`).
+    - torch_dist: a DCP folder with metadata.json, written by mconvert, Megatron-LM or megatron-core alone, whose
+      args (common.pt, or a `common_state` object) describe the model, describe none (ms-swift) or are absent (a
+      bare model's save: Megatron-Bridge).
+    - Megatron-FSDP's fsdp_dtensor: a DCP folder without metadata.json, the model under `model.module.`.
+    - FSDP2's torch_dcp: the same, the model under `model.`.
+    """
     load_dir = Path(load_dir)
     directory = iteration_dir(load_dir, iteration)
     if not directory.is_dir():
@@ -121,7 +143,8 @@ def open_megatron_checkpoint(load_dir: str | os.PathLike, iteration: int | None 
         raise ConversionError(
             f"{directory}: not a Megatron checkpoint (no .metadata of torch_dist or an FSDP save, no mp_rank_* of the torch format)"
         )
-    if is_fsdp_save(directory):
-        return FsdpCheckpoint(directory)
     dcp = DCPCheckpoint(directory)
-    return TorchDistTensors(dcp, read_common_args(directory, dcp))
+    if (directory / "metadata.json").exists():
+        return TorchDistTensors(dcp, read_common_args(directory, dcp))
+    megatron_fsdp = any(key.startswith(fsdp_dtensor.MODEL_PREFIX) for key in dcp.shapes)
+    return FsdpCheckpoint(dcp, fsdp_dtensor.FORMAT if megatron_fsdp else "torch_dcp")

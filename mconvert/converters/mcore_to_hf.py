@@ -22,13 +22,7 @@ import numpy as np
 import torch
 
 from mconvert.converters.manifest import hashed_while_written
-from mconvert.converters.mcore_sources import (
-    MegatronTensors,
-    TorchDistTensors,
-    open_megatron_checkpoint,
-    piece_region,
-    stored_key,
-)
+from mconvert.converters.mcore_sources import MegatronTensors, open_megatron_checkpoint, piece_region, stored_key
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.parallel import Buffers, Ranks, assign, check_workers, run_pieces
 from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
@@ -185,13 +179,11 @@ def file_copies(plan: Plan, piece: Piece, source: MegatronTensors, shapes: dict[
     otherwise. Which rows they are is found by applying the transform to a tensor on the meta device: views
     that are contiguous row blocks qualify; anything else (a copy, QKV's regrouping) is read and transformed
     in memory."""
-    if not isinstance(source, TorchDistTensors) or any(isinstance(ref.index, Rows) for ref in piece.sources):
+    if any(isinstance(ref.index, Rows) for ref in piece.sources):
         return None
     key = stored_key(piece, shapes)
     offsets, shape = piece_region(piece, shapes[key])
     dtype = plan.dtype_of(piece)
-    if dtype_of(source.dcp.dtypes[key]) != dtype:
-        return None
     leading = len(piece.offsets)
     whole = torch.empty(shape[leading:], dtype=torch_dtype(dtype), device="meta")
     region = whole[: piece.layout.real_rows] if piece.layout.real_rows is not None else whole
@@ -202,7 +194,7 @@ def file_copies(plan: Plan, piece: Piece, source: MegatronTensors, shapes: dict[
         if not (tensor is whole or tensor._base is whole) or not tensor.is_contiguous() or start % row or count % row:
             return None
         rows = (*offsets[:leading], offsets[leading] + start // row, *offsets[leading + 1 :])
-        span = source.dcp.byte_span(key, rows, (*shape[:leading], count // row, *shape[leading + 1 :]))
+        span = source.byte_span(key, rows, (*shape[:leading], count // row, *shape[leading + 1 :]), dtype)
         if span is None:
             return None
         copies.append((ref, span))

@@ -115,6 +115,10 @@ class ModelKeyedCheckpoint:
         """The global shape of a stored region (for `piece`, or alone when no piece reads it)."""
         raise NotImplementedError
 
+    def byte_span(self, key: str, offsets: Shape, shape: Shape, dtype: Any) -> None:
+        """None: the model-keyed formats' regions are not copied file to file."""
+        return None
+
     def find(self, piece: Piece) -> tuple[str, Where, Any] | None:
         """The first of the piece's keys and spellings that this checkpoint holds, its region and entry."""
         return next(((key, where, self.entries[where]) for key, where in piece_wheres(piece) if where in self.entries), None)

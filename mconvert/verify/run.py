@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from mconvert.converters.fsdp_saves import is_fsdp_save
+from mconvert.converters.fsdp_saves import FSDP_FORMATS
+from mconvert.converters.mcore_sources import open_megatron_checkpoint
 from mconvert.dependencies import MAMBA, MAMBA_INSTALL, VERIFY, VERIFY_INSTALL, require
 from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import read_hf_config
@@ -180,7 +181,7 @@ def verify(request: VerifyRequest) -> Report:
             raise ConversionError(f"--tp/--pp/--ep need {world} GPUs, {torch.cuda.device_count()} visible")
     if not (request.hf_dir / "config.json").exists():
         raise ConversionError(f"--hf {request.hf_dir}: no config.json")
-    if is_fsdp_save(iteration_dir(request.mcore_dir)):
+    if open_megatron_checkpoint(request.mcore_dir).format in FSDP_FORMATS:
         raise ConversionError(
             f"--mcore {request.mcore_dir}: an FSDP save (fsdp_dtensor or torch_dcp), which megatron-core's models do not "
             "load outside an FSDP run: verify a torch_dist conversion of the same HF model (the same tensors), or compare "

@@ -20,7 +20,7 @@ so that libFuzzer's limits hold per target):
   legacy-rank         a legacy per-rank model_optim_rng.pt (read_rank_files)
   tracker             latest_checkpointed_iteration.txt (iteration_dir)
   fsdp-save           an FSDP run's .metadata, its names read as the model's and its stored args as a model
-                      (FsdpCheckpoint, plan_export)
+                      (open_megatron_checkpoint, plan_export)
 
 The contract: every input is read, or ends in a ConversionError (the command line's one-line `mconvert: error:`);
 any other exception is a crash, as is an input taking over --timeout-s seconds or the process growing past
@@ -94,8 +94,8 @@ def make_seeds(seeds: Path) -> None:
 
 def readers(scratch: Path, seeds: Path):
     """Each target's reader of the bytes it is given, writing them where the real reader finds its file."""
-    from mconvert.converters.fsdp_saves import FsdpCheckpoint
     from mconvert.converters.hf_to_mcore import import_plan
+    from mconvert.converters.mcore_sources import open_megatron_checkpoint
     from mconvert.converters.mcore_to_hf import plan_export
     from mconvert.converters.plan import build_plan
     from mconvert.formats.dcp import DCPCheckpoint
@@ -133,7 +133,7 @@ def readers(scratch: Path, seeds: Path):
         return path
 
     def fsdp_save(data: bytes) -> None:
-        plan_export(FsdpCheckpoint(written(fsdp / ".metadata", data).parent))
+        plan_export(open_megatron_checkpoint(written(fsdp / ".metadata", data).parent))
 
     def planned(data: bytes) -> None:
         family, spec = get_mapping(read_hf_config(written(scratch / "config.json", data).parent, "--load-dir"))
