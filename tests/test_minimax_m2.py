@@ -97,7 +97,7 @@ def test_other_q_k_norms_move_transformers_logits_far_beyond_the_tolerance(group
 
 
 def test_a_zeroed_routing_bias_moves_megatrons_logits(hf, tmp_path, monkeypatch):
-    moe_mlp = tuple(Zeroed(e.mcore, e.hf) if e.mcore == "mlp.router.expert_bias" else e for e in minimax_m2.TABLE.moe_mlp)
+    moe_mlp = tuple(Zeroed(e.mcore, e.hf, split=e.split) if e.mcore == "mlp.router.expert_bias" else e for e in minimax_m2.TABLE.moe_mlp)
     family = dataclasses.replace(minimax_m2.FAMILY, table=dataclasses.replace(minimax_m2.TABLE, moe_mlp=moe_mlp))
     monkeypatch.setitem(mappings.FAMILIES, "minimax_m2", family)
     convert_hf_to_mcore(hf, tmp_path / "mcore")
