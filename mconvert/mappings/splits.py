@@ -22,6 +22,7 @@ Dim = int | str | Callable[["ModelSpec"], int]
 
 
 def size(dim: Dim, spec: ModelSpec) -> int:
+    """The size a dim names for `spec`."""
     if isinstance(dim, int):
         return dim
     if isinstance(dim, str):
@@ -34,7 +35,8 @@ def size(dim: Dim, spec: ModelSpec) -> int:
 
 @dataclass(frozen=True, init=False)
 class Split:
-    """A Megatron tensor whole on every tensor-parallel rank (the base of the kinds below, which split it)."""
+    """What every kind of split holds: the tensor's dims, and its own dtype where it has one. The base splits nothing
+    (every rank holds the whole tensor, as Replicated says in a table); the kinds below name the axis they split."""
 
     dims: tuple[Dim, ...]
     # The dtype the tensor has whatever the weights' dtype: Megatron keeps the router's expert bias in fp32 (as
