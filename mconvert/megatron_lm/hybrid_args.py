@@ -42,13 +42,6 @@ def hybrid_args(args: dict[str, Any], spec: ModelSpec, par: Parallelism) -> dict
         updates["linear_attention_freq"] = [int(symbol == hybrid.GATED_DELTA_NET) for symbol in hybrid.split_pattern(pattern)[0]]
     if args.get("dsa_indexer_topk_freq", 1) != 1:
         updates.update(hybrid_shared_top_k(args["dsa_indexer_topk_freq"], args["dsa_indexer_skip_topk_offset"]))
-    if spec.mamba is not None:
-        updates.update(
-            mamba_state_dim=spec.mamba.state_dim,
-            mamba_head_dim=spec.mamba.head_dim,
-            mamba_num_groups=spec.mamba.num_groups,
-            mamba_num_heads=spec.mamba.num_heads,
-        )
     return updates
 
 

@@ -10,7 +10,6 @@ in processes that run megatron-core on CPU."""
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
 import sys
@@ -90,10 +89,3 @@ def local_mamba_layer(norm: type) -> object:
             sharded_state_dict_keys_map={"norm.": "mixer.in_proj.layer_norm_"},
         ),
     )
-
-
-def mamba_settings(args: argparse.Namespace) -> dict:
-    """The Mamba mixers' TransformerConfig fields, where the args have Mamba layers."""
-    if not getattr(args, "mamba_num_heads", None):
-        return {}
-    return {name: getattr(args, name) for name in ("mamba_state_dim", "mamba_head_dim", "mamba_num_groups", "mamba_num_heads")}

@@ -7,8 +7,10 @@ that load it: torch_dist checkpoints are layout-independent.
 """
 
 import argparse
+import dataclasses
+import importlib
 import importlib.util
-from typing import Literal
+from typing import Any, Literal
 
 import megatron.core
 import torch
@@ -28,12 +30,13 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from packaging.version import Version
 
 from mconvert.errors import ConversionError
-from mconvert.mcore.parallelism import Parallelism, PipelineSplit, padded_vocab_size
+from mconvert.mcore.parallelism import Parallelism, padded_vocab_size
 from mconvert.megatron_lm import layer_specs, spec_names
-from mconvert.megatron_lm.args import stored_arg
 from mconvert.megatron_lm.flags import unnormalized_mla_query
+from mconvert.megatron_lm.setting import Getter
+from mconvert.megatron_lm.settings import SETTINGS, getter, has_feature
 from mconvert.verify import cpu_shims
-from mconvert.verify.mamba import mamba_settings
+from mconvert.verify.distributed import ParallelLayout
 
 try:
     import transformer_engine  # noqa: F401  (only probing whether it is installed)
@@ -67,17 +70,6 @@ def padded_vocab_size_for_tp(args: argparse.Namespace, tp: int) -> int:
 MEGATRON_CORE_VERSION = Version(megatron.core.__version__).public
 
 
-def require_shared_expert_gate() -> None:
-    """megatron-core before 0.16 has no config field for the shared expert's sigmoid gate (Qwen2-MoE):
-    its MoE spec builds shared experts without one, so the gate's weight could not be loaded."""
-    if not hasattr(TransformerConfig, "moe_shared_expert_gate"):
-        raise ConversionError(
-            f"megatron-core {MEGATRON_CORE_VERSION} cannot build this checkpoint's model: it has a shared "
-            "expert gate (moe_shared_expert_gate), which megatron-core supports from 0.16 on; load it with "
-            "megatron-core >= 0.16"
-        )
-
-
 def require_output_gate_above_query_groups(args: argparse.Namespace, tp: int) -> None:
     """megatron-core 0.16.1 cannot run attention with an output gate at TP above the query groups: the gates it
     takes are those of the whole group a rank gathers, which it fails to shape as its own heads' (0.19.2 slices
@@ -109,96 +101,64 @@ def transformer_config_from_args(
     params_dtype: torch.dtype,
     transformer_impl: TransformerImpl = "transformer_engine",
     perform_initialization: bool = True,
+    layout: ParallelLayout | None = None,
 ) -> TransformerConfig:
-    """The TransformerConfig Megatron-LM derives from `args`, for the current parallel layout.
+    """The TransformerConfig Megatron-LM derives from `args` (core_transformer_config_from_args, over the settings
+    table's rows), for the parallel layout of the ranks (megatron-core's parallel state; `layout` without ranks).
 
     Fusions and dropout are off: the model is only run forward, to compare numbers.
     `perform_initialization=False` skips the random init of weights a checkpoint will overwrite.
     """
-    num_experts = getattr(args, "num_experts", None)
-    moe_settings = {}
-    if num_experts:
-        moe_settings = dict(
-            num_moe_experts=num_experts,
-            moe_router_topk=args.moe_router_topk,
-            moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
-            moe_shared_expert_intermediate_size=getattr(
-                args, "moe_shared_expert_intermediate_size", None
-            ),
-            moe_router_pre_softmax=getattr(args, "moe_router_pre_softmax", False),
-            moe_router_score_function=getattr(args, "moe_router_score_function", "softmax"),
-            moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor", None),
-            moe_router_enable_expert_bias=getattr(args, "moe_router_enable_expert_bias", False),
-            moe_router_num_groups=getattr(args, "moe_router_num_groups", None),
-            moe_router_group_topk=getattr(args, "moe_router_group_topk", None),
-            moe_router_dtype=getattr(args, "moe_router_dtype", None),
-            moe_layer_freq=getattr(args, "moe_layer_freq", 1),
-            # The local spec's grouped gemm is the legacy GroupedMLP (CUDA-only grouped_gemm kernels,
-            # other checkpoint keys); its SequentialMLP stores the keys TEGroupedMLP stores
-            # (MCORE_FORMAT.md), so the local spec always uses SequentialMLP.
-            moe_grouped_gemm=(
-                getattr(args, "moe_grouped_gemm", False) and uses_transformer_engine(transformer_impl)
-            ),
-            moe_router_load_balancing_type=getattr(args, "moe_router_load_balancing_type", "aux_loss"),
-            # The dispatcher only moves tokens to their experts and back, it does not change the
-            # result; allgather is the one that runs on gloo (CPU) as well as NCCL.
-            moe_token_dispatcher_type="allgather",
+    get = getter(args)
+    config_class = MLATransformerConfig if get("multi_latent_attention") else TransformerConfig
+    if get("multi_latent_attention") and unnormalized_mla_query(args):
+        require_unnormalized_mla_query()
+    require_sparse_attention_indexer(get)
+    fields = {field.name for field in dataclasses.fields(config_class)}
+    known = fields | {field.name for field in dataclasses.fields(MLATransformerConfig)}
+    # megatron-core 0.13 names multi-latent attention's YaRN original length max_position_embeddings.
+    renamed = {} if "original_max_position_embeddings" in known else {"original_max_position_embeddings": "max_position_embeddings"}
+    settings = config_settings(args, fields, known, f"megatron-core {MEGATRON_CORE_VERSION}", renamed)
+    if settings.get("rope_type", "") is None:
+        settings.pop("rope_type")  # the config class's own default, as Megatron-LM leaves it
+    run = run_settings(get, params_dtype, transformer_impl, perform_initialization, layout)  # over the model's where both set a field
+    return config_class(**{**settings, **activation_settings(get), **run})
+
+
+def activation_settings(get: Getter) -> dict:
+    """The MLP's activation and whether it is gated, and the query groups (Megatron-LM ignores --num-query-groups
+    unless --group-query-attention is given): what core_transformer_config_from_args derives from the args."""
+    if get("swiglu"):
+        activation = F.silu
+    elif get("quick_geglu"):
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu  # absent from megatron-core 0.13 and 0.14
+
+        activation = quick_gelu
+    elif get("squared_relu"):
+        # megatron-core's own relu(x)^2, imported only for such models: 0.13 lacks the module.
+        activation = importlib.import_module("megatron.core.activations").squared_relu
+    else:
+        activation = F.gelu
+    return dict(
+        gated_linear_unit=bool(get("swiglu") or get("quick_geglu")),
+        activation_func=activation,
+        num_query_groups=get("num_query_groups") if get("group_query_attention") else None,
+    )
+
+
+def run_settings(
+    get: Getter, params_dtype: torch.dtype, transformer_impl: TransformerImpl, perform_initialization: bool,
+    layout: ParallelLayout | None,
+) -> dict:
+    """What the run decides, not the model: the ranks' parallel sizes, the dtype, CPU initialization, and a forward
+    pass without fusions or dropout, through megatron-core's own attention on CPU."""
+    if layout is None:
+        layout = ParallelLayout(
+            parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_expert_tensor_parallel_world_size(),
         )
-        if getattr(args, "moe_shared_expert_gate", False):
-            require_shared_expert_gate()
-            moe_settings["moe_shared_expert_gate"] = True
-    config_class, mla_settings = TransformerConfig, {}
-    if getattr(args, "multi_latent_attention", False):
-        if unnormalized_mla_query(args):
-            require_unnormalized_mla_query()
-        config_class = MLATransformerConfig
-        mla_settings = dict(
-            multi_latent_attention=True,
-            q_lora_rank=args.q_lora_rank,
-            kv_lora_rank=args.kv_lora_rank,
-            qk_head_dim=args.qk_head_dim,
-            qk_pos_emb_head_dim=args.qk_pos_emb_head_dim,
-            v_head_dim=args.v_head_dim,
-            rope_type=getattr(args, "rope_type", None) or "yarn",
-            rotary_base=getattr(args, "rotary_base", 10000),
-            rotary_scaling_factor=getattr(args, "rotary_scaling_factor", 1.0),
-            mscale=getattr(args, "mscale", 1.0),
-            mscale_all_dim=getattr(args, "mscale_all_dim", 0.0),
-        )
-        # Megatron-LM has no flags for these; args written by mconvert record MLATransformerConfig's defaults.
-        for name in ("original_max_position_embeddings", "beta_fast", "beta_slow"):
-            if getattr(args, name, None) is not None:
-                mla_settings[name] = getattr(args, name)
-        if "original_max_position_embeddings" in mla_settings and not hasattr(MLATransformerConfig, "original_max_position_embeddings"):
-            # megatron-core 0.13 names YaRN's original length max_position_embeddings.
-            mla_settings["max_position_embeddings"] = mla_settings.pop("original_max_position_embeddings")
-    return config_class(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        # Megatron-LM ignores --num-query-groups unless --group-query-attention is given.
-        num_query_groups=(
-            args.num_query_groups if getattr(args, "group_query_attention", False) else None
-        ),
-        kv_channels=getattr(args, "kv_channels", None),
-        normalization=args.normalization,
-        layernorm_epsilon=stored_arg(args, "layernorm_epsilon", 1e-5),
-        gated_linear_unit=args.swiglu or getattr(args, "quick_geglu", False),
-        activation_func=F.silu if args.swiglu else quick_gelu() if getattr(args, "quick_geglu", False) else (
-            # megatron-core's own relu(x)^2 (--squared-relu), imported only for such models: 0.13 lacks the module
-            importlib.import_module("megatron.core.activations").squared_relu
-            if getattr(args, "squared_relu", False) else F.gelu
-        ),
-        **activation_settings(args),
-        **mamba_settings(args),
-        **linear_attention_settings(args),
-        **sparse_attention_settings(args),
-        add_bias_linear=args.add_bias_linear,
-        add_qkv_bias=getattr(args, "add_qkv_bias", False),
-        qk_layernorm=getattr(args, "qk_layernorm", False),
-        rotary_interleaved=getattr(args, "rotary_interleaved", False),
-        window_size=getattr(args, "window_size", None),
+    tp = layout.tp
+    return dict(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_activation_fusion=False,
@@ -206,109 +166,79 @@ def transformer_config_from_args(
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
-        # Megatron-LM pairs the local spec with the local backend (megatron's own
-        # DotProductAttention, the attention that runs on CPU).
-        attention_backend=(
-            AttnBackend.auto if uses_transformer_engine(transformer_impl) else AttnBackend.local
-        ),
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        # Megatron-LM pairs the local spec with the local backend (megatron's own DotProductAttention, the
+        # attention that runs on CPU).
+        attention_backend=AttnBackend.auto if uses_transformer_engine(transformer_impl) else AttnBackend.local,
+        tensor_model_parallel_size=tp,
         # Sparse attention's absorbed MLA requires sequence parallelism at TP > 1; it changes no result.
-        sequence_parallel=(
-            getattr(args, "experimental_attention_variant", None) == "dsa"
-            and parallel_state.get_tensor_model_parallel_world_size() > 1
-        ),
-        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
-        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
-        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        sequence_parallel=get("experimental_attention_variant") == "dsa" and tp > 1,
+        pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
         params_dtype=params_dtype,
         pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=True,
         perform_initialization=perform_initialization,
-        mtp_num_layers=getattr(args, "mtp_num_layers", None),
-        **pipeline_split_settings(args),
-        **moe_settings,
-        **mla_settings,
+        # The local spec's grouped gemm is the legacy GroupedMLP (CUDA-only grouped_gemm kernels, other checkpoint
+        # keys); its SequentialMLP stores the keys TEGroupedMLP stores (MCORE_FORMAT.md), so the local spec always
+        # uses SequentialMLP.
+        moe_grouped_gemm=bool(get("moe_grouped_gemm")) and uses_transformer_engine(transformer_impl),
+        # The dispatcher only moves tokens to their experts and back, it does not change the result; allgather is
+        # the one that runs on gloo (CPU) as well as NCCL.
+        moe_token_dispatcher_type="allgather",
     )
 
 
-def quick_gelu():
-    """megatron-core's quick-GELU (gpt-oss's gate), from the release that has it: 0.13 and 0.14 have none."""
-    from megatron.core.fusions.fused_bias_geglu import quick_gelu
-
-    return quick_gelu
-
-
-def activation_settings(args: argparse.Namespace) -> dict:
-    """gpt-oss's clamped, offset gated MLP, its attention sinks and its windows on some layers only: only what
-    the args set, so that megatron-core releases before these fields build the models without them."""
-    names = ("glu_linear_offset", "activation_func_clamp_value", "window_attn_skip_freq")
-    settings = {name: getattr(args, name) for name in names if getattr(args, name, None) not in (None, 0.0)}
-    if getattr(args, "softmax_type", "vanilla") != "vanilla":
-        settings["softmax_type"] = args.softmax_type
-    return settings
-
-
-def linear_attention_settings(args: argparse.Namespace) -> dict:
-    """Qwen3-Next's and Qwen3.5's gated delta-net layers, gated attention and zero-centred norms: only what the
-    args set, so that megatron-core releases before these fields build the other models."""
-    settings = {}
-    if stored_arg(args, "layernorm_zero_centered_gamma", False):
-        settings["layernorm_zero_centered_gamma"] = True
-    if getattr(args, "attention_output_gate", False):
-        settings["attention_output_gate"] = True
-    if getattr(args, "experimental_attention_variant", None) == "gated_delta_net":
-        names = ("experimental_attention_variant", "linear_attention_freq", "linear_conv_kernel_dim", "linear_key_head_dim",
-                 "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads")
-        settings.update({name: getattr(args, name) for name in names})
-    return settings
-
-
-def sparse_attention_settings(args: argparse.Namespace) -> dict:
+def require_sparse_attention_indexer(get: Getter) -> None:
     """DeepSeek Sparse Attention's indexer, from megatron-core 0.19: 0.16's always rotates q and k by a Hadamard
     matrix (bf16 and fast-hadamard-transform only) and cannot rotate interleaved pairs."""
-    if getattr(args, "experimental_attention_variant", None) != "dsa":
-        return {}
-    if Version(MEGATRON_CORE_VERSION) < Version("0.19"):
+    if get("experimental_attention_variant") == "dsa" and Version(MEGATRON_CORE_VERSION) < Version("0.19"):
         raise ConversionError(
             f"sparse attention: megatron-core {MEGATRON_CORE_VERSION}'s indexer always applies the Hadamard rotation "
             f"(bf16 and fast-hadamard-transform only) and has no interleaved rope; verify with megatron-core 0.19 or later"
         )
-    names = ("experimental_attention_variant", "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk",
-             "dsa_indexer_topk_freq", "dsa_indexer_skip_topk_offset", "dsa_indexer_rope_interleaved",
-             "dsa_indexer_rotate_activation", "dsa_indexer_k_norm_epsilon")
-    return {name: getattr(args, name) for name in names if hasattr(args, name)}
+
+
+def config_settings(
+    args: argparse.Namespace, fields: set[str], known: set[str], describe: str, renamed: dict[str, str]
+) -> dict[str, Any]:
+    """The fields of a TransformerConfig class (of `fields`) that the model's args set, as Megatron-LM's
+    core_transformer_config_from_args copies them; the run's settings are the caller's. A field of another config
+    class of the installed megatron-core (`known`: multi-latent attention's) is left out; one it does not know at all
+    is left out where the args hold the parser's default, and an error where they do not: that megatron-core
+    (`describe`) cannot build the model. `renamed`: the installed megatron-core's names of fields it names otherwise."""
+    get = getter(args)
+    settings = {}
+    for setting in SETTINGS:
+        field = renamed.get(setting.config_field, setting.config_field)
+        if field is None or setting.run or not has_feature(setting, get):
+            continue
+        value = get(setting.arg)
+        if field in fields:
+            settings[field] = value
+        elif field not in known and value != setting.default:
+            raise ConversionError(
+                f"{describe} cannot build this checkpoint's model: its TransformerConfig has no {field} "
+                f"(the model has {setting.arg}={value!r}); load it with a later megatron-core"
+            )
+    return settings
 
 
 def yarn_settings(config: TransformerConfig, args: argparse.Namespace) -> None:
     """GPTModel's YaRN (not multi-latent attention's) reads its settings as attributes of the config that no
     field declares, as Megatron-LM sets them (argument_utils._apply_yarn_config_from_args)."""
-    if getattr(args, "position_embedding_type", None) != "yarn" or getattr(args, "multi_latent_attention", False):
+    get = getter(args)
+    if get("position_embedding_type") != "yarn" or get("multi_latent_attention"):
         return
-    config.yarn_rotary_scaling_factor = args.rotary_scaling_factor
-    config.yarn_original_max_position_embeddings = args.yarn_original_max_position_embeddings
-    config.yarn_beta_fast = args.yarn_beta_fast
-    config.yarn_beta_slow = args.yarn_beta_slow
-    config.yarn_mscale = args.mscale
-    config.yarn_mscale_all_dim = args.mscale_all_dim
-    config.yarn_correction_range_round_to_int = args.yarn_correction_range_round_to_int
-
-
-# TransformerConfig's name for a pipeline split arg where it is not the arg's (core_transformer_config_from_args).
-_SPLIT_CONFIG_FIELDS = {
-    "decoder_first_pipeline_num_layers": "num_layers_in_first_pipeline_stage",
-    "decoder_last_pipeline_num_layers": "num_layers_in_last_pipeline_stage",
-}
-
-
-def pipeline_split_settings(args: argparse.Namespace) -> dict:
-    """How the layers are split over the pipeline stages, as `args` set it (only what they set: megatron-core
-    releases before a field's arrival do not take it)."""
-    return {
-        _SPLIT_CONFIG_FIELDS.get(arg, arg): getattr(args, arg)
-        for arg in PipelineSplit.ARGS.values() if getattr(args, arg, None) not in (None, False)
-    }
+    config.yarn_rotary_scaling_factor = get("rotary_scaling_factor")
+    config.yarn_original_max_position_embeddings = get("yarn_original_max_position_embeddings")
+    config.yarn_beta_fast = get("yarn_beta_fast")
+    config.yarn_beta_slow = get("yarn_beta_slow")
+    config.yarn_mscale = get("mscale")
+    config.yarn_mscale_all_dim = get("mscale_all_dim")
+    config.yarn_correction_range_round_to_int = get("yarn_correction_range_round_to_int")
 
 
 def _layer_spec(

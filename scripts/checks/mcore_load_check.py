@@ -60,7 +60,7 @@ MODELS = {
         "qwen1.5-moe-a2.7b",
         Parallelism(ep=2),
         since=Version("0.16"),
-        refusal="has a shared expert gate (moe_shared_expert_gate), which megatron-core supports from 0.16 on",
+        refusal="its TransformerConfig has no moe_shared_expert_gate (the model has moe_shared_expert_gate=True)",
     ),
     # Multi-latent attention without a query bottleneck (q_lora_rank null), which megatron-core 0.19 builds with a
     # layer norm fused into linear_q_proj that the model does not have.
