@@ -3,8 +3,8 @@ torch_dist and judged by megatron-core 0.19.2's own GPTModel on gloo CPU ranks: 
 megatron-core builds the `dsa` variant only under Transformer Engine; on CPU ranks its own absorbed MLA,
 DSAttention and DSAIndexer run with local linears (mconvert.verify.cpu_shims.sparse_attention_block_without_te).
 The prompts are 160 tokens and the indexer keeps 32 of them, so it chooses; weights at std 0.1. Planted faults (the
-indexer's weights zeroed, its rope layout flipped) each move megatron-core's logits away from transformers'; the
-conversion back is bit-exact."""
+indexer's weights zeroed, its rope layout flipped, its top-k as long as the prompts) each move megatron-core's logits
+away from transformers'; the conversion back is bit-exact."""
 
 from __future__ import annotations
 
@@ -106,8 +106,9 @@ def test_megatron_core_gives_transformers_logits_and_the_way_back_is_bit_exact(c
     assert {f: written[f] for f in fields} == {f: read[f] for f in fields}
 
 
-def test_the_prompts_make_the_indexer_choose(made):
-    """The 160-token prompts are longer than the indexer's top-k (32): keeping every token instead changes the logits."""
+def test_the_prompts_make_the_indexer_choose(made, tmp_path):
+    """The 160-token prompts are longer than the indexer's top-k (32): keeping every token instead changes
+    transformers' logits, and a checkpoint whose stored args keep every token moves megatron-core's away from them."""
     hf = made("deepseek-v3.2")
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -117,6 +118,14 @@ def test_the_prompts_make_the_indexer_choose(made):
             layer.self_attn.indexer.index_topk = 160
         every_token = model(TOKENS).logits
     assert (chosen - every_token).abs().amax(-1).gt(1e-2).double().mean() > 0.5
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2))
+    common = iteration_dir(tmp_path / "mcore") / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state["args"].dsa_indexer_topk = 160
+    torch.save(state, common)
+    logits, _ = megatron(tmp_path / "mcore", Parallelism(tp=2))
+    report("deepseek-v3.2, every token kept", logits, chosen)
+    assert positions_off(logits, chosen) > 0.5
 
 
 def flip_indexer_rope(ckpt):
