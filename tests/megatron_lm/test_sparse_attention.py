@@ -41,7 +41,9 @@ from tests.cli_runner import run_cli  # noqa: E402
 from tests.test_moe_megatron import megatron_view, stored_keys  # noqa: E402
 
 TOKENS = torch.randint(0, 1000, (2, 160), generator=torch.Generator().manual_seed(0))
-# name: (config, layout, config overrides). GLM-5.1's norms at the latent norms' epsilon (see test_glm_51s_...).
+# name: (config, layout, config overrides). GLM-5.1's rms_norm_eps (1e-5) set to its latent norms' (1e-6): megatron-core
+# has one epsilon for every norm, and at GLM-5.1's own the logits move by up to 1e-3, which would hide a fault of
+# that size here; test_glm_51s_norm_epsilons_differ_from_megatrons_and_the_conversion_says_so holds its own.
 CASES = {
     "deepseek-v3.2-tp2ep2": ("deepseek-v3.2", Parallelism(tp=2, ep=2), {}),
     "glm-5.1-tp2pp2": ("glm-5.1", Parallelism(tp=2, pp=2), {"rms_norm_eps": 1e-6}),
@@ -168,6 +170,9 @@ def test_glm_51s_norm_epsilons_differ_from_megatrons_and_the_conversion_says_so(
     assert out.returncode == 0, out.stderr
     assert "note: transformers normalises the attention latents with epsilon 1e-06 and the rest with rms_norm_eps 1e-05" in out.stdout
     assert "--dsa-indexer-k-norm-epsilon 1e-06" in out.stdout  # the indexer's key norm keeps its own
+    assert "--norm-epsilon 1e-05" in out.stdout
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["rms_norm_eps"] == 1e-5
     every_token = made("glm-5.1", index_topk=160)
     convert_hf_to_mcore(every_token, tmp_path / "every", parallelism=Parallelism(tp=2))
     logits, _ = megatron(tmp_path / "every", Parallelism(tp=2))
