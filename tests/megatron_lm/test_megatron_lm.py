@@ -263,9 +263,11 @@ def test_sparse_attention_reaches_megatron_lms_model_builder(name, converted):
     assert {f: getattr(config, f) for f in fields} == {f: getattr(stored, f) for f in fields}
     assert config.experimental_attention_variant == "dsa" and config.sequence_parallel and not config.dsa_indexer_rotate_activation
     assert config.dsa_indexer_rope_interleaved == name.startswith("glm")
-    # The model's own epsilons (GLM-5.1's differ), as transformers' indexer and norms use them.
+    # The model's own epsilons (GLM-5.1's differ), as transformers' norms and indexer use them; the indexer's key norm
+    # takes the layers' where the args leave its own unset, as megatron-core's DSAIndexer does.
     hf_eps = json.loads((converted(name)[0] / "config.json").read_text())["rms_norm_eps"]
-    assert (config.layernorm_epsilon, config.dsa_indexer_k_norm_epsilon) == (hf_eps, 1e-6)
+    key_norm_eps = config.layernorm_epsilon if config.dsa_indexer_k_norm_epsilon is None else config.dsa_indexer_k_norm_epsilon
+    assert (config.layernorm_epsilon, key_norm_eps) == (hf_eps, 1e-6)
 
 
 @pytest.mark.parametrize("name", ["qwen3-next-tp2ep2", "deepseek-v3.2-tp2ep2"])
