@@ -104,9 +104,9 @@ def trained_weights(fixture: Path) -> dict[str, dict]:
     return trained
 
 
-# The DeepSeek saves whose every expert is known beside them.
-EXPERT_SAVES = [name for name in SAVES if "deepseek" in name and (expert_parallel_size(FIXTURES / name) == 1
-                or (FIXTURES / name / "experts.sha256.json").exists())]
+# Megatron-FSDP's saves whose every expert is known beside them.
+EXPERT_SAVES = [name for name in SAVES if name.startswith("fsdp_dtensor-deepseek") and (
+                expert_parallel_size(FIXTURES / name) == 1 or (FIXTURES / name / "experts.sha256.json").exists())]
 MOE_LAYERS = {"decoder layer 1": ("mlp.experts.experts.", 1, "decoder.layers.1."),
               "MTP layer": ("mtp.layers.0.transformer_layer.mlp.experts.experts.", None, "mtp.layers.0.mtp_model_layer.")}
 
