@@ -9,6 +9,7 @@ the stored args sends every token to the experts transformers' router sends it t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -128,9 +129,14 @@ def hf_models(tmp_path_factory):
     }
 
 
-def test_expert_bias_changes_the_choice(hf_models):
-    """The filled expert bias must matter: zeroing it changes transformers' logits."""
+def test_expert_bias_changes_the_choice(hf_models, tmp_path, monkeypatch):
+    """The filled expert bias must matter: zeroing it changes transformers' logits, and a conversion that drops it
+    (zeros in its place) moves megatron-core's away from transformers'."""
     import transformers
+
+    from mconvert import mappings
+    from mconvert.mappings import deepseek
+    from tests.test_gpt_oss import Zeroed
 
     hf_dir = hf_models["deepseek-v3"]
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -138,6 +144,12 @@ def test_expert_bias_changes_the_choice(hf_models):
         logits = model(TOKENS).logits
         model.model.layers[1].mlp.gate.e_score_correction_bias.zero_()
         assert not torch.allclose(model(TOKENS).logits, logits, rtol=1e-4, atol=1e-4)
+    moe_mlp = tuple(Zeroed(e.mcore, e.hf) if e.mcore == "mlp.router.expert_bias" else e for e in deepseek.TABLE.moe_mlp)
+    family = dataclasses.replace(deepseek.FAMILY, table=dataclasses.replace(deepseek.TABLE, moe_mlp=moe_mlp))
+    monkeypatch.setitem(mappings.FAMILIES, family.name, family)
+    convert_hf_to_mcore(hf_dir, tmp_path / "mcore", parallelism=Parallelism())
+    megatron, _, _ = run_ranks(megatron_view, {"model": str(tmp_path / "mcore")}, TOKENS)["model"]
+    assert not torch.allclose(megatron[..., :1000], logits, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

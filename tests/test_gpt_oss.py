@@ -81,7 +81,8 @@ def test_megatron_core_gives_transformers_logits_and_the_way_back_is_bit_exact(l
 
 
 def test_the_prompts_exercise_the_sinks_and_the_window(hf, tmp_path):
-    """Without either, transformers' own logits move: the comparison above would see a conversion that lost them."""
+    """Without either, transformers' own logits move: the prompts are such that a conversion that lost them would
+    show (the same faults in the conversion: test_a_planted_fault_moves_megatrons_logits)."""
     reference = hf_logits(hf)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -112,14 +113,21 @@ def planted(attention=None, experts=None):
     return dataclasses.replace(gpt_oss.FAMILY, table=table)
 
 
-def windows_on_the_other_layers(ckpt):
+def stored_args_changed(ckpt, **changes):
     common = iteration_dir(ckpt) / "common.pt"
     state = torch.load(common, weights_only=False)
-    state["args"].window_attn_skip_freq = [0, 1]
+    vars(state["args"]).update(changes)
     torch.save(state, common)
 
 
-@pytest.mark.parametrize("fault", ["sinks zeroed", "window on the other layer", "gate and up not de-interleaved"])
+STORED_ARGS_FAULTS = {
+    "window on the other layer": {"window_attn_skip_freq": [0, 1]},
+    # As transformers' run without the window above: every prompt within it.
+    "window as long as the prompts": {"window_size": (len(TOKENS[0]) - 1, 0)},
+}
+
+
+@pytest.mark.parametrize("fault", ["sinks zeroed", *STORED_ARGS_FAULTS, "gate and up not de-interleaved"])
 def test_a_planted_fault_moves_megatrons_logits(fault, hf, tmp_path, monkeypatch):
     if fault == "sinks zeroed":
         attention = tuple(Zeroed(e.mcore, e.hf, split=e.split) if e.mcore.endswith("softmax_offset") else e for e in gpt_oss.TABLE.attention)
@@ -129,8 +137,8 @@ def test_a_planted_fault_moves_megatrons_logits(fault, hf, tmp_path, monkeypatch
         monkeypatch.setitem(mappings.FAMILIES, "gpt_oss", planted(experts=experts))
     parallelism = LAYOUTS["tp2-ep2-etp1"]
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
-    if fault == "window on the other layer":
-        windows_on_the_other_layers(tmp_path / "mcore")
+    if fault in STORED_ARGS_FAULTS:
+        stored_args_changed(tmp_path / "mcore", **STORED_ARGS_FAULTS[fault])
     assert (megatron_logits(tmp_path / "mcore", parallelism) - hf_logits(hf)).abs().max() > 1e-2
 
 

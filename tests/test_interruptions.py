@@ -58,6 +58,14 @@ def reference(hf, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def reference_export(reference, tmp_path_factory):
+    """The export of `reference`, never interrupted."""
+    out = tmp_path_factory.mktemp("reference_export") / "hf"
+    assert run_cli("mcore-to-hf", "--load-dir", reference, "--save-dir", out).returncode == 0
+    return out
+
+
 def sigint_ignored() -> bool:
     """Whether this process ignores SIGINT, which its children inherit: a background job of a shell without job
     control does (`(pytest &)`), and a child that ignores the Ctrl-C it sends itself runs on to the end."""
@@ -78,6 +86,15 @@ def assert_same_checkpoint(out, reference):
     assert (out / TRACKER_FILE).read_text() == "release"
     assert (out / "release" / "metadata.json").read_bytes() == (reference / "release" / "metadata.json").read_bytes()
     assert_same(dcp_tensors(out), dcp_tensors(reference))
+
+
+def assert_same_export(out, exported, hf):
+    """The same files, with the same bytes, as the same export never interrupted; the HF model's tensors."""
+    from safetensors.torch import load_file
+
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {p.name: p.read_bytes() for p in exported.iterdir()}
+    tensors, original = ({k: v for path in d.glob("*.safetensors") for k, v in load_file(path).items()} for d in (out, hf))
+    assert tensors.keys() == original.keys() and all(tensors[k].equal(original[k]) for k in original)
 
 
 HF_TO_MCORE_POINTS = {
@@ -143,7 +160,7 @@ MCORE_TO_HF_POINTS = {
 
 
 @pytest.mark.parametrize("point, sig", [("mid-write", "SIGKILL"), ("config", "SIGKILL"), ("mid-write", "SIGTERM")])
-def test_mcore_to_hf_stopped(stopper, reference, tmp_path, point, sig):
+def test_mcore_to_hf_stopped(stopper, hf, reference, reference_export, tmp_path, point, sig):
     out = tmp_path / "hf"
     stopped = stopped_at(stopper, MCORE_TO_HF_POINTS[point], sig, "mcore-to-hf", "--load-dir", reference, "--save-dir", out)
     number = getattr(signal, sig)
@@ -156,7 +173,7 @@ def test_mcore_to_hf_stopped(stopper, reference, tmp_path, point, sig):
         assert_nothing_left(out)
     rerun = run_cli("mcore-to-hf", "--load-dir", reference, "--save-dir", out)
     assert rerun.returncode == 0, rerun.stderr
-    assert {"config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors"} <= {p.name for p in out.iterdir()}
+    assert_same_export(out, reference_export, hf)
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".hf.")]
 
 

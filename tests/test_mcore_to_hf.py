@@ -82,8 +82,10 @@ def test_round_trip_is_bit_exact_with_an_equivalent_config(name, hf_model_factor
     original, back = read_hf(hf), read_hf(tmp_path / "back")
     assert sorted(back) == sorted(original)
     assert all(torch.equal(original[k], back[k]) and original[k].dtype == back[k].dtype for k in original)
-    # From the checkpoint's args alone (the family told from them): the same model, in HF's terms.
+    # From the checkpoint's args alone (the family told from them): the same model, in HF's terms as mconvert reads
+    # them, and the same rope as transformers reads it (test_transformers_loads_the_export_... runs it).
     assert get_mapping(config)[1] == get_mapping(json.loads((hf / "config.json").read_text()))[1]
+    assert transformers_rope(tmp_path / "back") == transformers_rope(hf)
     assert ("lm_head.weight" in back) == (not config["tie_word_embeddings"])
     index = json.loads((tmp_path / "back" / INDEX_FILE).read_text())
     assert len(set(index["weight_map"].values())) > 1 and set(index["weight_map"]) == set(back)
@@ -106,7 +108,19 @@ def test_reference_config_keeps_its_fields_and_side_files_are_copied(hf_model_fa
     assert torch.equal(back["model.norm.weight"], read_hf(hf)["model.norm.weight"].bfloat16())
 
 
-@pytest.mark.parametrize("name", ["qwen3-8b", "qwen2.5-7b-instruct-tied", *MOE])
+def transformers_rope(directory: pathlib.Path) -> tuple[dict, list[float], float]:
+    """The rope a config.json describes as transformers reads it: its rope settings in its own form whichever form the
+    file has (numbers as floats; the legacy `type` beside `rope_type` aside), and the frequencies and attention
+    scaling its model computes from them."""
+    config = transformers.AutoConfig.from_pretrained(directory)
+    with torch.device("meta"):
+        rotary = type(transformers.AutoModelForCausalLM.from_config(config).model.rotary_emb)
+    rotary = rotary(config)
+    settings = {k: float(v) if type(v) in (int, float) else v for k, v in config.rope_parameters.items() if k != "type"}
+    return settings, rotary.inv_freq.tolist(), rotary.attention_scaling
+
+
+@pytest.mark.parametrize("name", list(MODELS))
 def test_transformers_loads_the_export_and_gives_the_original_logits(name, hf_model_factory, tmp_path, capsys):
     hf = hf_dir(hf_model_factory, name)
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, ep=2 if name in MOE else 1))

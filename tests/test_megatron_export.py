@@ -27,9 +27,8 @@ from mconvert.mcore.checkpoint import RELEASE, TRACKER_FILE, read_args
 from mconvert.mcore.parallelism import Parallelism
 
 # The megatron-core harness (CPU shims, gloo ranks, model loading) lives in mconvert.verify.
-run_ranks = pytest.importorskip("mconvert.verify.distributed").run_ranks
-megatron_side = pytest.importorskip("mconvert.verify.megatron_side")
-load_model, gather_global_state = megatron_side.load_model, megatron_side.gather_global_state
+from mconvert.verify.distributed import run_ranks
+from mconvert.verify.megatron_side import gather_global_state, load_model
 
 
 def read_hf(directory: Path) -> dict[str, torch.Tensor]:

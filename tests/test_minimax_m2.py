@@ -2,7 +2,8 @@
 TP 2 x EP 2 and PP 2: q and k each RMS-normalised over all heads of the layer (mconvert's layer spec, split across
 TP ranks with the heads), rope on half of each head, experts in every layer routed by sigmoid scores with a routing
 bias that only chooses them. The routing biases are random (transformers initialises them to zero), so that they
-change which experts run. Planted faults are caught: the routing bias zeroed moves megatron-core's logits; q/k norms
+change which experts run. Planted faults are caught: the routing bias zeroed moves megatron-core's logits, and so do
+mconvert's q/k norms at TP 2 without their forward sum over the ranks (each rank's heads normalised alone); q/k norms
 per head, or over each TP rank's heads alone, would move transformers' own logits far beyond the comparison's
 tolerance; the norm's gradient without its backward sum over the ranks differs from one rank's."""
 
@@ -86,7 +87,8 @@ def per_head(x, weight, eps, heads):
 @pytest.mark.parametrize("groups", ["per head", "per TP rank's heads"])
 def test_other_q_k_norms_move_transformers_logits_far_beyond_the_tolerance(groups, hf):
     """Norms over fewer heads than the layer's (each head, or the half that one of two TP ranks holds, had the sum of
-    squares not been summed over the ranks) give other logits: the comparisons above would catch them."""
+    squares not been summed over the ranks) give other logits: the prompts are such that the comparisons above would
+    catch them (the second in mconvert's own layer spec: test_the_norm_without_its_sum_over_tp_ranks_...)."""
     model, reference = hf_model(hf), hf_logits(hf)
     for layer in model.model.layers:
         for norm, heads in ((layer.self_attn.q_norm, 4), (layer.self_attn.k_norm, 2)):
@@ -94,6 +96,21 @@ def test_other_q_k_norms_move_transformers_logits_far_beyond_the_tolerance(group
             norm.forward = lambda x, norm=norm, parts=parts: per_head(x, norm.weight, norm.variance_epsilon, parts)
     with torch.no_grad():
         assert (model(TOKENS).logits - reference).abs().max() > 1e-2
+
+
+def megatron_view_without_the_sum_over_tp_ranks(ckpt_dirs: dict[str, str], tokens: torch.Tensor):
+    """In each rank: megatron_view with mconvert's q/k norms across heads normalising each rank's heads by their own
+    sum of squares (the forward all-reduce over the tensor-parallel ranks left out)."""
+    from mconvert.megatron_lm import layer_specs
+
+    layer_specs.RMSNormAcrossHeads.sum_over_ranks = lambda self, squares: squares
+    return megatron_view(ckpt_dirs, tokens)
+
+
+def test_the_norm_without_its_sum_over_tp_ranks_moves_megatrons_logits(hf, tmp_path):
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2))
+    views = run_ranks(megatron_view_without_the_sum_over_tp_ranks, {"model": str(tmp_path / "mcore")}, TOKENS, tp=2)
+    assert (views["model"][0][..., :1000] - hf_logits(hf)).abs().max() > 1e-2
 
 
 def test_a_zeroed_routing_bias_moves_megatrons_logits(hf, tmp_path, monkeypatch):

@@ -135,7 +135,10 @@ def test_verify_bf16_is_calibrated_on_the_hf_models_own_bf16_error(hf_model_fact
     code, out, _ = verify(capsys, hf, tmp_path / "mcore", "--tp", "2", "--dtype", "bf16", "--json", str(report))
     assert code == 0, out
     result = json.loads(report.read_text())
-    assert len(result["hf_bf16_error"]) == 4 and all(p["kl"] > 0 for p in result["hf_bf16_error"])
+    # Megatron in bf16 is about as far from the fp32 reference as transformers' own bf16 run (measured: 0.6 to 1.2
+    # times its KL), well within the 4 times allowed.
+    assert len(result["hf_bf16_error"]) == 4
+    assert all(0 < p["kl"] <= 2 * own["kl"] for p, own in zip(result["prompts"], result["hf_bf16_error"])), result
     convert_hf_to_mcore(hf_model_factory("qwen3-8b", layers=4, seed=1), tmp_path / "other", parallelism=Parallelism())
     code, out, _ = verify(capsys, hf, tmp_path / "other", "--dtype", "bf16")
     assert code == 1 and "first diverge at decoder layer 0" in out

@@ -250,12 +250,21 @@ def verify(request: VerifyRequest) -> Report:
         tp=par.tp, pp=par.pp, ep=par.ep, etp=par.etp, device=request.device, timeout_s=request.timeout_s,
     )
     seconds["megatron"] = time.perf_counter() - started
+    return judge(reference, hf_bf16, candidate, request.dtype, seconds, spec, notes)
 
+
+def judge(
+    reference: Outputs, hf_bf16: Outputs | None, candidate: Outputs, dtype: str, seconds: dict[str, float], spec: str,
+    notes: list[str],
+) -> Report:
+    """Pass or fail for Megatron's outputs (`candidate`) against the HF model's fp32 ones (`reference`), at the
+    thresholds of compare.py: fixed in fp32, in bf16 (`hf_bf16`: the HF model's own bf16 run) calibrated per prompt on
+    the HF model's own bf16 error."""
     metrics = [compare_logits(ref, cand) for ref, cand in zip(reference.logits, candidate.logits)]
     layer_errors = [hidden_rel_errors(ref, cand) for ref, cand in zip(reference.hidden_states, candidate.hidden_states)]
     if hf_bf16 is None:
         floors = None
-        limits = [FP32] * len(prompts)
+        limits = [FP32] * len(metrics)
         layer_limits = [[FP32_HIDDEN_REL] * len(errors) for errors in layer_errors]
     else:
         floors = [compare_logits(ref, own) for ref, own in zip(reference.logits, hf_bf16.logits)]
@@ -268,4 +277,4 @@ def verify(request: VerifyRequest) -> Report:
     ]
     first = min((layer for layer in diverged if layer is not None), default=None)
     passed = all(m.passes(limit) for m, limit in zip(metrics, limits))
-    return Report(passed, request.dtype, metrics, limits, floors, first, seconds, spec, notes)
+    return Report(passed, dtype, metrics, limits, floors, first, seconds, spec, notes)

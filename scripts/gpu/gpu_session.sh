@@ -60,6 +60,7 @@
 #   fsdp-dp2    on two GPUs: the FSDP saves at data-parallel size 2 kept as fixtures, and FSDP2 at data-parallel size 2
 #               from a torch_dist conversion
 #   fsdp-dp2-train  on two GPUs: FSDP2 at data-parallel size 2 with its lr 1e-4 run, and a Megatron-FSDP save at EP 2
+#   fsdp-ep2    on two GPUs: that Megatron-FSDP save at EP 2 alone (a fixture, with its ranks' own experts)
 #   start       the start of a small model's conversion (bf16 Qwen2.5-0.5B whole) against cp -r, beside the older checkout
 #               in $OLD_TREE (scripts/bench/bench_start.py; carry it, e.g. build/old made by `git archive COMMIT mconvert`)
 #   fp8-bench   conversion from FP8 hub weights (Kimi-K2's and MiniMax-M2.7's shapes, cut) on this host's cores and disk
@@ -143,6 +144,8 @@ QWEN3_MOE_TINY="qwen3-30b-a3b@2$TINY+head_dim=16+num_experts=8+num_experts_per_t
 DEEPSEEK_TINY="deepseek-v3@2$TINY+num_key_value_heads=4+q_lora_rank=48+kv_lora_rank=32+qk_nope_head_dim=32+qk_rope_head_dim=16"
 DEEPSEEK_TINY+="+v_head_dim=32+n_routed_experts=8+n_group=4+topk_group=2+num_experts_per_tok=4+moe_intermediate_size=32"
 DEEPSEEK_TINY+="+first_k_dense_replace=1"
+# Megatron-FSDP at EP 2 (DeepSeek-V3's architecture with MTP, bf16, random init), its save kept: a fixture.
+MEGATRON_FSDP_EP2="--fsdp megatron --dtype bf16 --from-scratch --mtp --steps 0 --keep-saves $WORK/fsdp-dp2-saves|$DEEPSEEK_TINY:ep2"
 # gpu_train.py's flags that run a conversion written for TP, EP or ETP above 1 at 1 (torch_dist and fsdp_dtensor
 # reshard), on one GPU.
 AT_ONE=(--megatron-flag=--tensor-model-parallel-size=1 --megatron-flag=--expert-model-parallel-size=1
@@ -412,9 +415,12 @@ for stage in "$@"; do
     # run (the loss falls); Megatron-FSDP at EP 2 (DeepSeek-V3's architecture with MTP, bf16, random init: the dense
     # weights sharded over the two data-parallel ranks, each rank's experts its own), its save judged by transformers'
     # loss on the export and kept (fsdp-dp2-saves.tar.gz).
-    runs=("--fsdp torch ${AT_ONE[*]}|$LLAMA_TINY:tp2"
-          "--fsdp megatron --dtype bf16 --from-scratch --mtp --steps 0 --keep-saves $WORK/fsdp-dp2-saves|$DEEPSEEK_TINY:ep2")
-    two_gpu_fsdp_runs "$stage" "${runs[@]}"
+    two_gpu_fsdp_runs "$stage" "--fsdp torch ${AT_ONE[*]}|$LLAMA_TINY:tp2" "$MEGATRON_FSDP_EP2"
+    ;;
+  fsdp-ep2)
+    # On two GPUs: fsdp-dp2-train's Megatron-FSDP save at EP 2 alone, each expert-parallel rank dumping its own experts
+    # (tests/fixtures/fsdp/fsdp_dtensor-deepseek-ep2 and its experts.sha256.json: MADE.md there).
+    two_gpu_fsdp_runs "$stage" "$MEGATRON_FSDP_EP2"
     ;;
   fp8-bench)
     # Conversion time and memory from FP8 hub weights on this host (scripts/bench/bench_convert.py, docs/performance.md):

@@ -186,7 +186,8 @@ def main() -> int:
                              "conversion writes): its save is exported and transformers' loss is that of the export (the "
                              "--lr 0 run of this or of --fsdp dumps its weights: --dump-weights)")
     parser.add_argument("--keep-saves", type=Path,
-                        help="copy each job's HF model and --lr 0 save here (JOB/hf, JOB/save) before they are removed")
+                        help="copy each job's HF model and --lr 0 save here (JOB/hf, JOB/save; at EP above 1 the experts "
+                             "each expert-parallel rank dumped, JOB/experts) before they are removed")
     parser.add_argument("--model-class", choices=("gpt", "hybrid"), default="gpt", help="hf-to-mcore's --model-class")
     parser.add_argument("--hybrid-args", action="store_true",
                         help="run a GPT checkpoint as a HybridModel, with megatron_args.sh's HYBRID_ARGS beside MODEL_ARGS")
@@ -273,7 +274,13 @@ def main() -> int:
             # One process only: at data-parallel size 2 under Megatron-FSDP the first step's gathering of the sharded
             # weights hung (both ranks waiting in NCCL, measured twice). Megatron's init does not depend on the
             # data-parallel size, so a one-GPU run's dump of the same job holds a larger run's save too.
-            dump = ["--dump-weights", str(work / "weights.pt")] if (options.from_scratch or options.fsdp) and options.nproc == 1 else []
+            # At EP above 1 each expert-parallel rank dumps its own experts (no gather: --dump-local-experts), which
+            # differ from the one-GPU run's: each expert-parallel rank draws its own.
+            dump = []
+            if (options.from_scratch or options.fsdp) and options.nproc == 1:
+                dump = ["--dump-weights", str(work / "weights.pt")]
+            elif (options.from_scratch or options.fsdp) and int(sizes.get("ep", 1)) > 1:
+                dump = ["--dump-local-experts", str(work / "experts")]
             lr0 = launch(options, ckpt, have_te, data + frozen + dump, lr=0.0, iters=2, save=work / "save0", loss_log=work / "log0")
             trained = launch(options, ckpt, have_te, data, lr=options.lr, iters=options.steps, save=None, loss_log=work / "log1")
             result["command_lr0"] = " ".join(f"{k}={shlex.quote(v)}" for k, v in lr0[1].items()) + " " + shlex.join(lr0[0])
@@ -318,6 +325,8 @@ def main() -> int:
                 if (work / kept_file).exists():
                     shutil.copy(work / kept_file, kept / kept_file)
             shutil.copytree(work / "log0", kept / "log0", dirs_exist_ok=True)
+            if (work / "experts").exists():
+                shutil.copytree(work / "experts", kept / "experts", dirs_exist_ok=True)
             (kept / "job.json").write_text(json.dumps({k: result.get(k) for k in ("job", "fsdp", "mtp", "model_args", "command_lr0")}))
         shutil.rmtree(work / "mcore", ignore_errors=True)
         shutil.rmtree(work / "save0", ignore_errors=True)

@@ -5,8 +5,9 @@
 FIXTURE_DIR gets the save, the HF config, the token rows, Megatron-LM's per-micro-batch losses of every rank
 (losses.jsonl), the job, and weights.sha256.json: shape, dtype and sha256 of each tensor the run dumped at its first
 step (weights.pt), by the model's own name (the wrappers' `module.` levels removed). A run on several GPUs dumps
-nothing (gpu_train.py says why): --weights-of takes the digests of the one-GPU run of the same job, whose init is
-the same.
+no whole weights (gpu_train.py says why): --weights-of takes the digests of the one-GPU run of the same job, whose
+init is the same but for the experts at EP above 1, which each expert-parallel rank draws for itself and dumps as
+it holds them (experts/rank<R>.pt): their digests, under their global expert indices, go to experts.sha256.json.
 """
 
 from __future__ import annotations
@@ -24,7 +25,25 @@ import torch
 def digests(dump: Path) -> dict[str, dict]:
     if dump.with_name(dump.name + ".error").exists():
         raise SystemExit(f"{dump}: the run could not dump its weights: {dump.with_name(dump.name + '.error').read_text()}")
-    tensors = torch.load(dump, weights_only=True)
+    return tensor_digests(torch.load(dump, weights_only=True))
+
+
+def expert_digests(folder: Path) -> dict[str, dict]:
+    """The experts every expert-parallel rank dumped (gpu_train.py at EP above 1), each held by one rank."""
+    if errors := sorted(folder.glob("*.error")):
+        raise SystemExit(f"{errors[0]}: a rank could not dump its experts: {errors[0].read_text()}")
+    merged: dict[str, dict] = {}
+    for dump in sorted(folder.glob("rank*.pt")):
+        mine = tensor_digests(torch.load(dump, weights_only=True))
+        if twice := merged.keys() & mine.keys():
+            raise SystemExit(f"{dump}: experts dumped by two ranks: {sorted(twice)[:3]}")
+        merged.update(mine)
+    if not merged:
+        raise SystemExit(f"{folder}: no experts dumped")
+    return merged
+
+
+def tensor_digests(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
     return {
         re.sub(r"^(module\.)+", "", name): {
             "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
@@ -51,6 +70,8 @@ def main() -> None:
     losses = [line for log in sorted((kept / "log0").glob("rank*.jsonl")) for line in log.read_text().splitlines()]
     (fixture / "losses.jsonl").write_text("".join(line + "\n" for line in losses))
     (fixture / "weights.sha256.json").write_text(json.dumps(weights, indent=1) + "\n")
+    if (kept / "experts").is_dir():
+        (fixture / "experts.sha256.json").write_text(json.dumps(expert_digests(kept / "experts"), indent=1, sort_keys=True) + "\n")
     print(f"{fixture}: {sum(f.stat().st_size for f in fixture.rglob('*') if f.is_file()) / 2**20:.1f} MiB")
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from functools import partial
 from pathlib import Path
@@ -45,6 +46,11 @@ def add_driver_args(parser):
     group.add_argument(
         "--dump-weights", help="torch.save the model's parameters and buffers, whole, here at the first forward step "
         "(one data-parallel rank): what the run trains from, to hold its saves against",
+    )
+    group.add_argument(
+        "--dump-local-experts", metavar="FOLDER", help="torch.save each expert-parallel rank's own experts here "
+        "(rank<R>.pt) at the first forward step, as that rank holds them, without gathering anything: each under the "
+        "model's name with its global expert index (what --dump-weights cannot give where the run shards its weights)",
     )
     return parser
 
@@ -132,8 +138,6 @@ def _dump_weights(path: str, model) -> None:
     """The model's tensors by their names in the wrapped model, whole (a sharded DTensor gathered)."""
     from torch.distributed.tensor import DTensor
 
-    global _dumped
-    _dumped = True
     try:
         named = [*model.named_parameters(), *model.named_buffers()]
         tensors = {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone() for name, t in named}
@@ -144,12 +148,62 @@ def _dump_weights(path: str, model) -> None:
         torch.save(tensors, path)
 
 
+# An expert's parameter as this rank names it, with its local index: TEGroupedMLP's `linear_fc1.weight3`,
+# SequentialMLP's `local_experts.3.linear_fc1.weight` (MTP layers' experts alike).
+LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$|(\.mlp\.experts\.local_experts\.)(\d+)(\.)")
+
+
+def global_expert_name(name: str, expert_parallel_rank: int, local_experts: int) -> str | None:
+    """`name` with its local expert index made global (expert-parallel rank r holds experts r x local_experts on);
+    None for a parameter that is no expert's."""
+    found = LOCAL_EXPERT.search(name)
+    if found is None:
+        return None
+    index = expert_parallel_rank * local_experts + int(found[2] or found[4])
+    replaced = f"{found[1]}{index}" if found[1] else f"{found[3]}{index}{found[5]}"
+    return name[: found.start()] + replaced + name[found.end() :]
+
+
+def _dump_local_experts(folder: str, model) -> None:
+    """This expert-parallel rank's experts (written by the first of its expert-data-parallel ranks) as it holds them:
+    no collective, since under Megatron-FSDP at data-parallel size 2 a gather of the sharded weights hung (both ranks
+    waiting in NCCL). A weight that is not whole here (sharded over expert data-parallel or expert tensor-parallel
+    ranks) is not dumped: rank<R>.error names it and the run goes on."""
+    from megatron.core import parallel_state
+    from megatron.training import get_args
+    from torch.distributed.tensor import DTensor
+
+    if parallel_state.get_expert_data_parallel_rank() != 0:
+        return
+    rank = parallel_state.get_expert_model_parallel_rank()
+    local_experts = get_args().num_experts // parallel_state.get_expert_model_parallel_world_size()
+    tensors, not_whole = {}, []
+    for name, tensor in model.named_parameters():
+        if (global_name := global_expert_name(name, rank, local_experts)) is None:
+            continue
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if local.shape != tensor.shape or parallel_state.get_expert_tensor_parallel_world_size() > 1:
+            not_whole.append(name)
+        tensors[global_name] = local.detach().cpu().clone()
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    if not_whole:
+        (out / f"rank{torch.distributed.get_rank()}.error").write_text(f"not whole on this rank: {', '.join(not_whole)}")
+    else:
+        torch.save(tensors, out / f"rank{torch.distributed.get_rank()}.pt")
+
+
 def forward_step(data_iterator, model):
     from megatron.training import get_args
 
+    global _dumped
     args = get_args()
-    if args.dump_weights and not _dumped:
-        _dump_weights(args.dump_weights, model)
+    if not _dumped:
+        _dumped = True
+        if args.dump_local_experts:
+            _dump_local_experts(args.dump_local_experts, model)
+        if args.dump_weights:
+            _dump_weights(args.dump_weights, model)
     tokens, labels, loss_mask, position_ids = get_batch(data_iterator)
     # No attention mask: the layer specs apply the causal mask themselves, as pretrain_gpt.py's default
     # data (create_attention_mask_in_dataloader off) leaves it to them.

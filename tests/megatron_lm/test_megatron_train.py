@@ -2,13 +2,16 @@
 Megatron-LM's own parser and config builders take the driver's command line (a converted checkpoint's MODEL_ARGS
 plus the load and data flags), and the driver's datasets provider and forward step, on a model Megatron-LM's own
 builder makes from those args and the converted weights, give transformers' loss on the same tokens. Needs
-megatron-core >= 0.19 (`megatron.training`, Python 3.12); skipped elsewhere.
+megatron-core >= 0.19 (`megatron.training`, Python 3.12); skipped elsewhere, except where
+MCONVERT_REQUIRE_MEGATRON_LM=1 (scripts/test.sh's Python 3.12 run) makes its absence fail.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -16,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("megatron.training.argument_utils")
+if os.environ.get("MCONVERT_REQUIRE_MEGATRON_LM") != "1":
+    pytest.importorskip("megatron.training.argument_utils", reason="Megatron-LM's training package: the Python 3.12 environment")
 
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
 from mconvert.mcore.parallelism import Parallelism  # noqa: E402
@@ -90,6 +94,25 @@ def driver_loss_on_cpu(argv: list[str]) -> tuple[float, int]:
     return total, count
 
 
+def experts_as_megatron_names_them(hf: Path) -> dict[str, torch.Tensor]:
+    """Every expert's fc1 ([gate; up]) and fc2, from the HF tensors, under the names of megatron-core's SequentialMLP
+    (the local spec's): an MTP layer's (HF layer num_hidden_layers + m) under its mtp_model_layer."""
+    from safetensors.torch import load_file
+
+    tensors = {name: t for path in hf.glob("*.safetensors") for name, t in load_file(path).items()}
+    layers = json.loads((hf / "config.json").read_text())["num_hidden_layers"]
+    experts = {}
+    for name in tensors:
+        if not (found := re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.gate_proj\.weight", name)):
+            continue
+        layer, expert, hf_expert = int(found[1]), found[2], name.removesuffix("gate_proj.weight")
+        scope = f"decoder.layers.{layer}." if layer < layers else f"mtp.layers.{layer - layers}.mtp_model_layer."
+        fc1 = torch.cat([tensors[hf_expert + "gate_proj.weight"], tensors[hf_expert + "up_proj.weight"]])
+        experts[f"{scope}mlp.experts.local_experts.{expert}.linear_fc1.weight"] = fc1
+        experts[f"{scope}mlp.experts.local_experts.{expert}.linear_fc2.weight"] = tensors[hf_expert + "down_proj.weight"]
+    return experts
+
+
 # Dense under TP, and MoE under EP, on 2 CPU ranks; GLM-4.5 with the multi-token prediction layer the hub's
 # checkpoints hold (--mtp-num-layers 1), sigmoid routing with the expert bias, fp32 routing and partial rope,
 # through Megatron-LM's own builders (DeepSeek's MLA needs Transformer Engine there).
@@ -123,10 +146,21 @@ def test_driver_loss_equals_transformers(case, hf_model_factory, tmp_path, monke
     # On CPU: weights made on the CPU, no fused weight-gradient kernels, and the token dispatcher that runs on
     # gloo (alltoall's makes a CUDA stream; dispatchers only move tokens to their experts and back).
     argv += ["--use-cpu-initialization", "--no-gradient-accumulation-fusion", "--moe-token-dispatcher-type", "allgather"]
+    if parallelism.ep > 1 and parallelism.tp == 1:
+        argv += ["--dump-local-experts", str(tmp_path / "experts")]
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     total, count = run_ranks(
         driver_loss_on_cpu, argv, tp=parallelism.tp, pp=parallelism.pp, ep=parallelism.ep, etp=parallelism.etp
     )
+    if parallelism.ep > 1 and parallelism.tp == 1:
+        # Each expert-parallel rank's own experts, under their global indices: together every expert of the model,
+        # the MTP layer's included, as the HF model holds it.
+        dumped = [torch.load(path, weights_only=True) for path in sorted((tmp_path / "experts").glob("rank*.pt"))]
+        assert len(dumped) == parallelism.ep and not set(dumped[0]) & set(dumped[1])
+        dumped = {name: tensor for rank in dumped for name, tensor in rank.items()}
+        expected = experts_as_megatron_names_them(hf)
+        assert dumped.keys() == expected.keys() and (".mtp_model_layer." in str(list(expected))) == mtp
+        assert all(torch.equal(dumped[name], tensor) for name, tensor in expected.items())
     assert count == rows * seq_length
     losses, info = check.megatron_losses(tmp_path / "log")
     assert info["dtype"] == "float32" and info["padded_vocab_size"] > 1000

@@ -3,8 +3,8 @@ torch_dist and judged by megatron-core 0.19.2's own GPTModel on gloo CPU ranks: 
 megatron-core builds the `dsa` variant only under Transformer Engine; on CPU ranks its own absorbed MLA,
 DSAttention and DSAIndexer run with local linears (mconvert.verify.cpu_shims.sparse_attention_block_without_te).
 The prompts are 160 tokens and the indexer keeps 32 of them, so it chooses; weights at std 0.1. Planted faults (the
-indexer's weights zeroed, its rope layout flipped) each move megatron-core's logits away from transformers'; the
-conversion back is bit-exact."""
+indexer's weights zeroed, its rope layout flipped, its top-k as long as the prompts) each move megatron-core's logits
+away from transformers'; the conversion back is bit-exact."""
 
 from __future__ import annotations
 
@@ -41,7 +41,9 @@ from tests.cli_runner import run_cli  # noqa: E402
 from tests.test_moe_megatron import megatron_view, stored_keys  # noqa: E402
 
 TOKENS = torch.randint(0, 1000, (2, 160), generator=torch.Generator().manual_seed(0))
-# name: (config, layout, config overrides). GLM-5.1's norms at the latent norms' epsilon (see test_glm_51s_...).
+# name: (config, layout, config overrides). GLM-5.1's rms_norm_eps (1e-5) set to its latent norms' (1e-6): megatron-core
+# has one epsilon for every norm, and at GLM-5.1's own the logits move by up to 1e-3, which would hide a fault of
+# that size here; test_glm_51s_norm_epsilons_differ_from_megatrons_and_the_conversion_says_so holds its own.
 CASES = {
     "deepseek-v3.2-tp2ep2": ("deepseek-v3.2", Parallelism(tp=2, ep=2), {}),
     "glm-5.1-tp2pp2": ("glm-5.1", Parallelism(tp=2, pp=2), {"rms_norm_eps": 1e-6}),
@@ -106,8 +108,9 @@ def test_megatron_core_gives_transformers_logits_and_the_way_back_is_bit_exact(c
     assert {f: written[f] for f in fields} == {f: read[f] for f in fields}
 
 
-def test_the_prompts_make_the_indexer_choose(made):
-    """The 160-token prompts are longer than the indexer's top-k (32): keeping every token instead changes the logits."""
+def test_the_prompts_make_the_indexer_choose(made, tmp_path):
+    """The 160-token prompts are longer than the indexer's top-k (32): keeping every token instead changes
+    transformers' logits, and a checkpoint whose stored args keep every token moves megatron-core's away from them."""
     hf = made("deepseek-v3.2")
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -117,6 +120,14 @@ def test_the_prompts_make_the_indexer_choose(made):
             layer.self_attn.indexer.index_topk = 160
         every_token = model(TOKENS).logits
     assert (chosen - every_token).abs().amax(-1).gt(1e-2).double().mean() > 0.5
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2))
+    common = iteration_dir(tmp_path / "mcore") / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state["args"].dsa_indexer_topk = 160
+    torch.save(state, common)
+    logits, _ = megatron(tmp_path / "mcore", Parallelism(tp=2))
+    report("deepseek-v3.2, every token kept", logits, chosen)
+    assert positions_off(logits, chosen) > 0.5
 
 
 def flip_indexer_rope(ckpt):
@@ -159,6 +170,9 @@ def test_glm_51s_norm_epsilons_differ_from_megatrons_and_the_conversion_says_so(
     assert out.returncode == 0, out.stderr
     assert "note: transformers normalises the attention latents with epsilon 1e-06 and the rest with rms_norm_eps 1e-05" in out.stdout
     assert "--dsa-indexer-k-norm-epsilon 1e-06" in out.stdout  # the indexer's key norm keeps its own
+    assert "--norm-epsilon 1e-05" in out.stdout
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["rms_norm_eps"] == 1e-5
     every_token = made("glm-5.1", index_topk=160)
     convert_hf_to_mcore(every_token, tmp_path / "every", parallelism=Parallelism(tp=2))
     logits, _ = megatron(tmp_path / "every", Parallelism(tp=2))
