@@ -144,7 +144,7 @@ def test_expert_bias_changes_the_choice(hf_models, tmp_path, monkeypatch):
         logits = model(TOKENS).logits
         model.model.layers[1].mlp.gate.e_score_correction_bias.zero_()
         assert not torch.allclose(model(TOKENS).logits, logits, rtol=1e-4, atol=1e-4)
-    moe_mlp = tuple(Zeroed(e.mcore, e.hf) if e.mcore == "mlp.router.expert_bias" else e for e in deepseek.TABLE.moe_mlp)
+    moe_mlp = tuple(Zeroed(e.mcore, e.hf, split=e.split) if e.mcore == "mlp.router.expert_bias" else e for e in deepseek.TABLE.moe_mlp)
     family = dataclasses.replace(deepseek.FAMILY, table=dataclasses.replace(deepseek.TABLE, moe_mlp=moe_mlp))
     monkeypatch.setitem(mappings.FAMILIES, family.name, family)
     convert_hf_to_mcore(hf_dir, tmp_path / "mcore", parallelism=Parallelism())

@@ -118,7 +118,7 @@ def test_experts_read_in_each_others_place_are_caught(name, layer, pair):
     """Two experts read in each other's place: the exchanges that moved the EP 2 save's export loss less than its
     check's tolerance (1.8e-5, 1.2e-5, 3.9e-6; the MTP layer's moved nothing transformers computes)."""
     fixture, (scope, layer_number, model_scope) = FIXTURES / name, MOE_LAYERS[layer]
-    save = FsdpCheckpoint(iteration_dir(fixture / "save"))
+    save = open_megatron_checkpoint(fixture / "save")
     first, second = pair
     for projection in ("linear_fc1.weight", "linear_fc2.weight"):
         a, b = (scope + projection, layer_number, first), (scope + projection, layer_number, second)
