@@ -13,6 +13,7 @@ from mconvert.errors import ConversionError
 from mconvert.mappings import (
     deepseek,
     deepseek_v32,
+    ernie4_5,
     glm4_moe,
     gpt_oss,
     llama,
@@ -35,7 +36,7 @@ FAMILIES: dict[str, Family] = {
     for family in (
         llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, deepseek.FAMILY, glm4_moe.FAMILY,
         deepseek_v32.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY, qwen3_5.FAMILY, qwen3_5.TEXT_FAMILY, minimax_m2.FAMILY,
-        nemotron_h.FAMILY,
+        nemotron_h.FAMILY, ernie4_5.FAMILY,
     )
 }
 
@@ -128,7 +129,7 @@ def family_for_spec(spec: ModelSpec) -> Family:
     `--hf-config` gives it); sparse attention: DeepSeek-V3.2 (GLM-5.1 where its indexer rotates pairs or
     shares top-k); multi-latent attention: DeepSeek; q/k norms across heads: MiniMax-M2; experts routed by sigmoid
     scores: GLM-4.5; attention sinks: gpt-oss; experts with a shared expert: Qwen2-MoE; experts with q/k norms: Qwen3-MoE; other
-    experts: Mixtral. Dense with q/k norms: Qwen3; with biases on q, k and v only:
+    experts: Mixtral. Dense with interleaved rope: ERNIE 4.5; with q/k norms: Qwen3; with biases on q, k and v only:
     Qwen2; else Llama. Whether the family can express every feature is `write_hf_config`'s check."""
     if spec.mamba is not None:
         name = "nemotron_h"
@@ -146,6 +147,8 @@ def family_for_spec(spec: ModelSpec) -> Family:
         name = "glm4_moe"
     elif spec.moe is not None:
         name = "qwen2_moe" if spec.moe.shared_expert_ffn_hidden_size else "qwen3_moe" if spec.qk_norm else "mixtral"
+    elif spec.rotary_interleaved:
+        name = "ernie4_5"
     else:
         name = "qwen3" if spec.qk_norm else "qwen2" if spec.qkv_bias and not spec.linear_bias else "llama"
     return FAMILIES[name]

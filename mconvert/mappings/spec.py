@@ -144,6 +144,8 @@ class ModelSpec:
     mla: MLASpec | None = None
     # The fraction of each head's dimensions that rope rotates (GLM-4.5's partial_rotary_factor).
     rotary_percent: float = 1.0
+    # Rope rotates each pair of neighbouring dims (2i, 2i+1) of a head (ERNIE 4.5's), not dim i with dim i + d/2.
+    rotary_interleaved: bool = False
     # Multi-token prediction layers the checkpoint holds (DeepSeek-V3's and GLM-4.5's extra layers after the
     # decoder). What a checkpoint holds, not what its config says: transformers drops them when it saves.
     mtp_layers: int = field(default=0, compare=False)

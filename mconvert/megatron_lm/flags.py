@@ -84,9 +84,10 @@ def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
     """What Megatron-LM's pretrain_gpt.py would build differently from these args: its model builder
     (gpt_builders.gpt_builder) passes GPTModel neither --rope-scaling-factor nor
     --rotary-seq-len-interpolation-factor, so GPTModel's defaults (8, none) apply; what recent megatron-core
-    builds differently (mconvert.verify.megatron_model.require_unnormalized_mla_query); and what gated delta-net
-    needs beside megatron-core (flash-linear-attention, which refuses its backward on Hopper under some Tritons:
-    it reports wrong gradients there)."""
+    builds differently (mconvert.verify.megatron_model.require_unnormalized_mla_query) or older megatron-core fuses
+    differently (interleaved rope in packed sequences); and what gated delta-net needs beside megatron-core
+    (flash-linear-attention, which refuses its backward on Hopper under some Tritons: it reports wrong gradients
+    there)."""
     caveats = []
     if args.use_rope_scaling and args.rope_scaling_factor != 8.0:
         caveats.append(
@@ -115,6 +116,11 @@ def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
         caveats.append(
             f"the layers' q/k norms across heads are built by mconvert's {args.spec[0]} (--spec): install mconvert "
             "where Megatron-LM runs"
+        )
+    if getattr(args, "rotary_interleaved", False):
+        caveats.append(
+            "megatron-core 0.16.1 (not 0.19.2) drops --rotary-interleaved in Transformer Engine's fused rope of packed "
+            "sequences and rotates the halves of each head there: train packed sequences on it with --no-rope-fusion"
         )
     if unnormalized_mla_query(args):
         caveats.append(

@@ -24,6 +24,12 @@ def hybrid_args(args: dict[str, Any], spec: ModelSpec, par: Parallelism) -> dict
     """`args` (a GPT model's, as megatron_args makes them) for the same model as a HybridModel."""
     if args["use_rope_scaling"]:
         raise ConversionError("--model-class hybrid: HybridModel takes no llama3 rope scaling (megatron-core 0.19.2); convert with --model-class gpt")
+    if args["rotary_interleaved"]:
+        # Its RotaryEmbedding lays the frequencies out for the two halves while the rotation takes neighbouring pairs.
+        raise ConversionError(
+            "--model-class hybrid: HybridModel builds its rope without rotary_interleaved (megatron-core 0.16.1 to "
+            "0.19.2), so it would not rotate this model's pairs of dims; convert with --model-class gpt"
+        )
     pattern = hybrid.hybrid_pattern(spec, par.pipeline.stage_layers(par.pp, spec.num_layers))
     updates: dict[str, Any] = dict(
         hybrid_layer_pattern=pattern,
@@ -116,11 +122,12 @@ def gpt_checkpoint_into_hybrid_flags(args: argparse.Namespace) -> list[str] | No
     """The flags that, beside a GPT checkpoint's MODEL_ARGS, start a HybridModel run (pretrain_hybrid.py) from it:
     Megatron-LM 0.19's load translates a GPT checkpoint's layers itself (gpt_checkpoint_interop) where each is
     standard attention and one kind of MLP, without MTP. None where it cannot: other attention, mixed MLPs, MTP,
-    and what HybridModel does not build (llama3 rope scaling, mconvert's own layer spec) or whose flags would
-    contradict the pattern's stages (an uneven pipeline split)."""
+    and what HybridModel does not build (llama3 rope scaling, interleaved rope, mconvert's own layer spec) or whose
+    flags would contradict the pattern's stages (an uneven pipeline split)."""
     unsupported = (
         getattr(args, "multi_latent_attention", False), getattr(args, "experimental_attention_variant", None),
         getattr(args, "moe_layer_freq", 1) != 1, getattr(args, "mtp_num_layers", None), args.use_rope_scaling,
+        getattr(args, "rotary_interleaved", False),
         getattr(args, "spec", None), getattr(args, "hybrid_layer_pattern", None),
         *(getattr(args, arg, None) for arg in PipelineSplit.ARGS.values()),
     )

@@ -146,7 +146,7 @@ SETTINGS: tuple[Setting, ...] = (
     # Its flag is deprecated: position_embedding_type says it.
     Setting("use_rotary_position_embeddings", False, value=lambda spec, target: spec.position_embeddings != "none",
             flag=None, config=None),
-    Setting("rotary_interleaved", False, value=lambda spec, target: False, kind="switch", accepts=(False,)),
+    Setting("rotary_interleaved", False, spec="rotary_interleaved", kind="switch"),
     Setting("sequence_parallel", False, feature=SPARSE, kind="switch",
             # Sparse attention's absorbed MLA requires it at TP > 1.
             value=lambda spec, target: target.par.tp > 1),

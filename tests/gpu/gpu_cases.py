@@ -99,6 +99,8 @@ FAMILIES = [
     Family("qwen3_5", "qwen3.5-0.8b", layers=4, **DENSE, **DELTA_NET),
     Family("qwen3_5_text", "qwen3.5-35b-a3b", layers=4, text_only=True, **DELTA_NET),
     Family("minimax_m2", "minimax-m2.7"),
+    # Rope on interleaved pairs: the printed flags keep Transformer Engine's fused rope (TE >= 2.3 rotates pairs).
+    Family("ernie4_5", "ernie-4.5-0.3b-pt", **DENSE),
     # Without causal_conv1d (a CUDA build) megatron-core's fused Mamba path cannot run: its other path, the same function.
     Family("nemotron_h", "nemotron-3-nano-30b-a3b", layers=6, model_class="hybrid", compiles_kernels=True,
            megatron_flags=("--disable-mamba-mem-eff-path",), train_options=("--model-class", "hybrid")),
