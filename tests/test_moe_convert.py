@@ -20,6 +20,7 @@ MODELS = {
     "qwen3_moe": ("qwen3-30b-a3b", dict(layers=4, mlp_only_layers=[0, 3])),
     "qwen2_moe": ("qwen1.5-moe-a2.7b", dict(layers=2)),
     "mixtral": ("mixtral-8x7b-v0.1", dict(layers=2)),
+    "olmoe": ("olmoe-1b-7b-0924", dict(layers=2)),
 }
 
 

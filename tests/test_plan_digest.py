@@ -16,8 +16,8 @@ from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import CONFIGS, real_config, shrink
 
 # What the old build_plan and tensor_layout gave (commit 7846cda), and the lines of each config shipped since (ERNIE
-# 4.5's), the earlier lines unchanged.
-DIGEST = "db1dc02caa699f4fa931c5abed71819c09e04c9e7796a0489148d67721746829"
+# 4.5's, OLMoE's), the earlier lines unchanged.
+DIGEST = "f07c769c14c3dff611460990b78b3385b6190490c881ffa4b92ffc8704997aa8"
 
 # Configs beside every shipped one at 4 layers: layers mixed dense and MoE, a pattern with each Nemotron-H block, a
 # window, layers that share the indexer's top-k.

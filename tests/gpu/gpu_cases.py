@@ -101,6 +101,7 @@ FAMILIES = [
     Family("minimax_m2", "minimax-m2.7"),
     # Rope on interleaved pairs: the printed flags keep Transformer Engine's fused rope (TE >= 2.3 rotates pairs).
     Family("ernie4_5", "ernie-4.5-0.3b-pt", **DENSE),
+    Family("olmoe", "olmoe-1b-7b-0924"),
     # Without causal_conv1d (a CUDA build) megatron-core's fused Mamba path cannot run: its other path, the same function.
     Family("nemotron_h", "nemotron-3-nano-30b-a3b", layers=6, model_class="hybrid", compiles_kernels=True,
            megatron_flags=("--disable-mamba-mem-eff-path",), train_options=("--model-class", "hybrid")),

@@ -79,6 +79,8 @@ MODELS = {
     "minimax-m2-tp2ep2": ("minimax-m2.7", 2, {}, Parallelism(tp=2, ep=2)),
     # Rope on interleaved pairs (--rotary-interleaved), tied embeddings, head_dim apart from the width.
     "ernie4.5-tp2pp2": ("ernie-4.5-0.3b-pt", 4, {}, Parallelism(tp=2, pp=2)),
+    # q/k norms across heads (--spec) with softmax routing, the top-k not renormalised.
+    "olmoe-tp2ep2": ("olmoe-1b-7b-0924", 2, {}, Parallelism(tp=2, ep=2)),
     "deepseek-v2-lite-ep2": ("deepseek-v2-lite", 2, {}, Parallelism(ep=2)),
     # Layer counts that no pipeline size divides: Megatron-LM's uneven splits (DeepSeek-V3 has 61 layers).
     "qwen3-pp2-first-stage-1": ("qwen3-8b", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(first_stage_layers=1))),
@@ -358,7 +360,8 @@ def run_megatron_lm(name: str, argv: list[str]) -> torch.Tensor:
 @pytest.mark.parametrize(
     "name", ["llama3.1-tp2", "mistral-window-tp2", "gpt-oss-tp2ep2etp1", "qwen3-pp2", "qwen2moe-ep2", "qwen3moe-dense-first-tp2ep2etp1", "glm4.5-air-pp2",
              "qwen3-pp2-first-stage-1", "llama3.1-pp2-embedding-counts", "qwen2.5-pp2-layout", "qwen3-next-tp2ep2", "qwen3.5-tp2pp2", "qwen3-next-tp4",
-             "deepseek-v3.2-tp2ep2", "glm-5.1-tp2pp2-latent-epsilon", "minimax-m2-tp2ep2", "ernie4.5-tp2pp2"]
+             "deepseek-v3.2-tp2ep2", "glm-5.1-tp2pp2-latent-epsilon", "minimax-m2-tp2ep2", "ernie4.5-tp2pp2",
+             "olmoe-tp2ep2"]
 )
 def test_megatron_lm_load_checkpoint_gives_transformers_logits(name, converted):
     hf, ckpt = converted(name)
