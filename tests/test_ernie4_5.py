@@ -2,7 +2,8 @@
 at TP 2 x PP 2 through `mconvert verify`: rope on interleaved pairs of each head's dims (megatron-core's
 rotary_interleaved), tied embeddings, head_dim 128 beside a width of 1024 (shrunk: 32 beside 64). The planted fault,
 the same checkpoint with rope on the halves of each head (the flag left out), moves megatron-core's logits far beyond
-the tolerance. HybridModel builds its rope without the flag: refused in one line."""
+the tolerance. HybridModel builds its rope without the flag: refused in one line. ERNIE 4.5 MoE, whose router megatron-core
+lacks, is refused in one line naming what it lacks (tests/megatron_lm/test_megatron_lm.py holds megatron-core to it)."""
 
 from __future__ import annotations
 
@@ -82,4 +83,17 @@ def test_the_config_rules(hf):
 def test_a_hybrid_model_is_refused_in_one_line(hf, tmp_path):
     result = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "out", "--model-class", "hybrid")
     assert_one_line_error(result, "--model-class hybrid", "rotary_interleaved", "--model-class gpt")
+    assert_nothing_left(tmp_path / "out")
+
+
+def test_ernie_4_5_moe_is_refused_in_one_line_naming_what_megatron_core_lacks(tmp_path):
+    """Its config as transformers writes it, with the hub's own code named (auto_map), as the releases ship it."""
+    hf = tmp_path / "hf"
+    transformers.Ernie4_5_MoeConfig(architectures=["Ernie4_5_MoeForCausalLM"]).save_pretrained(hf)
+    config = json.loads((hf / "config.json").read_text())
+    auto_map = {"AutoModelForCausalLM": "modeling_ernie4_5_moe.Ernie4_5_MoeForCausalLM"}
+    (hf / "config.json").write_text(json.dumps({**config, "auto_map": auto_map}))
+    result = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "out")
+    assert_one_line_error(result, "config.json", "'ernie4_5_moe' cannot be converted", "softmax", "expert bias",
+                          "megatron-core 0.19.2 lacks")
     assert_nothing_left(tmp_path / "out")

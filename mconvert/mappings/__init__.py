@@ -41,6 +41,16 @@ FAMILIES: dict[str, Family] = {
     )
 }
 
+# Model types transformers builds that no megatron-core configuration expresses, each with what megatron-core lacks:
+# refused by name rather than as unknown.
+INEXPRESSIBLE: dict[str, str] = {
+    "ernie4_5_moe": (
+        "ERNIE 4.5 MoE's router scores experts by a softmax and adds its expert bias to the scores only to choose "
+        "them, which megatron-core 0.19.2 lacks: it takes an expert bias beside sigmoid or sqrtsoftplus scores only, "
+        "and its softmax routing reads none"
+    ),
+}
+
 
 def remote_code_architecture(config: dict[str, Any]) -> tuple[Family, str] | None:
     """For a checkpoint that ships its own model code (`auto_map`, transformers' trust_remote_code) under a
@@ -63,6 +73,8 @@ def family_for_config(config: dict[str, Any], source: str = "config.json") -> Fa
             return family
     if (taken := remote_code_architecture(config)) is not None:
         return taken[0]
+    if model_type in INEXPRESSIBLE:
+        raise ConversionError(f"{source}: model_type '{model_type}' cannot be converted: {INEXPRESSIBLE[model_type]}")
     known = sorted(t for family in FAMILIES.values() for t in family.model_types)
     if "auto_map" in config:  # code shipped with the checkpoint (transformers' trust_remote_code), perhaps for a built-in model
         code = config["auto_map"].get("AutoModelForCausalLM", "none") if isinstance(config["auto_map"], dict) else "none"
@@ -182,6 +194,6 @@ def write_hf_config(family: Family, spec: ModelSpec) -> dict[str, Any]:
 
 
 __all__ = [
-    "FAMILIES", "Family", "ModelSpec", "MoESpec", "RopeScaling", "Table", "family_for_config", "family_for_model_size",
+    "FAMILIES", "INEXPRESSIBLE", "Family", "ModelSpec", "MoESpec", "RopeScaling", "Table", "family_for_config", "family_for_model_size",
     "family_for_spec", "get_mapping", "how_read", "remote_code_architecture", "write_hf_config",
 ]

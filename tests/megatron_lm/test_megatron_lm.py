@@ -447,3 +447,25 @@ def test_megatron_core_019_cannot_build_mla_without_q_lora_rank_and_says_so(conv
         "mconvert verify: error: megatron-core 0.19.2 cannot build this checkpoint's model: for multi-latent attention "
         "without q_lora_rank it adds a layer norm before linear_q_proj"
     )
+
+
+def test_megatron_core_has_no_softmax_router_with_an_expert_bias():
+    """What refusing ERNIE 4.5 MoE stands on (mconvert.mappings.INEXPRESSIBLE): megatron-core 0.19.2's TransformerConfig
+    refuses an expert bias beside softmax scores, and its softmax routing, before or after the top-k, reads none (a
+    bias that would choose other experts changes nothing), where ERNIE's router chooses by softmax + bias."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    with pytest.raises(ValueError, match="[Ee]xpert bias"):
+        TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=8, moe_router_topk=2,
+                          moe_router_enable_expert_bias=True, moe_router_score_function="softmax")
+    logits = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    bias = torch.zeros(8)
+    bias[logits[0].argmax()] = -10.0  # the first token's best expert would not be chosen
+    for pre_softmax in (True, False):
+        plain = topk_routing_with_score_function(logits, 2, use_pre_softmax=pre_softmax, score_function="softmax")
+        biased = topk_routing_with_score_function(logits, 2, use_pre_softmax=pre_softmax, score_function="softmax",
+                                                  expert_bias=bias)
+        assert all(torch.equal(a, b) for a, b in zip(plain, biased))
+    chosen = torch.topk(torch.softmax(logits, dim=-1) + bias, 2).indices  # ERNIE's choice
+    assert not torch.equal(chosen.sort(dim=1).values, torch.topk(logits, 2).indices.sort(dim=1).values)
