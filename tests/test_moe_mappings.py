@@ -12,7 +12,8 @@ from mconvert.errors import ConversionError
 from mconvert.mappings import FAMILIES, family_for_model_size, get_mapping
 from mconvert.synthetic import real_config, shrink
 
-MOE_CONFIGS = {"qwen3_moe": "qwen3-30b-a3b", "qwen2_moe": "qwen1.5-moe-a2.7b", "mixtral": "mixtral-8x7b-v0.1"}
+MOE_CONFIGS = {"qwen3_moe": "qwen3-30b-a3b", "qwen2_moe": "qwen1.5-moe-a2.7b", "mixtral": "mixtral-8x7b-v0.1",
+               "olmoe": "olmoe-1b-7b-0924"}
 
 
 def v5_style(config: dict) -> dict:
@@ -109,6 +110,7 @@ def test_no_layer_with_experts_is_an_error():
         ("qwen3_moe", dict(norm_topk_prob=False)),
         ("qwen2_moe", dict(layers=4, decoder_sparse_step=2, norm_topk_prob=True)),
         ("mixtral", dict(rope_theta=5e5, tie_word_embeddings=True)),
+        ("olmoe", dict(norm_topk_prob=True, num_key_value_heads=2)),
     ],
 )
 def test_write_config_round_trips(family, overrides):
