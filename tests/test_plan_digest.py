@@ -15,8 +15,9 @@ from mconvert.mappings import get_mapping
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import CONFIGS, real_config, shrink
 
-# What the old build_plan and tensor_layout gave (commit 7846cda).
-DIGEST = "8317e1af4af7ea0c77f2f295464989f1911938aea56e2ccd45e6e13c21695370"
+# What the old build_plan and tensor_layout gave (commit 7846cda), with Nemotron 3 Super's config and Nemotron-H's MTP
+# layers added (every earlier line unchanged: `diff` of the printed lines before and after shows additions only).
+DIGEST = "b749fc9717c3f939d733b2df585217c0862d081b8fb47cb2c6bea3466c5fc7df"
 
 # Configs beside every shipped one at 4 layers: layers mixed dense and MoE, a pattern with each Nemotron-H block, a
 # window, layers that share the indexer's top-k.
