@@ -105,6 +105,8 @@ def shrink(config: dict[str, Any], layers: int = 2, **overrides: Any) -> dict[st
         # Mamba-2: 8 heads of 8 in 2 groups (so that TP 2 splits both), a state of 16; the pattern cut to the layers.
         small.update(mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, moe_shared_expert_intermediate_size=48)
         small["hybrid_override_pattern"] = config["hybrid_override_pattern"][:layers]
+    if config.get("moe_latent_size"):
+        small["moe_latent_size"] = 24  # latent MoE's experts' width: apart from the model's and the experts' own
     if "rotary_dim" in config:  # MiniMax-M2's rope on part of each head, as its config says it
         small["rotary_dim"] = small.get("head_dim", 16) // 2
     if "attn_type_list" in config:
@@ -162,13 +164,16 @@ def add_mtp_layers(hf_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Give a checkpoint made by `make_hf_checkpoint` the multi-token prediction layers the hub holds and
     transformers never builds: those its config names (`num_nextn_predict_layers`) as DeepSeek-V3 and GLM-4.5 hold
     them, HF layers num_hidden_layers + m, or the one of a family that keeps it apart (Qwen3-Next, Qwen3.5: `mtp.`);
-    each with a decoder layer like the last one (random values), its own tensors (norms, eh_proj) and copies of the
-    embedding and output head where the family stores them. Written to `mtp.safetensors` beside
-    `model.safetensors`, with an index of both."""
+    each with a decoder layer like the last one (random values), or blocks like the decoder's last of their kind
+    (Nemotron 3 Super's, an HF layer each), its own tensors (norms, eh_proj) and copies of the embedding and output
+    head where the family stores them. Written to `mtp.safetensors` beside `model.safetensors`, with an index of both."""
+    import dataclasses
+
     import torch
     from safetensors.torch import load_file, save_file
 
     from mconvert.mappings import get_mapping
+    from mconvert.mappings.family import mtp_blocks, mtp_position
 
     hf_dir = Path(hf_dir)
     config = json.loads((hf_dir / "config.json").read_text())
@@ -181,19 +186,25 @@ def add_mtp_layers(hf_dir: str | os.PathLike, seed: int = 0) -> Path:
         values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32)
         return (values * 0.05 if tensor.dim() > 1 else values * 0.5 + 1.0).to(tensor.dtype)
 
-    last = table.layer_prefix.format(layer=spec.num_layers - 1)
+    def like(layer: int) -> str:
+        """The prefix of the decoder layer that MTP HF layer `layer` is made like."""
+        if spec.layer_blocks is None:
+            return table.layer_prefix.format(layer=spec.num_layers - 1)
+        return table.layer_prefix.format(layer=spec.layer_blocks.rindex(spec.mtp_blocks[mtp_position(spec, layer)[1]]))
+
     hf_of = {entry.mcore: entry.hf_names[0] for entry in table.model}
     # The model's dtype, as its embedding holds it (a router's bias may be stored in fp32 beside bf16 weights).
     dtype = model[hf_of["embedding.word_embeddings.weight"]].dtype
     mtp = {}
-    for m in range(1 if table.mtp_prefix else config.get("num_nextn_predict_layers") or 0):
-        own, prefix = table.mtp_prefixes(spec.num_layers, m)
-        mtp.update({prefix + name[len(last) :]: random_like(t) for name, t in model.items() if name.startswith(last)})
-        for entry in table.mtp:
+    spec = dataclasses.replace(spec, mtp_layers=1 if table.mtp_prefix else config.get("num_nextn_predict_layers") or 0)
+    for layer in range(spec.num_layers, spec.num_layers + spec.mtp_layers * mtp_blocks(spec)):
+        held, last = table.layer(spec, layer), like(layer)
+        mtp.update({held.prefix + name[len(last) :]: random_like(t) for name, t in model.items() if name.startswith(last)})
+        for entry in held.mtp:
             shape = (hidden, 2 * hidden) if entry.mcore == "eh_proj.weight" else (hidden,)
-            mtp[own + entry.hf_names[0]] = random_like(torch.empty(shape, dtype=dtype))
-        for entry in table.mtp_copies:
-            mtp[own + entry.hf_names[0]] = model[hf_of[entry.mcore]].clone()
+            mtp[held.mtp_prefix + entry.hf_names[0]] = random_like(torch.empty(shape, dtype=dtype))
+        for entry in held.mtp_copies:
+            mtp[held.mtp_prefix + entry.hf_names[0]] = model[hf_of[entry.mcore]].clone()
     save_file(mtp, hf_dir / "mtp.safetensors", metadata={"format": "pt"})
     # Two files: an index says which holds what, as the hub's shards are listed.
     weight_map = {name: "model.safetensors" for name in model} | {name: "mtp.safetensors" for name in mtp}

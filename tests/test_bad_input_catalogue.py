@@ -253,8 +253,33 @@ def test_a_directory_without_config(hf, tmp_path):
 
 
 def test_a_model_that_needs_remote_code(hf, tmp_path):
-    write_config(hf, model_type="deepseek_v4", auto_map={"AutoModelForCausalLM": "modeling_deepseek.DeepseekV4ForCausalLM"})
-    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "config.json", "deepseek_v4", "auto_map")
+    write_config(hf, model_type="mimo", auto_map={"AutoModelForCausalLM": "modeling_mimo.MiMoForCausalLM"})
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "config.json", "mimo", "auto_map")
+
+
+def _transformers_config(model_type: str) -> dict:
+    """The config.json transformers 5.24 writes for its built-in `model_type`, with its defaults."""
+    import transformers
+
+    return transformers.AutoConfig.for_model(model_type).to_dict()
+
+
+@pytest.mark.parametrize("config, names", [
+    ("step-3.5-flash.json", ["model_type 'step3p5' (Step-3.5-Flash)", "megatron-core 0.19.2", "attention head counts per layer (64 and 96)",
+                             "rope per layer", "SwiGLU clamps per layer", "transformers 5.24 has no causal-LM class"]),
+    ("gemma-4-31b-it.json", ["model_type 'gemma4' (Gemma 4)", "megatron-core 0.19.2", "final logit softcapping",
+                             "a head dimension per layer (256 and 512)", "keys reused as values (attention_k_eq_v)"]),
+    ("deepseek_v4", ["model_type 'deepseek_v4' (DeepSeek-V4)", "megatron-core 0.19.2", "compressed attention", "hyper-connections (4 residual streams)"]),
+    ("kimi_linear", ["model_type 'kimi_linear' (Kimi-Linear)", "megatron-core 0.19.2", "Kimi delta attention"]),
+], ids=["step3p5", "gemma4", "deepseek_v4", "kimi_linear"])
+def test_a_model_no_megatron_core_configuration_expresses_is_refused_from_its_config_alone(config, names, tmp_path):
+    """A directory holding config.json and no weights: the refusal names what megatron-core lacks, before any tensor is
+    looked for (Step-3.5-Flash and Gemma 4 as published, DeepSeek-V4 and Kimi-Linear as transformers writes them)."""
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    published = Path(__file__).parent / "fixtures" / "configs" / config
+    (hf / "config.json").write_text(published.read_text() if published.exists() else json.dumps(_transformers_config(config)))
+    refused(to_mcore(hf, tmp_path / "out"), tmp_path / "out", "config.json", *names)
 
 
 def test_experts_that_expert_parallelism_cannot_divide(hf_model_factory, tmp_path):

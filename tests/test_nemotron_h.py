@@ -24,6 +24,9 @@ from tests.cli_runner import assert_nothing_left, assert_one_line_error, run_cli
 
 CONFIG = "nemotron-3-nano-30b-a3b"
 PATTERN = "M-M*EME"
+# Nemotron 3 Super: latent MoE (experts of width 24 in the shrunk model, beside hidden 64 and expert width 32).
+SUPER = "nemotron-3-super-120b-a12b"
+SUPER_PATTERN = "ME*E"
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +69,38 @@ def test_the_hybrid_checkpoint_has_megatron_cores_mamba_keys_and_converts_back_b
     assert [layer.block_type for layer in model.model.layers] == [
         "linear_attention", "mlp", "linear_attention", "full_attention", "moe", "linear_attention", "moe"
     ]
+
+
+def test_super_has_megatron_cores_latent_moe_and_mtp_keys_and_converts_back_bit_for_bit(hf_model_factory, tmp_path):
+    """Nemotron 3 Super's latent MoE: the projections into the experts' width and back are megatron-core's
+    `mlp.fc1_latent_proj` and `mlp.fc2_latent_proj`, whole on every TP rank (Transformer Engine's duplicated linears);
+    the experts' fc1 reads and fc2 writes the latent width, split by rows and columns over the expert TP ranks. Its MTP
+    layer (blocks `*E`, HF layers `mtp.layers.0.` and `.1.`) is HybridModel's `/*E`: its own norms and projection in
+    `mtp.layers.0.`, its blocks in `mtp.layers.0.mtp_model_layer.layers.<j>.`."""
+    hf = hf_model_factory(SUPER, layers=len(SUPER_PATTERN), hybrid_override_pattern=SUPER_PATTERN, mtp=True)
+    convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, ep=2, model_class="hybrid"))
+    args = read_args(iteration_dir(tmp_path / "mcore"))
+    assert (args.moe_latent_size, args.hybrid_layer_pattern, args.mtp_num_layers) == (24, SUPER_PATTERN + "/*E", 1)
+    dcp = DCPCheckpoint(iteration_dir(tmp_path / "mcore"))
+    chunks = lambda key: sorted(tuple(chunk.sizes) for chunk in dcp.metadata.state_dict_metadata[key].chunks)  # noqa: E731
+    original = weights(hf)
+    for layer, hf_layer in (("decoder.layers.1.", "backbone.layers.1."), ("mtp.layers.0.mtp_model_layer.layers.1.", "mtp.layers.1.")):
+        assert chunks(layer + "mlp.fc1_latent_proj.weight") == [(24, 64)] and chunks(layer + "mlp.fc2_latent_proj.weight") == [(64, 24)]
+        assert dcp.shapes[layer + "mlp.experts.experts.linear_fc1.weight"] == (8, 32, 24)
+        assert chunks(layer + "mlp.experts.experts.linear_fc1.weight") == [(1, 16, 24)] * 16
+        assert chunks(layer + "mlp.experts.experts.linear_fc2.weight") == [(1, 24, 16)] * 16
+        stored = dcp.read_region(layer + "mlp.fc2_latent_proj.weight", (0, 0), (64, 24))
+        assert torch.equal(stored, original[hf_layer + "mixer.fc2_latent_proj.weight"])
+    assert dcp.shapes["mtp.layers.0.eh_proj.weight"] == (64, 128)
+    assert torch.equal(dcp.read_region("mtp.layers.0.final_layernorm.weight", (0,), (64,)), original["mtp.layers.1.final_layernorm.weight"])
+    assert "mtp.layers.0.mtp_model_layer.layers.0.self_attention.linear_qkv.weight" in dcp.shapes
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back")
+    back = weights(tmp_path / "back")
+    assert back.keys() == original.keys() and all(torch.equal(back[name], original[name]) for name in original)
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (config["moe_latent_size"], config["num_nextn_predict_layers"], config["mtp_hybrid_override_pattern"]) == (24, 1, "*E")
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
 
 
 def test_a_save_without_megatron_lms_args_is_read_as_a_hybrid_model(hf, tmp_path):
@@ -115,13 +150,14 @@ def test_the_gpt_model_class_is_refused_in_one_line(hf, tmp_path):
 @pytest.mark.parametrize("field, value, why", [
     ("conv_kernel", 3, "megatron-core"), ("chunk_size", 256, "megatron-core"), ("mamba_hidden_act", "gelu", "megatron-core"),
     ("use_conv_bias", False, "megatron-core"), ("use_bias", True, "megatron-core"), ("layer_norm_epsilon", 1e-6, "megatron-core"),
-    ("mlp_hidden_act", "silu", "converts 'relu2' only"), ("moe_latent_size", 16, "converts None only"),
-    ("num_nextn_predict_layers", 1, "not converted"),
+    ("mlp_hidden_act", "silu", "converts 'relu2' only"), ("moe_latent_size", 0, "not a positive integer"),
+    ("mtp_hybrid_override_pattern", "*G", "not made of M, *, - and E"),
 ])
 def test_what_megatron_core_fixes_or_is_not_converted_is_refused_in_one_line_naming_the_field(field, value, why, tmp_path):
     config = shrink(real_config(CONFIG), layers=4, hybrid_override_pattern="M*-E")
     hf = make_hf_checkpoint(config, tmp_path / "hf")
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({**json.loads((hf / "config.json").read_text()), field: value}))
+    mtp = {"num_nextn_predict_layers": 1} if field.startswith("mtp_") else {}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**json.loads((hf / "config.json").read_text()), field: value, **mtp}))
     result = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "out", "--model-class", "hybrid")
     assert_one_line_error(result, field, why)
     assert_nothing_left(tmp_path / "out")

@@ -26,7 +26,7 @@ from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
 from mconvert.formats.quantized import fp8_block_size, is_mxfp4
 from mconvert.formats.safetensors import Rows
 from mconvert.mappings import get_mapping
-from mconvert.mappings.family import Family
+from mconvert.mappings.family import Family, mtp_blocks
 from mconvert.mappings.spec import ModelSpec
 from mconvert.mcore import fsdp_dtensor
 from mconvert.mcore.checkpoint import EMPTY_EXTRA_STATE, RELEASE, iteration_name, write_common, write_tracker
@@ -63,7 +63,7 @@ def mtp_layers_held(family: Family, spec: ModelSpec, names) -> int:
         return 0
 
     def held(mtp_layer: int) -> bool:
-        own, _ = table.mtp_prefixes(spec.num_layers, mtp_layer)
+        own, _ = table.mtp_prefixes(spec.num_layers, mtp_layer * mtp_blocks(spec))  # its first block's, where several
         if table.mtp and not table.mtp_prefix:
             return own + table.mtp[0].hf_names[0] in names
         return any(name.startswith(own) for name in names)
@@ -91,7 +91,8 @@ def mtp_left_out(family: Family, parallelism: Parallelism) -> str:
 
 def without_mtp_layers(family: Family, spec: ModelSpec, names, count: int) -> set[str]:
     """`names` less those of the first `count` multi-token prediction layers."""
-    prefixes = tuple(prefix for m in range(count) for prefix in family.table.mtp_prefixes(spec.num_layers, m))
+    hf_layers = range(count * mtp_blocks(spec))
+    prefixes = tuple(prefix for m in hf_layers for prefix in family.table.mtp_prefixes(spec.num_layers, m))
     return {name for name in names if not name.startswith(prefixes)}
 
 
@@ -102,7 +103,7 @@ def fused_expert_layers(family: Family, spec: ModelSpec, hf: HFCheckpoint) -> fr
         return frozenset()
     fused_name = table.fused_experts[0].hf_names[0].split("[")[0]
     prefixes = [table.layer_prefix.format(layer=layer) for layer in range(spec.num_layers)]
-    prefixes += [table.mtp_prefixes(spec.num_layers, m)[1] for m in range(spec.mtp_layers)]
+    prefixes += [table.mtp_prefixes(spec.num_layers, m)[1] for m in range(spec.mtp_layers * mtp_blocks(spec))]
     return frozenset(layer for layer, prefix in enumerate(prefixes) if prefix + fused_name in hf.tensors)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from mconvert.dtypes import dtype_of, is_floating
 from mconvert.errors import ConversionError
 from mconvert.formats.safetensors import Part, Rows
-from mconvert.mappings.family import Family, active
+from mconvert.mappings.family import Family, active, mtp_blocks, mtp_position
 from mconvert.mappings.spec import ModelSpec
 from mconvert.mappings.transforms import Entry, Section, Shift
 from mconvert.mcore.hybrid import hybrid_layer_key, hybrid_model_key
@@ -191,12 +191,12 @@ def build_plan(
 
     for entry in active(table.model, spec):
         add((model_key(entry.mcore),), (), (), entry, list(entry.hf_names))
-    # Multi-token prediction layers follow the decoder's, in HF's numbering and here.
-    for layer in range(spec.num_layers + spec.mtp_layers):
+    # Multi-token prediction layers (or their blocks) follow the decoder's, in HF's numbering and here.
+    for layer in range(spec.num_layers + spec.mtp_layers * mtp_blocks(spec)):
         held = table.layer(spec, layer, fused_expert_layers)
         stacked = layer_axis(spec) if layer < spec.num_layers and not hybrid else ()
         for entry in held.mtp:
-            add((mtp_key(entry.mcore, layer - spec.num_layers),), (), (), entry, [held.mtp_prefix + n for n in entry.hf_names])
+            add((mtp_key(entry.mcore, mtp_position(spec, layer)[0]),), (), (), entry, [held.mtp_prefix + n for n in entry.hf_names])
         for entry in held.mtp_copies:
             add((model_key(entry.mcore),), (), (), entry, [held.mtp_prefix + n for n in entry.hf_names], copy=True)
         for entry in held.entries:

@@ -29,6 +29,7 @@ from mconvert.mappings import (
     qwen3_next,
 )
 from mconvert.mappings.family import Family, Table
+from mconvert.mappings.not_expressible import why_not_expressible
 from mconvert.mappings.rope import RopeScaling
 from mconvert.mappings.spec import ModelSpec, MoESpec
 
@@ -71,6 +72,8 @@ def family_for_config(config: dict[str, Any], source: str = "config.json") -> Fa
     for family in FAMILIES.values():
         if model_type in family.model_types:
             return family
+    if (why := why_not_expressible(config)) is not None:
+        raise ConversionError(f"{source}: {why}")
     if (taken := remote_code_architecture(config)) is not None:
         return taken[0]
     if model_type in INEXPRESSIBLE:

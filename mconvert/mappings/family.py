@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from mconvert.errors import ConversionError
 from mconvert.mappings.spec import ModelSpec
 from mconvert.mappings.transforms import Entry
 
@@ -18,12 +19,27 @@ def active(entries, spec: ModelSpec) -> tuple[Entry, ...]:
 BLOCK_SCOPES = {"M": "mamba", "*": "attention", "-": "dense_mlp", "E": "moe_mlp"}
 
 
+def mtp_blocks(spec: ModelSpec) -> int:
+    """The HF layers each MTP layer takes after the decoder's: one, or one a block (ModelSpec.mtp_blocks)."""
+    return len(spec.mtp_blocks) if spec.mtp_blocks else 1
+
+
+def mtp_position(spec: ModelSpec, layer: int) -> tuple[int, int]:
+    """(the MTP layer, its block) of HF layer `layer`, one of those after the decoder's."""
+    return divmod(layer - spec.num_layers, mtp_blocks(spec))
+
+
 def layer_scopes(spec: ModelSpec, layer: int) -> tuple[str, ...]:
-    """The scopes of the table that decoder layer `layer` is made of, in order: its one block where each HF layer is
-    one (ModelSpec.layer_blocks); else its attention (gated delta-net's on linear-attention layers), the indexer where
-    it runs one, and its MLP, with experts or dense. A `moe_mlp` scope brings the layer's experts."""
+    """The scopes of the table that HF layer `layer` is made of, in order: its one block where each HF layer is
+    one (ModelSpec.layer_blocks, and the MTP layers' mtp_blocks); else its attention (gated delta-net's on
+    linear-attention layers), the indexer where it runs one, and its MLP, with experts or dense, an MTP layer's as the
+    decoder's last layer's. A `moe_mlp` scope brings the layer's experts."""
+    if spec.layer_blocks is not None and layer >= spec.num_layers and spec.mtp_blocks is None:
+        raise ConversionError("the checkpoint holds MTP layers whose blocks config.json does not name (num_nextn_predict_layers 0)")
     if spec.layer_blocks is not None:
-        return (BLOCK_SCOPES[spec.layer_blocks[layer]],)
+        symbol = spec.layer_blocks[layer] if layer < spec.num_layers else spec.mtp_blocks[mtp_position(spec, layer)[1]]
+        return (BLOCK_SCOPES[symbol],)
+    layer = min(layer, spec.num_layers - 1)
     attention = ("linear_attention" if spec.layer_is_linear(layer) else "attention",) + (("indexer",) if spec.layer_has_indexer(layer) else ())
     return (*attention, "moe_mlp" if spec.layer_is_moe(layer) else "dense_mlp")
 
@@ -69,13 +85,18 @@ class Table:
     layer_prefix: str = "model.layers.{layer}."
     # Multi-token prediction layers (the HF layers after the decoder's, named as layers are): their own
     # tensors beside a whole decoder layer, and `mtp_copies`, HF tensors of theirs that are copies of
-    # model-scope ones Megatron shares (an MTP layer's embedding and output head).
+    # model-scope ones Megatron shares (an MTP layer's embedding and output head). Where an MTP layer is several
+    # blocks, each an HF layer (ModelSpec.mtp_blocks), `mtp` are its first block's and `mtp_end` its last block's.
     mtp: tuple[Entry, ...] = ()
     mtp_copies: tuple[Entry, ...] = ()
+    mtp_end: tuple[Entry, ...] = ()
     # Where a family keeps its one MTP layer apart from the decoder's layers (Qwen3-Next's and Qwen3.5's `mtp.`):
     # its own tensors relative to this prefix, its decoder layer's to `<prefix>layers.0.`; empty for MTP layers
     # named as the layers after the decoder's.
     mtp_prefix: str = ""
+    # Where a family numbers its MTP layers' HF layers apart from the decoder's, its own tensors among theirs
+    # (Nemotron-H's `mtp.layers.{layer}.`, one block each); empty otherwise.
+    mtp_layer_prefix: str = ""
     # The attention of layers that have gated delta-net linear attention (ModelSpec.linear_attention) in place
     # of `attention`.
     linear_attention: tuple[Entry, ...] = ()
@@ -99,27 +120,32 @@ class Table:
 
     def layer(self, spec: ModelSpec, layer: int, fused_expert_layers: frozenset[int] | None = None) -> Layer:
         """What HF layer `layer` holds (layers from num_layers on: the MTP layers, each built as the decoder's last
-        layer is). `fused_expert_layers`: the layers whose experts the HF side holds fused, None for the hub's
-        layout (a family whose HF models hold their experts only fused, gpt-oss, has no other; the hub keeps an MTP
-        layer's experts one by one where it fuses the decoder's, Qwen3.5-MoE)."""
+        layer is, or their blocks, one an HF layer). `fused_expert_layers`: the layers whose experts the HF side holds
+        fused, None for the hub's layout (a family whose HF models hold their experts only fused, gpt-oss, has no
+        other; the hub keeps an MTP layer's experts one by one where it fuses the decoder's, Qwen3.5-MoE)."""
         mtp = layer >= spec.num_layers
         own, prefix = self.mtp_prefixes(spec.num_layers, layer - spec.num_layers) if mtp else ("", self.layer_prefix.format(layer=layer))
+        block = mtp_position(spec, layer)[1] if mtp else None
+        own_entries = (self.mtp if block == 0 else ()) + (self.mtp_end if block == mtp_blocks(spec) - 1 else ())
         hub_fused = self.hub_experts_fused and not mtp
         fused = not self.experts or (hub_fused if fused_expert_layers is None else layer in fused_expert_layers)
-        scopes = layer_scopes(spec, min(layer, spec.num_layers - 1))
+        scopes = layer_scopes(spec, layer)
         moe_mlp = self.fused_moe_mlp if fused and self.fused_moe_mlp is not None else self.moe_mlp
         entries = [entry for scope in scopes for entry in (moe_mlp if scope == "moe_mlp" else getattr(self, scope))]
         return Layer(
             prefix=prefix,
             mtp_prefix=own,
-            mtp=active(self.mtp, spec) if mtp else (),
-            mtp_copies=active(self.mtp_copies, spec) if mtp else (),
+            mtp=active(own_entries, spec),
+            mtp_copies=active(self.mtp_copies, spec) if block == 0 else (),
             entries=active(entries, spec),
             experts=active(self.fused_experts if fused else self.experts, spec) if "moe_mlp" in scopes else (),
         )
 
     def mtp_prefixes(self, num_layers: int, mtp_layer: int) -> tuple[str, str]:
-        """(the prefix of MTP layer `mtp_layer`'s own tensors, that of its decoder layer's)."""
+        """(the prefix of MTP layer `mtp_layer`'s own tensors, that of its decoder layer's); of its block
+        `mtp_layer` where each block is an HF layer (mtp_layer_prefix)."""
+        if self.mtp_layer_prefix:
+            return (self.mtp_layer_prefix.format(layer=mtp_layer),) * 2
         if self.mtp_prefix:
             return self.mtp_prefix, f"{self.mtp_prefix}layers.{mtp_layer}."
         prefix = self.layer_prefix.format(layer=num_layers + mtp_layer)

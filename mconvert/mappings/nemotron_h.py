@@ -1,7 +1,8 @@
-"""Nemotron-H (`nemotron_h`: Nemotron-H, Nemotron Nano v2, Nemotron 3 Nano): each HF layer is one block with its
-own pre-norm, as `hybrid_override_pattern` names it in megatron-core's symbols: a Mamba-2 mixer (`M`), attention
+"""Nemotron-H (`nemotron_h`: Nemotron-H, Nemotron Nano v2, Nemotron 3 Nano and Super): each HF layer is one block with
+its own pre-norm, as `hybrid_override_pattern` names it in megatron-core's symbols: a Mamba-2 mixer (`M`), attention
 without position embeddings (`*`), an MLP without a gate, relu(x)^2 (`-`), or experts routed by sigmoid scores with
-an expert bias and one shared expert (`E`). Only megatron-core's HybridModel holds it: HF layer i is hybrid layer i.
+an expert bias and one shared expert (`E`), in Super working in a narrower latent width. Only megatron-core's
+HybridModel holds it: HF layer i is hybrid layer i; Super's MTP layer is a small stack of such blocks.
 
 The Mamba mixer fuses z, x, B, C and dt into `in_proj` and convolves x, B and C as one; megatron-core stores each
 section under a key of its own (`in_proj.weight.z`, `conv1d.weight.x`, ...), each split across TP ranks by rows:
@@ -17,7 +18,7 @@ from mconvert.mappings import deepseek
 from mconvert.mappings.family import Family, Table
 from mconvert.mappings.mamba_spec import MambaSpec
 from mconvert.mappings.spec import ModelSpec, read_dense_spec, require, write_dense_config
-from mconvert.mappings.splits import Column, Replicated, Row, Sectioned, Vocabulary, attention_width
+from mconvert.mappings.splits import Column, Replicated, Row, Sectioned, Vocabulary, attention_width, expert_width
 from mconvert.mappings.transforms import QKVInterleave, Rename, Section
 
 MODEL = (
@@ -78,12 +79,31 @@ MOE_MLP = (
         "mlp.shared_experts.linear_fc2.weight", "mixer.shared_experts.down_proj.weight",
         split=Row("hidden_size", "moe.shared_expert_ffn_hidden_size"),
     ),
+    # Latent MoE (Nemotron 3 Super): the routed experts work in a narrower width, projected into it after routing and
+    # back before the shared expert's output is added. megatron-core's projections are Transformer Engine linears in
+    # its "duplicated" mode: whole on every TP rank.
+    Rename("mlp.fc1_latent_proj.weight", "mixer.fc1_latent_proj.weight", when="moe_latent",
+           split=Replicated("moe.latent_size", "hidden_size")),
+    Rename("mlp.fc2_latent_proj.weight", "mixer.fc2_latent_proj.weight", when="moe_latent",
+           split=Replicated("hidden_size", "moe.latent_size")),
 )
 
 EXPERTS = (
-    Rename("linear_fc1.weight", "mixer.experts.{expert}.up_proj.weight", split=Column("moe.ffn_hidden_size", "hidden_size")),
-    Rename("linear_fc2.weight", "mixer.experts.{expert}.down_proj.weight", split=Row("hidden_size", "moe.ffn_hidden_size")),
+    Rename("linear_fc1.weight", "mixer.experts.{expert}.up_proj.weight", split=Column("moe.ffn_hidden_size", expert_width)),
+    Rename("linear_fc2.weight", "mixer.experts.{expert}.down_proj.weight", split=Row(expert_width, "moe.ffn_hidden_size")),
 )
+
+# An MTP layer (Nemotron 3 Super's) is a small stack of blocks, `mtp_hybrid_override_pattern`, each an HF layer
+# `mtp.layers.<i>.` after the decoder's (layer i of MTP layer m: block i - m x the pattern's length): its first block
+# holds the embedding's and the hidden state's norms and their projection, its last the final norm (the names vLLM's
+# NemotronHMTP loads; transformers builds no MTP layers). megatron-core's HybridModel keeps these in
+# `mtp.layers.<m>.` and the blocks in `mtp.layers.<m>.mtp_model_layer.layers.<j>.`.
+MTP = (
+    Rename("enorm.weight", "enorm.weight", split=Replicated("hidden_size")),
+    Rename("hnorm.weight", "hnorm.weight", split=Replicated("hidden_size")),
+    Rename("eh_proj.weight", "eh_proj.weight", split=Column("hidden_size", deepseek.twice_hidden)),
+)
+MTP_END = (Rename("final_layernorm.weight", "final_layernorm.weight", split=Replicated("hidden_size")),)
 
 TABLE = Table(
     model=MODEL,
@@ -93,6 +113,10 @@ TABLE = Table(
     experts=EXPERTS,
     mamba=MAMBA,
     layer_prefix="backbone.layers.{layer}.",
+    mtp=MTP,
+    mtp_end=MTP_END,
+    mtp_layer_prefix="mtp.layers.{layer}.",
+    mtp_count_field="num_nextn_predict_layers",
 )
 
 # transformers 5's names of the blocks (`layers_block_type`, what it writes when it saves), by symbol.
@@ -103,24 +127,24 @@ FIXED_BY_MEGATRON_CORE = {
     "conv_kernel": 4, "chunk_size": 128, "mamba_hidden_act": "silu", "use_conv_bias": True, "mamba_proj_bias": False,
     "use_bias": False,
 }
-# What the family's other blocks are as converted: relu^2 MLPs, no biases, experts at the model's width (Nemotron 3
-# Super's latent experts are not converted yet).
-CONVERTED = {"mlp_hidden_act": "relu2", "attention_bias": False, "mlp_bias": False, "moe_latent_size": None}
+# What the family's other blocks are as converted: relu^2 MLPs, no biases.
+CONVERTED = {"mlp_hidden_act": "relu2", "attention_bias": False, "mlp_bias": False}
 # megatron-core's gated RMSNorm in the Mamba mixer has epsilon 1e-5 whatever the model's; transformers uses
 # layer_norm_epsilon for both.
 MAMBA_NORM_EPS = 1e-5
 
 
-def layer_blocks(config: dict[str, Any], source: str) -> str:
-    """The blocks as symbols: from `hybrid_override_pattern` (hub configs) or `layers_block_type` (transformers 5's)."""
-    pattern = config.get("hybrid_override_pattern")
+def layer_blocks(config: dict[str, Any], source: str, field: str = "hybrid_override_pattern", kinds_field: str = "layers_block_type") -> str:
+    """The blocks as symbols: from `hybrid_override_pattern` (hub configs) or `layers_block_type` (transformers 5's);
+    an MTP layer's from `mtp_hybrid_override_pattern` or `mtp_layers_block_type`."""
+    pattern = config.get(field)
     if pattern is None:
-        kinds = config.get("layers_block_type")
+        kinds = config.get(kinds_field)
         if not isinstance(kinds, list) or set(kinds) - set(HF_BLOCK_TYPES.values()):
-            raise ConversionError(f"{source}: neither hybrid_override_pattern nor layers_block_type names the layers ({kinds!r})")
+            raise ConversionError(f"{source}: neither {field} nor {kinds_field} names the layers ({kinds!r})")
         pattern = "".join({hf: symbol for symbol, hf in HF_BLOCK_TYPES.items()}[kind] for kind in kinds)
     if not isinstance(pattern, str) or not pattern or set(pattern) - set(HF_BLOCK_TYPES):
-        raise ConversionError(f"{source}: hybrid_override_pattern {pattern!r} is not made of M, *, - and E")
+        raise ConversionError(f"{source}: {field} {pattern!r} is not made of M, *, - and E")
     return pattern
 
 
@@ -131,12 +155,14 @@ def read_config(config: dict[str, Any], source: str = "config.json") -> ModelSpe
     for name, converted in CONVERTED.items():
         if config.get(name, converted) != converted:
             raise ConversionError(f"{source}: {name} {config[name]!r}: nemotron_h converts {converted!r} only")
-    if config.get("num_nextn_predict_layers"):
-        raise ConversionError(f"{source}: num_nextn_predict_layers {config['num_nextn_predict_layers']}: nemotron_h's multi-token prediction is not converted")
     eps = float(config.get("layer_norm_epsilon", config.get("norm_eps", 1e-5)))
     if eps != MAMBA_NORM_EPS:
         raise ConversionError(f"{source}: layer_norm_epsilon {eps:g}: megatron-core's Mamba mixer normalises with {MAMBA_NORM_EPS:g} only")
     blocks = layer_blocks(config, source)
+    # transformers' blocks of an MTP layer where the config names none: attention, then experts.
+    mtp_default = {"mtp_layers_block_type": [HF_BLOCK_TYPES["*"], HF_BLOCK_TYPES["E"]]}
+    mtp_blocks = layer_blocks({**mtp_default, **config}, source, "mtp_hybrid_override_pattern", "mtp_layers_block_type") \
+        if config.get("num_nextn_predict_layers") else None
     mamba = MambaSpec(
         num_heads=require(config, "mamba_num_heads", source),
         head_dim=require(config, "mamba_head_dim", source),
@@ -147,7 +173,7 @@ def read_config(config: dict[str, Any], source: str = "config.json") -> ModelSpe
         raise ConversionError(f"{source}: n_groups {mamba.num_groups} does not divide mamba_num_heads {mamba.num_heads}")
     spec = read_dense_spec(
         {**config, "num_hidden_layers": len(blocks), "hidden_act": "silu"}, "nemotron_h", source,
-        norm_eps=eps, activation="squared_relu", layer_blocks=blocks, mamba=mamba, position_embeddings="none",
+        norm_eps=eps, activation="squared_relu", layer_blocks=blocks, mtp_blocks=mtp_blocks, mamba=mamba, position_embeddings="none",
         sliding_window=None, hf_config=dict(config),
         computed_differently=(
             f"transformers clamps the Mamba layers' dt at time_step_min {config.get('time_step_min', 0.001):g} in a forward "
@@ -159,6 +185,7 @@ def read_config(config: dict[str, Any], source: str = "config.json") -> ModelSpe
         spec = dataclasses.replace(spec, moe=dataclasses.replace(
             moe, moe_layers=tuple(symbol == "E" for symbol in blocks),
             shared_expert_ffn_hidden_size=require(config, "moe_shared_expert_intermediate_size", source),
+            latent_size=require(config, "moe_latent_size", source) if config.get("moe_latent_size") is not None else None,
         ))
     return spec
 
@@ -181,7 +208,10 @@ def write_config(spec: ModelSpec) -> dict[str, Any]:
         ssm_state_size=mamba.state_dim,
         layer_norm_epsilon=spec.norm_eps,
         **{name: value for name, value in {**FIXED_BY_MEGATRON_CORE, **CONVERTED}.items() if value is not None},
+        num_nextn_predict_layers=spec.mtp_layers,
     )
+    if spec.mtp_layers:
+        config.update(mtp_hybrid_override_pattern=spec.mtp_blocks, mtp_layers_block_type=[HF_BLOCK_TYPES[s] for s in spec.mtp_blocks])
     moe = spec.moe
     if moe is not None:
         if moe.score_function != "sigmoid" or not moe.expert_bias or not moe.shared_expert_ffn_hidden_size or moe.shared_expert_gate:
@@ -196,6 +226,7 @@ def write_config(spec: ModelSpec) -> dict[str, Any]:
             n_group=moe.num_groups or 1,
             topk_group=moe.group_topk or 1,
             norm_topk_prob=True,
+            moe_latent_size=moe.latent_size,
         )
     return config
 

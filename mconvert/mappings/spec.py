@@ -42,6 +42,9 @@ class MoESpec:
     group_topk: int | None = None
     # The load-balancing loss's weight in training (HF `router_aux_loss_coef`); no effect on the weights.
     aux_loss_coeff: float = 0.0
+    # Routed experts that read and write a narrower width than the model's, projected into it and back around them
+    # (Nemotron 3 Super's latent MoE, megatron-core's moe_latent_size); None: the experts work at the model's width.
+    latent_size: int | None = None
     # Router logits and routing weights computed in fp32 whatever the model's dtype, as transformers does for
     # DeepSeek-V2/V3 and GLM-4.5 (Megatron's `moe_router_dtype` fp32): in bf16, near-equal expert scores
     # otherwise round to ties and tokens go to other experts. How the model computes, not what it is: HF
@@ -178,6 +181,8 @@ class ModelSpec:
     # Models whose HF layer is one block (Nemotron-H): each layer's megatron-core hybrid symbol (`M` Mamba, `*`
     # attention, `-` MLP, `E` MoE); None where every HF layer is attention then an MLP.
     layer_blocks: str | None = None
+    # Its MTP layers' blocks, each an HF layer of its own after the decoder's (Nemotron 3 Super's `*E`); None: none.
+    mtp_blocks: str | None = field(default=None, compare=False)
     # The Mamba-2 mixers of the `M` layers.
     mamba: MambaSpec | None = None
     # Attention's position embeddings: "rope", or "none" (Nemotron-H's, beside Mamba layers that see the order).
@@ -221,6 +226,10 @@ class ModelSpec:
     @property
     def router_expert_bias(self) -> bool:
         return self.moe is not None and self.moe.expert_bias
+
+    @property
+    def moe_latent(self) -> bool:
+        return self.moe is not None and self.moe.latent_size is not None
 
     @property
     def attention_sinks(self) -> bool:

@@ -105,3 +105,9 @@ class Vocabulary(Column):
 def attention_width(spec: ModelSpec) -> int:
     """The width of attention's output, all heads side by side (linear_proj's input)."""
     return spec.num_attention_heads * spec.head_dim
+
+
+def expert_width(spec: ModelSpec) -> int:
+    """The width routed experts read and write: the model's, or the latent width they work in where the MoE layer
+    projects into one and back (megatron-core's moe_latent_size: its experts' fc1 input and fc2 output)."""
+    return spec.moe.latent_size or spec.hidden_size

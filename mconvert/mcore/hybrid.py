@@ -10,6 +10,7 @@ its own small stack, `mtp.layers.<m>.mtp_model_layer.layers.<j>.<name>`. `|` sep
 from __future__ import annotations
 
 from mconvert.errors import ConversionError
+from mconvert.mappings.family import mtp_position
 from mconvert.mappings.spec import ModelSpec
 
 ATTENTION, MLA, GATED_DELTA_NET, SPARSE_ATTENTION = "*", "+", "G", "D"
@@ -49,7 +50,7 @@ def hybrid_pattern(spec: ModelSpec, stage_layers: list[int]) -> str:
     """The unified pattern of `spec`'s layers split into pipeline stages of `stage_layers` HF layers each,
     then one `/`-led pattern per MTP layer."""
     if spec.layer_blocks is not None:
-        return restaged(spec.layer_blocks, stage_layers, 1)
+        return restaged(spec.layer_blocks + (MTP_SEPARATOR + (spec.mtp_blocks or "")) * spec.mtp_layers, stage_layers, 1)
     pairs = "".join(layer_pair(spec, layer) for layer in range(spec.num_layers))
     return restaged(pairs + (MTP_SEPARATOR + layer_pair(spec, spec.num_layers)) * spec.mtp_layers, stage_layers)
 
@@ -100,6 +101,9 @@ def sub_block(name: str) -> int:
 
 def hybrid_layer_key(name: str, layer: int, spec: ModelSpec) -> str:
     """The HybridModel key of HF layer `layer`'s tensor `name` (layers from num_layers on: the MTP layers')."""
+    if spec.layer_blocks is not None and layer >= spec.num_layers:
+        mtp_layer, block = mtp_position(spec, layer)
+        return f"mtp.layers.{mtp_layer}.mtp_model_layer.layers.{block}.{name}"
     if spec.layer_blocks is not None:
         return f"decoder.layers.{layer}.{name}"
     if layer >= spec.num_layers:

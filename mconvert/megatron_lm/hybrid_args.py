@@ -100,17 +100,19 @@ def gpt_view(args: argparse.Namespace, source: str = "args") -> argparse.Namespa
 
 
 def _block_view(args: argparse.Namespace, pattern: str) -> argparse.Namespace:
-    """The args of a model whose every hybrid layer is one HF layer (Mamba layers beside the others): its layers, MoE
-    schedule and pipeline stages as the pattern says them; `layer_blocks` (spec_from_args) reads the pattern itself."""
+    """The args of a model whose every hybrid layer is one HF layer (Mamba layers beside the others): its layers, MTP
+    layers, MoE schedule and pipeline stages as the pattern says them; `layer_blocks` and `mtp_blocks`
+    (spec_from_args) read the pattern itself."""
     main, mtp = hybrid.split_pattern(pattern)
-    if mtp:
-        raise ConversionError(f"args: hybrid_layer_pattern {pattern!r}: MTP layers beside Mamba layers are not converted")
+    if any(part != mtp[0] for part in mtp):
+        raise ConversionError(f"args: hybrid_layer_pattern {pattern!r}: MTP layers of different blocks")
     view = argparse.Namespace(**vars(args))
     view.num_layers = len(main)
+    view.mtp_num_layers = len(mtp) or None
     view.decoder_first_pipeline_num_layers = view.decoder_last_pipeline_num_layers = None
-    stages = pattern.split(hybrid.PIPE)
+    stages = pattern.split(hybrid.MTP_SEPARATOR)[0].split(hybrid.PIPE)
     pp = getattr(args, "pipeline_model_parallel_size", 1) or 1
-    view.pipeline_model_parallel_layout = PipelineSplit.of_stages([len(stage) for stage in stages], pp, 0).layout
+    view.pipeline_model_parallel_layout = PipelineSplit.of_stages([len(stage) for stage in stages], pp, len(mtp)).layout
     if hybrid.MOE in main:
         view.moe_layer_freq = [int(symbol == hybrid.MOE) for symbol in main]
     if tuple(getattr(args, "spec", None) or ()) == tuple(HYBRID_STACK_SPEC):

@@ -230,6 +230,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("moe_router_topk_scaling_factor", feature=MOE, spec="moe.topk_scaling_factor"),
     Setting("moe_router_num_groups", feature=MOE, spec="moe.num_groups"),
     Setting("moe_router_group_topk", feature=MOE, spec="moe.group_topk"),
+    # Latent MoE: the routed experts' width, with the projections into it and back (Nemotron 3 Super).
+    Setting("moe_latent_size", feature=MOE, spec="moe.latent_size"),
     # Multi-latent attention.
     Setting("multi_latent_attention", False, feature=MLA, value=lambda spec, target: True, kind="switch"),
     Setting("q_lora_rank", feature=MLA, spec="mla.q_lora_rank"),

@@ -40,7 +40,7 @@ def spec_from_args(
     mconvert.mappings.family_for_spec). `vocab_size` is the real vocabulary when args lack it (Megatron-LM
     takes it from the tokenizer and may store only the padded size). Features no family has are errors."""
     pattern = getattr(args, "hybrid_layer_pattern", None)
-    blocks = hybrid.split_pattern(pattern)[0] if pattern and hybrid.has_mamba(pattern) else None
+    blocks, mtp_blocks = hybrid.split_pattern(pattern) if pattern and hybrid.has_mamba(pattern) else (None, [])
     args = gpt_view(args)
     get = getter(args)
     if (refused := _refused(get)) is not None:
@@ -77,6 +77,7 @@ def spec_from_args(
         activation="quick_gelu" if get("quick_geglu") else "squared_relu" if get("squared_relu") else "silu",
         position_embeddings="none" if get("position_embedding_type") == "none" else "rope",
         layer_blocks=blocks,
+        mtp_blocks=mtp_blocks[0] if mtp_blocks else None,
         hf_config=dict(hf_config or {}),
         **_sliding_window(get),
     )

@@ -276,7 +276,7 @@ def duplicated_linear() -> type:
         def __init__(self, input_size: int, output_size: int, *, config: object, init_method: object, bias: bool, **kwargs: object):
             super().__init__(config)
             if bias:
-                raise ValueError("the indexer's projections have no bias")
+                raise ValueError("the duplicated linears of the models converted (the indexer's, latent MoE's) have no bias")
             self.weight = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
             init_method(self.weight)
 
@@ -287,6 +287,16 @@ def duplicated_linear() -> type:
             return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {}, sharded_offsets)
 
     return DuplicatedLinear
+
+
+def moe_latent_projections_without_te() -> None:
+    """megatron-core's MoE layer builds latent MoE's projections (moe_latent_size: Nemotron 3 Super) as Transformer
+    Engine's TELinear in its "duplicated" mode and asserts Transformer Engine for them, under the local spec too:
+    duplicated_linear stands in for TELinear there, on CPU ranks. Idempotent."""
+    from megatron.core.transformer.moe import moe_layer
+
+    moe_layer.HAVE_TE = True
+    moe_layer.TELinear = duplicated_linear()
 
 
 def sparse_attention_block_without_te(config: object, args: argparse.Namespace) -> object:

@@ -96,6 +96,8 @@ def local_hybrid_stack_spec(config: object, args: argparse.Namespace) -> object:
     if config.mamba_num_heads:
         config.use_mamba_mem_eff_path = False  # the fused kernel is Triton; the other path runs the PyTorch references
         submodules.mamba_layer = mamba.local_mamba_layer(norm)
+    if config.moe_latent_size:
+        cpu_shims.moe_latent_projections_without_te()
     if config.experimental_attention_variant == "gated_delta_net":
         config.deterministic_mode = True  # GatedDeltaNet's PyTorch delta rule (cpu_shims.gated_delta_net_without_fla)
         submodules.gdn_layer = cpu_shims.local_gated_delta_net_layer(dense, norm)

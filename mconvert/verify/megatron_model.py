@@ -122,12 +122,13 @@ def transformer_config_from_args(
     if settings.get("rope_type", "") is None:
         settings.pop("rope_type")  # the config class's own default, as Megatron-LM leaves it
     run = run_settings(get, params_dtype, transformer_impl, perform_initialization, layout)  # over the model's where both set a field
-    return config_class(**{**settings, **activation_settings(get), **run})
+    return config_class(**{**settings, **derived_settings(get), **run})
 
 
-def activation_settings(get: Getter) -> dict:
-    """The MLP's activation and whether it is gated, and the query groups (Megatron-LM ignores --num-query-groups
-    unless --group-query-attention is given): what core_transformer_config_from_args derives from the args."""
+def derived_settings(get: Getter) -> dict:
+    """The MLP's activation and whether it is gated, the query groups (Megatron-LM ignores --num-query-groups
+    unless --group-query-attention is given), and whether the model is a HybridModel (its output layers' init then
+    scales by the layer count, not twice it): what core_transformer_config_from_args derives from the args."""
     if get("swiglu"):
         activation = F.silu
     elif get("quick_geglu"):
@@ -143,6 +144,8 @@ def activation_settings(get: Getter) -> dict:
         gated_linear_unit=bool(get("swiglu") or get("quick_geglu")),
         activation_func=activation,
         num_query_groups=get("num_query_groups") if get("group_query_attention") else None,
+        # Set only for a HybridModel (megatron-core 0.19 on; a GPT model's config keeps its default, in every version).
+        **({"is_hybrid_model": True} if get("hybrid_layer_pattern") else {}),
     )
 
 

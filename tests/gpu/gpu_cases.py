@@ -54,7 +54,7 @@ DENSE = {"layouts": ("tp2pp2",), "skipped": {"tp2ep2": "dense: no experts", "ep4
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    name: str  # mconvert's family name (mconvert.mappings.FAMILIES)
+    name: str  # mconvert's family name (mconvert.mappings.FAMILIES), or the case's where `family` names it
     config: str  # a real config in mconvert/configs
     layers: int = 2
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # config fields after shrinking
@@ -72,6 +72,8 @@ class Family:
     compiles_kernels: bool = False
     # Megatron-LM's logits may differ from transformers' by ATOL + logit_rtol x the largest logit (tests/gpu/test_layouts.py).
     logit_rtol: float = 1e-4
+    # mconvert's family, for a case that is a second model of one (Nemotron 3 Super's latent MoE beside Nano's).
+    family: str = ""
 
 
 # Gated delta-net: megatron-core's layers import flash-linear-attention (scripts/gpu/run_gpu_tests.sh installs it, and
@@ -104,6 +106,10 @@ FAMILIES = [
     Family("olmoe", "olmoe-1b-7b-0924"),
     # Without causal_conv1d (a CUDA build) megatron-core's fused Mamba path cannot run: its other path, the same function.
     Family("nemotron_h", "nemotron-3-nano-30b-a3b", layers=6, model_class="hybrid", compiles_kernels=True,
+           megatron_flags=("--disable-mamba-mem-eff-path",), train_options=("--model-class", "hybrid")),
+    # Latent MoE: megatron-core's latent projections are Transformer Engine's (a stand-in on CPU ranks).
+    Family("nemotron_h_latent", "nemotron-3-super-120b-a12b", layers=4, family="nemotron_h", model_class="hybrid",
+           overrides={"hybrid_override_pattern": "ME*E"}, compiles_kernels=True,
            megatron_flags=("--disable-mamba-mem-eff-path",), train_options=("--model-class", "hybrid")),
 ]
 FAMILY = {family.name: family for family in FAMILIES}

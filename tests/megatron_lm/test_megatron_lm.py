@@ -87,6 +87,8 @@ MODELS = {
     "llama3.1-pp2-embedding-counts": ("llama-3.1-8b", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(embedding_counts=True))),
     "qwen2.5-pp2-layout": ("qwen2.5-7b-instruct", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(layout="Et|ttL"))),
     "qwen2.5-pp2-interleaved-layout": ("qwen2.5-7b-instruct", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(layout="E|t|(t|)*1,tL"))),
+    # Nemotron 3 Super's latent MoE (--moe-latent-size) beside Mamba layers: a HybridModel checkpoint.
+    "nemotron-3-super-tp2ep2": ("nemotron-3-super-120b-a12b", 4, {"hybrid_override_pattern": "ME*E"}, Parallelism(tp=2, ep=2, model_class="hybrid")),
     # DeepSeek-V3's multi-token prediction layer in the layout (m), on the last stage.
     "deepseek-v3-mtp-pp2-layout": ("deepseek-v3", 3, {"mtp": True}, Parallelism(pp=2, ep=2, pipeline=PipelineSplit(layout="Et|ttmL"))),
 }

@@ -28,7 +28,7 @@ from safetensors.torch import load_file  # noqa: E402
 from mconvert import mappings  # noqa: E402
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
 from mconvert.mappings import nemotron_h  # noqa: E402
-from mconvert.mappings.transforms import Section  # noqa: E402
+from mconvert.mappings.transforms import Section, Transpose  # noqa: E402
 from mconvert.mcore.checkpoint import iteration_dir, read_args  # noqa: E402
 from mconvert.mcore.parallelism import Parallelism, PipelineSplit  # noqa: E402
 from mconvert.synthetic import write_word_tokenizer  # noqa: E402
@@ -44,6 +44,7 @@ from mconvert.verify.megatron_side import forward_logits  # noqa: E402
 from mconvert.verify.run import VerifyRequest, verify  # noqa: E402
 
 CONFIG = "nemotron-3-nano-30b-a3b"
+SUPER, SUPER_PATTERN = "nemotron-3-super-120b-a12b", "ME*E"
 # Mamba, MLP, attention and MoE layers, each kind twice but attention.
 PATTERN = "M-M*EME"
 # Two of the Mamba scan's 128-token chunks.
@@ -109,19 +110,66 @@ def load_and_save(argv: list[str], save: str) -> torch.Tensor:
     return forward_logits(model, TOKENS)
 
 
-def test_megatron_lm_loads_the_checkpoint_and_its_save_exports_bit_identically(hf, converted, tmp_path):
-    argv = script_arrays(converted["tp2ep2"], "MODEL_ARGS", "LOAD_ARGS") + RUN_FLAGS + CPU_FLAGS
+@pytest.mark.parametrize("model", ["nano", "super"])
+def test_megatron_lm_loads_the_checkpoint_and_its_save_exports_bit_identically(model, request, tmp_path):
+    """Nemotron 3 Super's too: its latent MoE, and its MTP layer, which its save holds and exports to the hub's
+    `mtp.layers.*` tensors."""
+    hf, ckpt = (request.getfixturevalue("hf"), request.getfixturevalue("converted")["tp2ep2"]) if model == "nano" else (
+        request.getfixturevalue("super_hf"), request.getfixturevalue("super_converted"))
+    argv = script_arrays(ckpt, "MODEL_ARGS", "LOAD_ARGS") + RUN_FLAGS + CPU_FLAGS
     logits = run_ranks(load_and_save, argv, str(tmp_path / "run"), tp=2, ep=2, timeout_s=600)
     torch.testing.assert_close(logits[..., :1000], hf_logits(hf), rtol=TOLERANCE, atol=TOLERANCE)
     subprocess.run(
         [sys.executable, "-m", "mconvert.cli", "mcore-to-hf", "--load-dir", str(tmp_path / "run"), "--save-dir", str(tmp_path / "hf")],
         check=True, capture_output=True,
     )
-    original = load_file(hf / "model.safetensors")
+    original = {k: v for path in hf.glob("*.safetensors") for k, v in load_file(path).items()}
     exported = {k: v for path in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(path).items()}
     assert exported.keys() == original.keys()
     for key, tensor in original.items():
         assert torch.equal(exported[key], tensor), key
+
+
+@pytest.fixture(scope="module")
+def super_hf(hf_model_factory):
+    """Nemotron 3 Super shrunk: latent MoE (experts of width 24 beside hidden 64) after Mamba and attention layers,
+    and its MTP layer (attention, then latent MoE) as the hub holds it."""
+    made = hf_model_factory(SUPER, layers=len(SUPER_PATTERN), weight_std=0.1, hybrid_override_pattern=SUPER_PATTERN, mtp=True)
+    if not (made / "tokenizer.json").exists():
+        write_word_tokenizer(made, 1000)
+    return made
+
+
+@pytest.fixture(scope="module")
+def super_converted(super_hf, tmp_path_factory):
+    made = tmp_path_factory.mktemp("nemotron-3-super") / "mcore"
+    convert_hf_to_mcore(super_hf, made, parallelism=LAYOUTS["tp2ep2"])
+    return made
+
+
+def test_megatron_cores_latent_moe_loads_super_with_transformers_logits(super_hf, super_converted):
+    """megatron-core's HybridModel with moe_latent_size (the MoE layer's latent projections are Transformer Engine's
+    duplicated linears, a stand-in on CPU ranks: mconvert.verify.cpu_shims.moe_latent_projections_without_te) and its
+    MTP layer (`/*E`) strict-loads the TP 2 x EP 2 checkpoint, run at TP 2 x EP 2, with transformers' logits."""
+    assert read_args(iteration_dir(super_converted)).hybrid_layer_pattern == SUPER_PATTERN + "/*E"
+    report = verify(VerifyRequest(super_hf, super_converted, Parallelism(tp=2, ep=2)))
+    assert report.passed and report.first_diverging_layer is None, report.table()
+    assert all(prompt.max_abs_diff < TOLERANCE for prompt in report.prompts), report.table()
+
+
+def test_latent_projections_each_read_from_the_other_fail_the_comparison(super_hf, tmp_path, monkeypatch):
+    """fc1_latent_proj [latent, hidden] and fc2_latent_proj [hidden, latent] written each as the other's transpose:
+    every shape kept, the checkpoint loads; the logits fail from the first MoE layer on."""
+    family = mappings.FAMILIES["nemotron_h"]
+    planted = tuple(
+        Transpose(e.mcore, e.hf_names[0].replace(*(("fc1", "fc2") if "fc1" in e.mcore else ("fc2", "fc1"))), when=e.when, split=e.split)
+        if "latent_proj" in e.mcore else e
+        for e in nemotron_h.MOE_MLP
+    )
+    monkeypatch.setitem(mappings.FAMILIES, "nemotron_h", dataclasses.replace(family, table=dataclasses.replace(family.table, moe_mlp=planted)))
+    convert_hf_to_mcore(super_hf, tmp_path / "planted", parallelism=LAYOUTS["tp1"])
+    report = verify(VerifyRequest(super_hf, tmp_path / "planted", Parallelism()))
+    assert not report.passed and report.first_diverging_layer == 1, report.table()
 
 
 def _swapped(entries: tuple, tensor: str, first: str, second: str) -> tuple:
