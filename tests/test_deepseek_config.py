@@ -1,6 +1,7 @@
-"""DeepSeek-V2/V3 and GLM-4.5 configs into Megatron-LM flags (spellings and types Megatron-LM 0.19.2's parser
-takes: checked there with mconvert.verify.megatron_lm.parse_megatron_lm_args), and the configs megatron-core
-cannot express refused with the field named."""
+"""DeepSeek-V2/V3 and GLM-4.5 configs, and those of the models with their experts (GLM-4.7-Flash),
+into Megatron-LM flags (spellings and types Megatron-LM 0.19.2's parser takes: checked there with
+mconvert.verify.megatron_lm.parse_megatron_lm_args), and the configs megatron-core cannot express refused with the
+field named."""
 
 from __future__ import annotations
 
@@ -44,6 +45,19 @@ def test_deepseek_v2_lite_and_glm_flags():
     assert "--multi-latent-attention" not in glm and "--qk-layernorm" not in glm
 
 
+def test_glm_47_flash_flags():
+    """The real config: a dense first layer by mlp_layer_types' default (first_k_dense_replace unread), no groups, the
+    latent norms' epsilon said, and no rope fusion (megatron-core refuses it under MLA without YaRN)."""
+    glm = flags_of(real_config("glm-4.7-flash"))
+    for flag in ("--multi-latent-attention", "--q-lora-rank 768", "--kv-lora-rank 512", "--qk-head-dim 192", "--qk-pos-emb-head-dim 64",
+                 "--v-head-dim 256", "--moe-router-score-function sigmoid", "--moe-router-enable-expert-bias",
+                 "--moe-router-topk-scaling-factor 1.8", "--moe-shared-expert-intermediate-size 1536", "--rope-type rope",
+                 "--no-rope-fusion", "--moe-layer-freq '[0" + ",1" * 46 + "]'"):
+        assert flag in glm, flag
+    assert not any(flag.startswith("--moe-router-num-groups") for flag in glm)
+    assert "latents with epsilon 1e-06" in get_mapping(real_config("glm-4.7-flash"))[1].computed_differently[0]
+
+
 def test_unscaled_mla_rope_is_plain_rope():
     config = {**real_config("deepseek-v3"), "rope_scaling": None}
     flags = flags_of(config)
@@ -73,8 +87,12 @@ def test_mla_yarn_settings_without_flags_are_kept_and_named():
         ("deepseek-v3", {"rope_interleave": False}, "rope_interleave"),
         ("deepseek-v3", {"rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.7}}, "mscale 0.7 without mscale_all_dim"),
         ("deepseek-v3", {"rope_scaling": {"type": "linear", "factor": 2}}, "'linear' cannot be expressed with multi-latent attention"),
+        ("glm-4.7-flash", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+        ("glm-4.7-flash", {"mlp_layer_types": ["dense"] * 47}, "no layer has experts"),
+        ("glm-4.7-flash", {"mlp_layer_types": ["sparse"] * 46}, "mlp_layer_types"),
     ],
-    ids=["sigmoid-unnormalised", "sigmoid-top1", "v3-group-score", "v2-group-score", "mla-bias", "not-interleaved", "lone-mscale", "mla-linear-rope"],
+    ids=["sigmoid-unnormalised", "sigmoid-top1", "v3-group-score", "v2-group-score", "mla-bias", "not-interleaved", "lone-mscale", "mla-linear-rope",
+         "glm-lite-partial-rope", "glm-lite-no-experts", "glm-lite-layer-types"],
 )
 def test_what_megatron_cannot_express_is_refused(model, changes, message):
     with pytest.raises(ConversionError, match=message):

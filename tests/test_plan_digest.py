@@ -15,8 +15,8 @@ from mconvert.mappings import get_mapping
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import CONFIGS, real_config, shrink
 
-# What the old build_plan and tensor_layout gave (commit 7846cda).
-DIGEST = "8317e1af4af7ea0c77f2f295464989f1911938aea56e2ccd45e6e13c21695370"
+# What the old build_plan and tensor_layout gave (commit 7846cda), with the plans of the configs shipped since.
+DIGEST = "c13e94e888d3fe8ee7a7bc55f648e5ca3c0dd67dd0cf38b9c0ea43d19c876928"
 
 # Configs beside every shipped one at 4 layers: layers mixed dense and MoE, a pattern with each Nemotron-H block, a
 # window, layers that share the indexer's top-k.
@@ -27,6 +27,7 @@ VARIANTS = {
     "qwen2.5-0.5b+window": ("qwen2.5-0.5b", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
     "deepseek-v2-lite+dense": ("deepseek-v2-lite", {"first_k_dense_replace": 2}),
     "glm-5.1+shared": ("glm-5.1", {"indexer_types": ["full", "shared", "full", "shared"]}),
+    "glm-4.7-flash+layer-types": ("glm-4.7-flash", {"mlp_layer_types": ["sparse", "dense", "sparse", "dense"]}),
 }
 
 LAYOUTS = {

@@ -10,6 +10,7 @@ from typing import Any
 from mconvert.errors import ConversionError
 from mconvert.mappings import deepseek, llama, qwen2_moe
 from mconvert.mappings.family import Family, Table
+from mconvert.mappings.rope import partial_rotary_factor
 from mconvert.mappings.spec import ModelSpec, read_dense_spec, write_dense_config
 
 TABLE = Table(
@@ -23,14 +24,6 @@ TABLE = Table(
     mtp_copies=deepseek.MTP_COPIES,
     mtp_count_field="num_nextn_predict_layers",
 )
-
-
-def partial_rotary_factor(config: dict[str, Any]) -> float:
-    # Hub configs hold it at the top level; transformers v5 moves it into rope_parameters.
-    factor = config.get("partial_rotary_factor")
-    if factor is None:
-        factor = (config.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
-    return float(factor)
 
 
 def read_config(config: dict[str, Any], source: str = "config.json") -> ModelSpec:

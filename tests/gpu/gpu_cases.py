@@ -1,6 +1,7 @@
 """The cases of the GPU evidence: every family mconvert converts, each at the four-GPU layouts its shape allows.
 
-A family is one line of FAMILIES: a real config (mconvert/configs) shrunk by mconvert.synthetic (hidden 64, 4 heads,
+A family is one line of FAMILIES (and so is a model type that a family reads by config rules of its own, as the
+deepseek family reads GLM-4.7-Flash's): a real config (mconvert/configs) shrunk by mconvert.synthetic (hidden 64, 4 heads,
 8 experts, vocabulary 1000), random weights at std 0.1, and what its runs need beyond that. A layout it cannot take
 is named in `skipped` with the reason, and the tests show it skipped with that reason. Imported at collection: no
 torch, no transformers, no megatron here.
@@ -54,8 +55,10 @@ DENSE = {"layouts": ("tp2pp2",), "skipped": {"tp2ep2": "dense: no experts", "ep4
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    name: str  # mconvert's family name (mconvert.mappings.FAMILIES)
+    name: str  # mconvert's family name (mconvert.mappings.FAMILIES), or a model type of one that another line has
     config: str  # a real config in mconvert/configs
+    # mconvert's family name where `name` is a model type of it, read by config rules of its own.
+    family: str = ""
     layers: int = 2
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # config fields after shrinking
     # The text-only checkpoint of an image-text config (its text_config as its own model).
@@ -99,6 +102,7 @@ FAMILIES = [
     Family("qwen3_5", "qwen3.5-0.8b", layers=4, **DENSE, **DELTA_NET),
     Family("qwen3_5_text", "qwen3.5-35b-a3b", layers=4, text_only=True, **DELTA_NET),
     Family("minimax_m2", "minimax-m2.7"),
+    Family("glm4_moe_lite", "glm-4.7-flash", family="deepseek"),
     # Without causal_conv1d (a CUDA build) megatron-core's fused Mamba path cannot run: its other path, the same function.
     Family("nemotron_h", "nemotron-3-nano-30b-a3b", layers=6, model_class="hybrid", compiles_kernels=True,
            megatron_flags=("--disable-mamba-mem-eff-path",), train_options=("--model-class", "hybrid")),

@@ -79,6 +79,8 @@ MODELS = {
     "llama3.1-pp2-embedding-counts": ("llama-3.1-8b", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(embedding_counts=True))),
     "qwen2.5-pp2-layout": ("qwen2.5-7b-instruct", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(layout="Et|ttL"))),
     "qwen2.5-pp2-interleaved-layout": ("qwen2.5-7b-instruct", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(layout="E|t|(t|)*1,tL"))),
+    # DeepSeek-V3's experts beside multi-latent attention: GLM-4.7-Flash, its dense layer where mlp_layer_types says.
+    "glm-4.7-flash-tp2ep2": ("glm-4.7-flash", 3, {"mlp_layer_types": ["sparse", "dense", "sparse"]}, Parallelism(tp=2, ep=2)),
     # DeepSeek-V3's multi-token prediction layer in the layout (m), on the last stage.
     "deepseek-v3-mtp-pp2-layout": ("deepseek-v3", 3, {"mtp": True}, Parallelism(pp=2, ep=2, pipeline=PipelineSplit(layout="Et|ttmL"))),
 }
