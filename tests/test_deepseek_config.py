@@ -1,4 +1,4 @@
-"""DeepSeek-V2/V3 and GLM-4.5 configs, and those of the models with their experts (GLM-4.7-Flash),
+"""DeepSeek-V2/V3 and GLM-4.5 configs, and those of the models with their experts (GLM-4.7-Flash, dots.llm1),
 into Megatron-LM flags (spellings and types Megatron-LM 0.19.2's parser takes: checked there with
 mconvert.verify.megatron_lm.parse_megatron_lm_args), and the configs megatron-core cannot express refused with the
 field named."""
@@ -58,6 +58,23 @@ def test_glm_47_flash_flags():
     assert "latents with epsilon 1e-06" in get_mapping(real_config("glm-4.7-flash"))[1].computed_differently[0]
 
 
+def test_dots1_flags():
+    """The real config: q/k norms, two shared experts, no window, no groups."""
+    dots1 = flags_of(real_config("dots.llm1.inst"))
+    for flag in ("--qk-layernorm", "--moe-router-topk-scaling-factor 2.5", "--moe-shared-expert-intermediate-size 2816",
+                 "--num-experts 128", "--moe-router-topk 6", "--rotary-base 10000000", "--moe-layer-freq '[0" + ",1" * 61 + "]'"):
+        assert flag in dots1, flag
+    assert not any(flag.startswith(("--window-size", "--moe-router-num-groups", "--add-qkv-bias", "--rotary-percent")) for flag in dots1)
+
+
+def test_dots1_windows_are_read_as_transformers_reads_them():
+    """From max_window_layers on where sliding_window is set, whatever use_sliding_window says (its configs say false)."""
+    _, spec = get_mapping({**real_config("dots.llm1.inst"), "sliding_window": 4096, "max_window_layers": 60})
+    assert spec.sliding_window == 4096 and spec.sliding_layers == (False,) * 60 + (True,) * 2
+    assert "--window-attn-skip-freq '[" + "0," * 60 + "1,1]'" in flags_of({**real_config("dots.llm1.inst"), "sliding_window": 4096, "max_window_layers": 60})
+    assert get_mapping({**real_config("dots.llm1.inst"), "sliding_window": 4096})[1].sliding_window is None  # max_window_layers 62 of 62
+
+
 def test_unscaled_mla_rope_is_plain_rope():
     config = {**real_config("deepseek-v3"), "rope_scaling": None}
     flags = flags_of(config)
@@ -90,9 +107,11 @@ def test_mla_yarn_settings_without_flags_are_kept_and_named():
         ("glm-4.7-flash", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
         ("glm-4.7-flash", {"mlp_layer_types": ["dense"] * 47}, "no layer has experts"),
         ("glm-4.7-flash", {"mlp_layer_types": ["sparse"] * 46}, "mlp_layer_types"),
+        ("dots.llm1.inst", {"attention_bias": True}, "attention_bias puts biases on q, k, v and o but not on the MLPs"),
+        ("dots.llm1.inst", {"norm_topk_prob": False}, "sigmoid routing with norm_topk_prob False"),
     ],
     ids=["sigmoid-unnormalised", "sigmoid-top1", "v3-group-score", "v2-group-score", "mla-bias", "not-interleaved", "lone-mscale", "mla-linear-rope",
-         "glm-lite-partial-rope", "glm-lite-no-experts", "glm-lite-layer-types"],
+         "glm-lite-partial-rope", "glm-lite-no-experts", "glm-lite-layer-types", "dots1-bias", "dots1-unnormalised"],
 )
 def test_what_megatron_cannot_express_is_refused(model, changes, message):
     with pytest.raises(ConversionError, match=message):

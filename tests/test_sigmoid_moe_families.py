@@ -2,11 +2,13 @@
 layers where the config says) beside other attention, each converted to torch_dist at TP 2 x EP 2, on weights at
 std 0.1 with the expert biases random:
 - GLM-4.7-Flash (`glm4_moe_lite`, the deepseek family): multi-latent attention, its dense layers where
-  `mlp_layer_types` says (here not the first ones, where `first_k_dense_replace` says), its MTP layer.
+  `mlp_layer_types` says (here not the first ones, where `first_k_dense_replace` says), its MTP layer;
+- dots.llm1 (`dots1`, the glm4_moe family): Qwen3's attention, an 8-token window on the layers from
+  `max_window_layers` on though `use_sliding_window` says false, as transformers reads it.
 `mconvert verify` judges the same models at the same layout (tests/test_verify.py: megatron-core's GPTModel on CPU
-ranks against transformers, prompts up to 64 tokens, top-2 of 8 experts). Here: the MTP layers, which transformers
-drops, hold the HF tensors this test names by hand; the way back is bit for bit, its config.json that of the family
-it came from."""
+ranks against transformers, prompts up to 64 tokens, top-2 of 8 experts), within a window where the model has one.
+Here: dots.llm1's windows over prompts five times as long; the MTP layers, which transformers drops, hold the HF
+tensors this test names by hand; the way back is bit for bit, its config.json that of the family it came from."""
 
 from __future__ import annotations
 
@@ -20,10 +22,12 @@ from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
 from mconvert.formats.dcp import DCPCheckpoint
 from mconvert.mcore.checkpoint import iteration_dir
+from mconvert.verify.distributed import run_ranks
+from tests.test_moe_megatron import hf_logits, megatron_view
 from tests.test_verify import FAMILIES as VERIFIED
 
 # family: (config, layout, hf_model_factory's arguments), as verified
-MODELS = {name: VERIFIED[name] for name in ("glm4_moe_lite",)}
+MODELS = {name: VERIFIED[name] for name in ("glm4_moe_lite", "dots1")}
 
 # The MTP layer's tensors in megatron-core's names, and the HF tensors of layer num_hidden_layers that they are.
 MTP_LAYERS = {
@@ -39,6 +43,8 @@ MTP_LAYERS = {
 FIELDS = {
     "glm4_moe_lite": ("model_type", "architectures", "mlp_layer_types", "n_routed_experts", "routed_scaling_factor", "q_lora_rank",
                       "qk_rope_head_dim", "rope_interleave", "num_nextn_predict_layers"),
+    "dots1": ("model_type", "architectures", "layer_types", "sliding_window", "n_shared_experts", "norm_topk_prob",
+              "first_k_dense_replace", "routed_scaling_factor"),
 }
 
 
@@ -57,6 +63,14 @@ def converted(hf_model_factory, tmp_path_factory):
         return made[name]
 
     return convert
+
+
+def test_dots1_windows_the_layers_transformers_windows(converted):
+    """Beyond the window, which verify's prompts are cut to: megatron-core's logits over 40 tokens are transformers'."""
+    hf, mcore = converted("dots1")
+    tokens = torch.randint(0, 1000, (2, 40), generator=torch.Generator().manual_seed(0))
+    logits = run_ranks(megatron_view, {"dots1": str(mcore)}, tokens, tp=2, ep=2)["dots1"][0]
+    torch.testing.assert_close(logits[..., :1000], hf_logits(hf, tokens), rtol=1e-4, atol=1e-4)
 
 
 def hf_tensors(hf_dir) -> dict[str, torch.Tensor]:

@@ -32,9 +32,11 @@ FAMILIES = {
     "qwen3-pp2-first-stage-1": ("qwen3-8b", Parallelism(pp=2, pipeline=PipelineSplit(first_stage_layers=1))),
     "qwen2-pp2-layout": ("qwen2.5-7b-instruct", Parallelism(pp=2, pipeline=PipelineSplit(layout="Et|tttL"))),
     # DeepSeek-V3's experts beside other attention, weights at std 0.1 (tests/test_sigmoid_moe_families.py converts
-    # the same models): GLM-4.7-Flash's dense layer where mlp_layer_types says, its MTP layer loaded too.
+    # the same models): GLM-4.7-Flash's dense layer where mlp_layer_types says, its MTP layer loaded too; dots.llm1's
+    # 8-token window from max_window_layers on, shorter than the prompts.
     "glm4_moe_lite": ("glm-4.7-flash", Parallelism(tp=2, ep=2),
                       dict(layers=3, mtp=True, weight_std=0.1, mlp_layer_types=["sparse", "dense", "sparse"])),
+    "dots1": ("dots.llm1.inst", Parallelism(tp=2, ep=2), dict(weight_std=0.1, sliding_window=8, max_window_layers=1)),
 }
 
 
