@@ -1,4 +1,4 @@
-"""DeepSeek-V2/V3 and GLM-4.5 configs, and those of the models with their experts (GLM-4.7-Flash, dots.llm1),
+"""DeepSeek-V2/V3 and GLM-4.5 configs, and those of the models with their experts (GLM-4.7-Flash, dots.llm1, Hy3),
 into Megatron-LM flags (spellings and types Megatron-LM 0.19.2's parser takes: checked there with
 mconvert.verify.megatron_lm.parse_megatron_lm_args), and the configs megatron-core cannot express refused with the
 field named."""
@@ -75,6 +75,17 @@ def test_dots1_windows_are_read_as_transformers_reads_them():
     assert get_mapping({**real_config("dots.llm1.inst"), "sliding_window": 4096})[1].sliding_window is None  # max_window_layers 62 of 62
 
 
+def test_hy3_flags():
+    """The real config: q/k norms, its scaling factor and rope theta, a dense first layer by mlp_layer_types' default,
+    no groups."""
+    hy3 = flags_of(real_config("hy3-preview"))
+    for flag in ("--qk-layernorm", "--moe-router-topk-scaling-factor 2.826", "--moe-shared-expert-intermediate-size 1536",
+                 "--num-experts 192", "--moe-router-topk 8", "--rotary-base 11158840", "--kv-channels 128",
+                 "--moe-layer-freq '[0" + ",1" * 79 + "]'"):
+        assert flag in hy3, flag
+    assert not any(flag.startswith(("--window-size", "--moe-router-num-groups", "--add-qkv-bias", "--rotary-percent")) for flag in hy3)
+
+
 def test_unscaled_mla_rope_is_plain_rope():
     config = {**real_config("deepseek-v3"), "rope_scaling": None}
     flags = flags_of(config)
@@ -109,9 +120,11 @@ def test_mla_yarn_settings_without_flags_are_kept_and_named():
         ("glm-4.7-flash", {"mlp_layer_types": ["sparse"] * 46}, "mlp_layer_types"),
         ("dots.llm1.inst", {"attention_bias": True}, "attention_bias puts biases on q, k, v and o but not on the MLPs"),
         ("dots.llm1.inst", {"norm_topk_prob": False}, "sigmoid routing with norm_topk_prob False"),
+        ("hy3-preview", {"num_experts_per_tok": 1}, "num_experts_per_tok 1"),
+        ("hy3-preview", {"mlp_bias": True, "attention_bias": True}, "Hy3's experts have no biases"),
     ],
     ids=["sigmoid-unnormalised", "sigmoid-top1", "v3-group-score", "v2-group-score", "mla-bias", "not-interleaved", "lone-mscale", "mla-linear-rope",
-         "glm-lite-partial-rope", "glm-lite-no-experts", "glm-lite-layer-types", "dots1-bias", "dots1-unnormalised"],
+         "glm-lite-partial-rope", "glm-lite-no-experts", "glm-lite-layer-types", "dots1-bias", "dots1-unnormalised", "hy3-top1", "hy3-bias"],
 )
 def test_what_megatron_cannot_express_is_refused(model, changes, message):
     with pytest.raises(ConversionError, match=message):

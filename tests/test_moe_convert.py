@@ -20,6 +20,8 @@ MODELS = {
     "qwen3_moe": ("qwen3-30b-a3b", dict(layers=4, mlp_only_layers=[0, 3])),
     "qwen2_moe": ("qwen1.5-moe-a2.7b", dict(layers=2)),
     "mixtral": ("mixtral-8x7b-v0.1", dict(layers=2)),
+    # transformers v5 names Hy3's router, expert bias and shared MLP otherwise beside its fused experts.
+    "hy_v3": ("hy3-preview", dict(layers=2)),
 }
 
 

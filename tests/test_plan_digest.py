@@ -16,7 +16,7 @@ from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import CONFIGS, real_config, shrink
 
 # What the old build_plan and tensor_layout gave (commit 7846cda), with the plans of the configs shipped since.
-DIGEST = "9264452a3bf6361e2a533cd3fee24e7124900096b2927f99af1b6636e4d516b3"
+DIGEST = "bea5bf1073c7da16521262d89fa629c2c76aefb60d99f8c55439e2cca975a74b"
 
 # Configs beside every shipped one at 4 layers: layers mixed dense and MoE, a pattern with each Nemotron-H block, a
 # window, layers that share the indexer's top-k.

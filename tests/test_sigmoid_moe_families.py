@@ -4,7 +4,8 @@ std 0.1 with the expert biases random:
 - GLM-4.7-Flash (`glm4_moe_lite`, the deepseek family): multi-latent attention, its dense layers where
   `mlp_layer_types` says (here not the first ones, where `first_k_dense_replace` says), its MTP layer;
 - dots.llm1 (`dots1`, the glm4_moe family): Qwen3's attention, an 8-token window on the layers from
-  `max_window_layers` on though `use_sliding_window` says false, as transformers reads it.
+  `max_window_layers` on though `use_sliding_window` says false, as transformers reads it;
+- Hy3 (`hy_v3`): GLM-4.5's features under its own tensor names, its MTP layer.
 `mconvert verify` judges the same models at the same layout (tests/test_verify.py: megatron-core's GPTModel on CPU
 ranks against transformers, prompts up to 64 tokens, top-2 of 8 experts), within a window where the model has one.
 Here: dots.llm1's windows over prompts five times as long; the MTP layers, which transformers drops, hold the HF
@@ -27,7 +28,7 @@ from tests.test_moe_megatron import hf_logits, megatron_view
 from tests.test_verify import FAMILIES as VERIFIED
 
 # family: (config, layout, hf_model_factory's arguments), as verified
-MODELS = {name: VERIFIED[name] for name in ("glm4_moe_lite", "dots1")}
+MODELS = {name: VERIFIED[name] for name in ("glm4_moe_lite", "dots1", "hy_v3")}
 
 # The MTP layer's tensors in megatron-core's names, and the HF tensors of layer num_hidden_layers that they are.
 MTP_LAYERS = {
@@ -37,6 +38,13 @@ MTP_LAYERS = {
         "transformer_layer.mlp.router.weight": "mlp.gate.weight",
         "transformer_layer.mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
     },
+    "hy_v3": {
+        "enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+        "final_layernorm.weight": "final_layernorm.weight",
+        "transformer_layer.mlp.router.weight": "mlp.router.gate.weight",
+        "transformer_layer.mlp.router.expert_bias": "mlp.expert_bias",
+        "transformer_layer.mlp.shared_experts.linear_fc2.weight": "mlp.shared_mlp.down_proj.weight",
+    },
 }
 
 # config.json fields the way back must write as the original has them.
@@ -45,6 +53,8 @@ FIELDS = {
                       "qk_rope_head_dim", "rope_interleave", "num_nextn_predict_layers"),
     "dots1": ("model_type", "architectures", "layer_types", "sliding_window", "n_shared_experts", "norm_topk_prob",
               "first_k_dense_replace", "routed_scaling_factor"),
+    "hy_v3": ("model_type", "architectures", "mlp_layer_types", "num_experts", "num_shared_experts", "router_scaling_factor",
+              "enable_moe_fp32_combine", "num_nextn_predict_layers", "head_dim"),
 }
 
 

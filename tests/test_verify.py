@@ -33,10 +33,11 @@ FAMILIES = {
     "qwen2-pp2-layout": ("qwen2.5-7b-instruct", Parallelism(pp=2, pipeline=PipelineSplit(layout="Et|tttL"))),
     # DeepSeek-V3's experts beside other attention, weights at std 0.1 (tests/test_sigmoid_moe_families.py converts
     # the same models): GLM-4.7-Flash's dense layer where mlp_layer_types says, its MTP layer loaded too; dots.llm1's
-    # 8-token window from max_window_layers on, shorter than the prompts.
+    # 8-token window from max_window_layers on, shorter than the prompts; Hy3's own names, its MTP layer.
     "glm4_moe_lite": ("glm-4.7-flash", Parallelism(tp=2, ep=2),
                       dict(layers=3, mtp=True, weight_std=0.1, mlp_layer_types=["sparse", "dense", "sparse"])),
     "dots1": ("dots.llm1.inst", Parallelism(tp=2, ep=2), dict(weight_std=0.1, sliding_window=8, max_window_layers=1)),
+    "hy_v3": ("hy3-preview", Parallelism(tp=2, ep=2), dict(mtp=True, weight_std=0.1)),
 }
 
 

@@ -15,6 +15,7 @@ from mconvert.mappings import (
     deepseek_v32,
     glm4_moe,
     gpt_oss,
+    hy_v3,
     llama,
     minimax_m2,
     mixtral,
@@ -35,7 +36,7 @@ FAMILIES: dict[str, Family] = {
     for family in (
         llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, deepseek.FAMILY, glm4_moe.FAMILY,
         deepseek_v32.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY, qwen3_5.FAMILY, qwen3_5.TEXT_FAMILY, minimax_m2.FAMILY,
-        nemotron_h.FAMILY,
+        nemotron_h.FAMILY, hy_v3.FAMILY,
     )
 }
 

@@ -80,9 +80,10 @@ MODELS = {
     "qwen2.5-pp2-layout": ("qwen2.5-7b-instruct", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(layout="Et|ttL"))),
     "qwen2.5-pp2-interleaved-layout": ("qwen2.5-7b-instruct", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(layout="E|t|(t|)*1,tL"))),
     # DeepSeek-V3's experts beside other attention: GLM-4.7-Flash's MLA with its dense layer where mlp_layer_types says,
-    # dots.llm1's q/k norms and an 8-token window from max_window_layers on.
+    # dots.llm1's q/k norms and an 8-token window from max_window_layers on, Hy3's own tensor names.
     "glm-4.7-flash-tp2ep2": ("glm-4.7-flash", 3, {"mlp_layer_types": ["sparse", "dense", "sparse"]}, Parallelism(tp=2, ep=2)),
     "dots1-window-tp2ep2": ("dots.llm1.inst", 2, {"sliding_window": 8, "max_window_layers": 1}, Parallelism(tp=2, ep=2)),
+    "hy3-tp2ep2": ("hy3-preview", 2, {}, Parallelism(tp=2, ep=2)),
     # DeepSeek-V3's multi-token prediction layer in the layout (m), on the last stage.
     "deepseek-v3-mtp-pp2-layout": ("deepseek-v3", 3, {"mtp": True}, Parallelism(pp=2, ep=2, pipeline=PipelineSplit(layout="Et|ttmL"))),
 }
@@ -323,7 +324,7 @@ def run_megatron_lm(name: str, argv: list[str]) -> torch.Tensor:
 @pytest.mark.parametrize(
     "name", ["llama3.1-tp2", "mistral-window-tp2", "gpt-oss-tp2ep2etp1", "qwen3-pp2", "qwen2moe-ep2", "qwen3moe-dense-first-tp2ep2etp1", "glm4.5-air-pp2",
              "qwen3-pp2-first-stage-1", "llama3.1-pp2-embedding-counts", "qwen2.5-pp2-layout", "qwen3-next-tp2ep2", "qwen3.5-tp2pp2", "qwen3-next-tp4",
-             "deepseek-v3.2-tp2ep2", "glm-5.1-tp2pp2", "minimax-m2-tp2ep2", "dots1-window-tp2ep2"]
+             "deepseek-v3.2-tp2ep2", "glm-5.1-tp2pp2", "minimax-m2-tp2ep2", "dots1-window-tp2ep2", "hy3-tp2ep2"]
 )
 def test_megatron_lm_load_checkpoint_gives_transformers_logits(name, converted):
     hf, ckpt = converted(name)
