@@ -1,6 +1,7 @@
-"""DeepSeek-V2/V3 and GLM-4.5 configs into Megatron-LM flags (spellings and types Megatron-LM 0.19.2's parser
-takes: checked there with mconvert.verify.megatron_lm.parse_megatron_lm_args), and the configs megatron-core
-cannot express refused with the field named."""
+"""DeepSeek-V2/V3 and GLM-4.5 configs, and those of the models with their experts (GLM-4.7-Flash, dots.llm1, Hy3),
+into Megatron-LM flags (spellings and types Megatron-LM 0.19.2's parser takes: checked there with
+mconvert.verify.megatron_lm.parse_megatron_lm_args), and the configs megatron-core cannot express refused with the
+field named."""
 
 from __future__ import annotations
 
@@ -44,6 +45,47 @@ def test_deepseek_v2_lite_and_glm_flags():
     assert "--multi-latent-attention" not in glm and "--qk-layernorm" not in glm
 
 
+def test_glm_47_flash_flags():
+    """The real config: a dense first layer by mlp_layer_types' default (first_k_dense_replace unread), no groups, the
+    latent norms' epsilon said, and no rope fusion (megatron-core refuses it under MLA without YaRN)."""
+    glm = flags_of(real_config("glm-4.7-flash"))
+    for flag in ("--multi-latent-attention", "--q-lora-rank 768", "--kv-lora-rank 512", "--qk-head-dim 192", "--qk-pos-emb-head-dim 64",
+                 "--v-head-dim 256", "--moe-router-score-function sigmoid", "--moe-router-enable-expert-bias",
+                 "--moe-router-topk-scaling-factor 1.8", "--moe-shared-expert-intermediate-size 1536", "--rope-type rope",
+                 "--no-rope-fusion", "--moe-layer-freq '[0" + ",1" * 46 + "]'"):
+        assert flag in glm, flag
+    assert not any(flag.startswith("--moe-router-num-groups") for flag in glm)
+    assert "latents with epsilon 1e-06" in get_mapping(real_config("glm-4.7-flash"))[1].computed_differently[0]
+
+
+def test_dots1_flags():
+    """The real config: q/k norms, two shared experts, no window, no groups."""
+    dots1 = flags_of(real_config("dots.llm1.inst"))
+    for flag in ("--qk-layernorm", "--moe-router-topk-scaling-factor 2.5", "--moe-shared-expert-intermediate-size 2816",
+                 "--num-experts 128", "--moe-router-topk 6", "--rotary-base 10000000", "--moe-layer-freq '[0" + ",1" * 61 + "]'"):
+        assert flag in dots1, flag
+    assert not any(flag.startswith(("--window-size", "--moe-router-num-groups", "--add-qkv-bias", "--rotary-percent")) for flag in dots1)
+
+
+def test_dots1_windows_are_read_as_transformers_reads_them():
+    """From max_window_layers on where sliding_window is set, whatever use_sliding_window says (its configs say false)."""
+    _, spec = get_mapping({**real_config("dots.llm1.inst"), "sliding_window": 4096, "max_window_layers": 60})
+    assert spec.sliding_window == 4096 and spec.sliding_layers == (False,) * 60 + (True,) * 2
+    assert "--window-attn-skip-freq '[" + "0," * 60 + "1,1]'" in flags_of({**real_config("dots.llm1.inst"), "sliding_window": 4096, "max_window_layers": 60})
+    assert get_mapping({**real_config("dots.llm1.inst"), "sliding_window": 4096})[1].sliding_window is None  # max_window_layers 62 of 62
+
+
+def test_hy3_flags():
+    """The real config: q/k norms, its scaling factor and rope theta, a dense first layer by mlp_layer_types' default,
+    no groups."""
+    hy3 = flags_of(real_config("hy3-preview"))
+    for flag in ("--qk-layernorm", "--moe-router-topk-scaling-factor 2.826", "--moe-shared-expert-intermediate-size 1536",
+                 "--num-experts 192", "--moe-router-topk 8", "--rotary-base 11158840", "--kv-channels 128",
+                 "--moe-layer-freq '[0" + ",1" * 79 + "]'"):
+        assert flag in hy3, flag
+    assert not any(flag.startswith(("--window-size", "--moe-router-num-groups", "--add-qkv-bias", "--rotary-percent")) for flag in hy3)
+
+
 def test_unscaled_mla_rope_is_plain_rope():
     config = {**real_config("deepseek-v3"), "rope_scaling": None}
     flags = flags_of(config)
@@ -73,8 +115,16 @@ def test_mla_yarn_settings_without_flags_are_kept_and_named():
         ("deepseek-v3", {"rope_interleave": False}, "rope_interleave"),
         ("deepseek-v3", {"rope_scaling": {"type": "yarn", "factor": 40, "mscale": 0.7}}, "mscale 0.7 without mscale_all_dim"),
         ("deepseek-v3", {"rope_scaling": {"type": "linear", "factor": 2}}, "'linear' cannot be expressed with multi-latent attention"),
+        ("glm-4.7-flash", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+        ("glm-4.7-flash", {"mlp_layer_types": ["dense"] * 47}, "no layer has experts"),
+        ("glm-4.7-flash", {"mlp_layer_types": ["sparse"] * 46}, "mlp_layer_types"),
+        ("dots.llm1.inst", {"attention_bias": True}, "attention_bias puts biases on q, k, v and o but not on the MLPs"),
+        ("dots.llm1.inst", {"norm_topk_prob": False}, "sigmoid routing with norm_topk_prob False"),
+        ("hy3-preview", {"num_experts_per_tok": 1}, "num_experts_per_tok 1"),
+        ("hy3-preview", {"mlp_bias": True, "attention_bias": True}, "Hy3's experts have no biases"),
     ],
-    ids=["sigmoid-unnormalised", "sigmoid-top1", "v3-group-score", "v2-group-score", "mla-bias", "not-interleaved", "lone-mscale", "mla-linear-rope"],
+    ids=["sigmoid-unnormalised", "sigmoid-top1", "v3-group-score", "v2-group-score", "mla-bias", "not-interleaved", "lone-mscale", "mla-linear-rope",
+         "glm-lite-partial-rope", "glm-lite-no-experts", "glm-lite-layer-types", "dots1-bias", "dots1-unnormalised", "hy3-top1", "hy3-bias"],
 )
 def test_what_megatron_cannot_express_is_refused(model, changes, message):
     with pytest.raises(ConversionError, match=message):

@@ -21,6 +21,8 @@ MODELS = {
     "qwen2_moe": ("qwen1.5-moe-a2.7b", dict(layers=2)),
     "mixtral": ("mixtral-8x7b-v0.1", dict(layers=2)),
     "olmoe": ("olmoe-1b-7b-0924", dict(layers=2)),
+    # transformers v5 names Hy3's router, expert bias and shared MLP otherwise beside its fused experts.
+    "hy_v3": ("hy3-preview", dict(layers=2)),
 }
 
 

@@ -24,11 +24,17 @@ DIGESTS = {
     "deepseek-v3": "abe1af44bc5202be265b80ab6b2ae7962316fb492070ae4db54487938666b5f1",
     "deepseek-v3+mtp": "0da054c46bca685ca9893fba1010a812b71c31ea999a53597525181b01f9db06",
     "deepseek-v3.2": "528071bb066728a5c79abcfa6117e0c8ab9672cb347c886c1941acc626d0d593",
+    "dots.llm1.inst": "5eaeca789ba4924c5820330484b2d89dafe87519fbef4930f6c636191bea4d06",
+    "dots.llm1.inst+mtp": "d77b9e81dd848db270efa4c93e0e3daaab7936f0edd48a9b108905082da231c3",
     "ernie-4.5-0.3b-pt": "987348f658745b7f59932cb654e0a5b5e5af9fd4e908d135198d5617f42741d8",
     "glm-4.5-air": "6d0f7c78a7818a7cea207b229447ebaa718ebf19bfb300b4be7491a7cd20bdaa",
     "glm-4.5-air+mtp": "7377e3c66d9120799c07d6047923f1d7c62d82ee262f4f0401352b9ce567c514",
+    "glm-4.7-flash": "87c94a44c8a4cc729452dfb1a6e80f5e2ab26163860f7726d64f023f6cf98dd3",
+    "glm-4.7-flash+mtp": "6088afeb84a8a29de1b289ef1f0badc7b849c6f19aebc6ef357f716418bb2be8",
     "glm-5.1": "6d5c4de115df79d4c0784944b159066a8bf26cce6e0959475699b8e167966a9f",
     "gpt-oss-20b": "01c4106464d6c4c8fb544aff819a74ef104254247dee030da58ffae9f4ba6223",
+    "hy3-preview": "2d4bb0ee770a013202a09d1eed6253b56cd18bd0fdb23d75817453439547bbfa",
+    "hy3-preview+mtp": "ca1f77f39c9b5ea8f6966cfc8650ff49eac7ab832ad1d84fa1ec9ee530969658",
     "kimi-k2-instruct": "458681f1b5b65bee4f433c56e78524820047bc12bf2211b38d797cb6db52fb93",
     "kimi-k2-instruct+mtp": "b4ffa06a3aa851e19841f6ab8870ad30b4f39f79ec5d20b90ff68f243822199f",
     "llama-2-7b": "7aceaaef0d17918000cebeb93ee331d2f0be06803eaba97c120a55dfac139c3d",
@@ -57,6 +63,8 @@ DIGESTS = {
     "deepseek-v2-lite+dense": "6b49c4e35999c98c6a4abcfd2b421f9986db62cbdd80b7711ded8d8a3658e539",
     "deepseek-v2-lite+dense+mtp": "2a3258052cb4fa77be8cff42fa6aac52b56afd392b40ef6eb695eb3324ec2832",
     "glm-5.1+shared": "47022fcecc96bf4c5757556f3c7b9035bed9c25b51b7de03dc164d1229f2bc86",
+    "glm-4.7-flash+layer-types": "f5ef213ba02d4bd1f3e19e2496ea9acfb11e126410f2c265207e09bd3a845ae5",
+    "glm-4.7-flash+layer-types+mtp": "c3469334ad6eadbb9792e94f77f76fa0b7c4c56b6ba4b9810cc0b0545a93ad48",
 }
 
 # Configs beside every shipped one at 4 layers: layers mixed dense and MoE, a pattern with each Nemotron-H block, a
@@ -68,6 +76,7 @@ VARIANTS = {
     "qwen2.5-0.5b+window": ("qwen2.5-0.5b", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
     "deepseek-v2-lite+dense": ("deepseek-v2-lite", {"first_k_dense_replace": 2}),
     "glm-5.1+shared": ("glm-5.1", {"indexer_types": ["full", "shared", "full", "shared"]}),
+    "glm-4.7-flash+layer-types": ("glm-4.7-flash", {"mlp_layer_types": ["sparse", "dense", "sparse", "dense"]}),
 }
 
 LAYOUTS = {

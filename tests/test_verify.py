@@ -31,6 +31,13 @@ FAMILIES = {
     # Layers split unevenly over the pipeline stages, as Megatron-LM's flags say.
     "qwen3-pp2-first-stage-1": ("qwen3-8b", Parallelism(pp=2, pipeline=PipelineSplit(first_stage_layers=1))),
     "qwen2-pp2-layout": ("qwen2.5-7b-instruct", Parallelism(pp=2, pipeline=PipelineSplit(layout="Et|tttL"))),
+    # DeepSeek-V3's experts beside other attention, weights at std 0.1 (tests/test_sigmoid_moe_families.py converts
+    # the same models): GLM-4.7-Flash's dense layer where mlp_layer_types says, its MTP layer loaded too; dots.llm1's
+    # 8-token window from max_window_layers on, shorter than the prompts; Hy3's own names, its MTP layer.
+    "glm4_moe_lite": ("glm-4.7-flash", Parallelism(tp=2, ep=2),
+                      dict(layers=3, mtp=True, weight_std=0.1, mlp_layer_types=["sparse", "dense", "sparse"])),
+    "dots1": ("dots.llm1.inst", Parallelism(tp=2, ep=2), dict(weight_std=0.1, sliding_window=8, max_window_layers=1)),
+    "hy_v3": ("hy3-preview", Parallelism(tp=2, ep=2), dict(mtp=True, weight_std=0.1)),
 }
 
 
@@ -42,8 +49,8 @@ def verify(capsys, hf, mcore, *flags):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_verify_passes_for_a_faithful_conversion(family, hf_model_factory, tmp_path, capsys):
-    config, parallelism = FAMILIES[family]
-    hf = hf_model_factory(config, layers=4 if parallelism.pp > 1 else 2)
+    config, parallelism, *made = FAMILIES[family]  # made: hf_model_factory's arguments where not the defaults
+    hf = hf_model_factory(config, **{"layers": 4 if parallelism.pp > 1 else 2, **(made[0] if made else {})})
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
     report = tmp_path / "report.json"
     sizes = ["--tp", str(parallelism.tp), "--pp", str(parallelism.pp), "--ep", str(parallelism.ep)]

@@ -16,6 +16,7 @@ from mconvert.mappings import (
     ernie4_5,
     glm4_moe,
     gpt_oss,
+    hy_v3,
     llama,
     minimax_m2,
     mixtral,
@@ -38,7 +39,7 @@ FAMILIES: dict[str, Family] = {
     for family in (
         llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, deepseek.FAMILY, glm4_moe.FAMILY,
         deepseek_v32.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY, qwen3_5.FAMILY, qwen3_5.TEXT_FAMILY, minimax_m2.FAMILY,
-        nemotron_h.FAMILY, ernie4_5.FAMILY, olmoe.FAMILY,
+        nemotron_h.FAMILY, ernie4_5.FAMILY, olmoe.FAMILY, hy_v3.FAMILY,
     )
 }
 

@@ -1,6 +1,8 @@
-"""DeepSeek-V2, V2-Lite, V3 (and R1, Kimi-K2 shapes): multi-latent attention, dense layers first
+"""DeepSeek-V2, V2-Lite, V3 (and R1, Kimi-K2 shapes), GLM-4.7-Flash: multi-latent attention, dense layers first
 (`first_k_dense_replace`), then routed experts with shared experts. V3 routes by sigmoid scores with a
-per-expert bias that only chooses experts and group-limited choice; V2 by softmax, greedy.
+per-expert bias that only chooses experts and group-limited choice; V2 by softmax, greedy. GLM-4.7-Flash
+(`glm4_moe_lite`) is V3's model under config rules of its own: always sigmoid routing (it reads no `scoring_func`),
+its experts where `mlp_layer_types` says (it reads no `first_k_dense_replace`).
 
 Megatron-Core's MLA keeps HF's layouts: q_b_proj's per-head [no-rope; rope] rows, kv_a_proj_with_mqa's
 [latent; rope] rows and kv_b_proj's per-head [key; value] rows are its linear_q_up_proj, linear_kv_down_proj
@@ -16,6 +18,7 @@ from mconvert import dtypes
 from mconvert.errors import ConversionError
 from mconvert.mappings import llama, qwen2_moe
 from mconvert.mappings.family import Family, Table
+from mconvert.mappings.rope import partial_rotary_factor
 from mconvert.mappings.spec import MLASpec, ModelSpec, MoESpec, read_dense_spec, require, write_dense_config
 from mconvert.mappings.splits import Column, Replicated, Row, Vocabulary
 from mconvert.mappings.transforms import Concat, Rename
@@ -123,6 +126,34 @@ def first_dense_layers(config: dict[str, Any], num_layers: int, source: str) -> 
     return tuple(layer >= dense for layer in range(num_layers))
 
 
+def mlp_layer_types(config: dict[str, Any], num_layers: int, source: str) -> tuple[bool, ...]:
+    """Layers whose `mlp_layer_types` entry is "sparse" have experts, "dense" a dense MLP (GLM-4.7-Flash's and Hy3's
+    transformers classes, which read no `first_k_dense_replace`); without the field, the first layer is dense."""
+    kinds = config.get("mlp_layer_types")
+    if kinds is None:
+        kinds = ["dense"] + ["sparse"] * (num_layers - 1)
+    if not isinstance(kinds, list) or len(kinds) != num_layers or not set(kinds) <= {"dense", "sparse"}:
+        raise ConversionError(f"{source}: mlp_layer_types {kinds!r} is not 'dense' or 'sparse' for each of the {num_layers} layers")
+    if "sparse" not in kinds:
+        raise ConversionError(f"{source}: no layer has experts (mlp_layer_types has no 'sparse' layer)")
+    return tuple(kind == "sparse" for kind in kinds)
+
+
+def dense_first(moe_layers: tuple[bool, ...]) -> bool:
+    """Whether the layers with experts are all those after the first dense ones (`first_k_dense_replace` says which)."""
+    return True in moe_layers and moe_layers == tuple(layer >= moe_layers.index(True) for layer in range(len(moe_layers)))
+
+
+def write_mlp_layer_types(config: dict[str, Any], moe_layers: tuple[bool, ...]) -> dict[str, Any]:
+    """`mlp_layer_types` of `moe_layers`, and `first_k_dense_replace` beside it where the dense layers are the first
+    ones (the hub configs hold it, and other loaders read it); any other pattern has none."""
+    config["mlp_layer_types"] = ["sparse" if is_moe else "dense" for is_moe in moe_layers]
+    config.pop("first_k_dense_replace", None)
+    if dense_first(moe_layers):
+        config["first_k_dense_replace"] = moe_layers.index(True)
+    return config
+
+
 def read_groups(config: dict[str, Any], num_experts: int, top_k: int, group_score_top: int, source: str):
     """(num_groups, group_topk) for Megatron, None when routing is not group-limited. Megatron scores a group
     by the sum of its best top_k / group_topk experts; transformers by the sum of its best `group_score_top`."""
@@ -139,7 +170,11 @@ def read_groups(config: dict[str, Any], num_experts: int, top_k: int, group_scor
     return groups, chosen
 
 
-def read_moe(config: dict[str, Any], num_layers: int, sigmoid: bool, source: str) -> MoESpec:
+def read_moe(
+    config: dict[str, Any], num_layers: int, sigmoid: bool, source: str, moe_layers: tuple[bool, ...] | None = None
+) -> MoESpec:
+    """DeepSeek's experts; in the layers `moe_layers` marks where the family says so otherwise than by
+    `first_k_dense_replace`."""
     num_experts = require(config, "n_routed_experts", source)
     top_k = require(config, "num_experts_per_tok", source)
     width = require(config, "moe_intermediate_size", source)
@@ -161,7 +196,7 @@ def read_moe(config: dict[str, Any], num_layers: int, sigmoid: bool, source: str
         num_experts=num_experts,
         top_k=top_k,
         ffn_hidden_size=width,
-        moe_layers=first_dense_layers(config, num_layers, source),
+        moe_layers=first_dense_layers(config, num_layers, source) if moe_layers is None else moe_layers,
         # V2: softmax over all experts, top-k, never renormalised (transformers ignores norm_topk_prob there).
         router_pre_softmax=not sigmoid,
         shared_expert_ffn_hidden_size=width * require(config, "n_shared_experts", source),
@@ -188,8 +223,11 @@ def read_mla(config: dict[str, Any], source: str) -> MLASpec:
     )
 
 
-def read_mla_model(config: dict[str, Any], family: str, sigmoid: bool, source: str) -> ModelSpec:
-    """A DeepSeek-style model: multi-latent attention, dense layers first, then routed and shared experts."""
+def read_mla_model(
+    config: dict[str, Any], family: str, sigmoid: bool, source: str, moe_layers: tuple[bool, ...] | None = None
+) -> ModelSpec:
+    """A DeepSeek-style model: multi-latent attention, dense layers first (or where `moe_layers` says), then routed
+    and shared experts."""
     mla = read_mla(config, source)
     spec = read_dense_spec(
         config,
@@ -205,20 +243,27 @@ def read_mla_model(config: dict[str, Any], family: str, sigmoid: bool, source: s
             f"transformers normalises the attention latents with epsilon {LATENT_NORM_EPS:g} and the rest with "
             f"rms_norm_eps {spec.norm_eps:g}; megatron-core has one epsilon for every norm ({spec.norm_eps:g})",
         )
-    return dataclasses.replace(spec, moe=read_moe(config, spec.num_layers, sigmoid, source), computed_differently=computed_differently)
+    moe = read_moe(config, spec.num_layers, sigmoid, source, moe_layers)
+    return dataclasses.replace(spec, moe=moe, computed_differently=computed_differently)
 
 
 def read_config(config: dict[str, Any], source: str = "config.json") -> ModelSpec:
-    return read_mla_model(config, "deepseek", FAMILY.hf_model_type(config) == "deepseek_v3", source)
+    model_type = FAMILY.hf_model_type(config)
+    if model_type != "glm4_moe_lite":
+        return read_mla_model(config, "deepseek", model_type == "deepseek_v3", source)
+    # GLM-4.7-Flash: its rope spans head_dim (qk_rope_head_dim) times partial_rotary_factor.
+    if (factor := partial_rotary_factor(config)) != 1.0:
+        raise ConversionError(f"{source}: partial_rotary_factor {factor} (rope on part of the rope dims) cannot be expressed in Megatron's MLA")
+    moe_layers = mlp_layer_types(config, require(config, "num_hidden_layers", source), source)
+    return read_mla_model(config, "deepseek", True, source, moe_layers)
 
 
-def write_moe(config: dict[str, Any], spec: ModelSpec, family: str) -> dict[str, Any]:
+def write_moe(config: dict[str, Any], spec: ModelSpec, family: str, layer_types: bool = False) -> dict[str, Any]:
     """The MoE fields of `config` (shared by GLM-4.5), or an error where `spec`'s experts differ from
-    DeepSeek's: all layers after the first dense ones have experts, and ungated shared experts as wide as a
-    whole number of experts."""
+    DeepSeek's: all layers after the first dense ones have experts (any layers, where the family's config says which
+    layer by layer: `layer_types`), and ungated shared experts as wide as a whole number of experts."""
     moe = spec.moe
-    dense = moe.moe_layers.index(True) if moe is not None and True in moe.moe_layers else None
-    if dense is None or moe.moe_layers != tuple(layer >= dense for layer in range(spec.num_layers)):
+    if moe is None or True not in moe.moe_layers or not layer_types and not dense_first(moe.moe_layers):
         raise ConversionError(f"the {family} family has experts in all layers after the first dense ones")
     shared = moe.shared_expert_ffn_hidden_size
     if not shared or shared % moe.ffn_hidden_size or moe.shared_expert_gate:
@@ -230,13 +275,13 @@ def write_moe(config: dict[str, Any], spec: ModelSpec, family: str) -> dict[str,
         num_experts_per_tok=moe.top_k,
         moe_intermediate_size=moe.ffn_hidden_size,
         n_shared_experts=shared // moe.ffn_hidden_size,
-        first_k_dense_replace=dense,
+        first_k_dense_replace=moe.moe_layers.index(True),
         routed_scaling_factor=moe.topk_scaling_factor or 1.0,
         n_group=moe.num_groups or 1,
         topk_group=moe.group_topk or 1,
         norm_topk_prob=moe.score_function == "sigmoid",
     )
-    return config
+    return write_mlp_layer_types(config, moe.moe_layers) if layer_types else config
 
 
 def write_config(spec: ModelSpec) -> dict[str, Any]:
@@ -244,8 +289,16 @@ def write_config(spec: ModelSpec) -> dict[str, Any]:
     if mla is None or spec.linear_bias or spec.qkv_bias or spec.qk_norm:
         raise ConversionError("the deepseek family has multi-latent attention without biases or q/k norms")
     sigmoid = spec.moe is not None and spec.moe.score_function == "sigmoid"
-    model_type, architecture = ("deepseek_v3", "DeepseekV3ForCausalLM") if sigmoid else ("deepseek_v2", "DeepseekV2ForCausalLM")
-    config = write_moe(write_dense_config(spec, model_type, architecture), spec, "deepseek")
+    # GLM-4.7-Flash's config also says where experts are when they are not all after the first dense layers.
+    lite = FAMILY.hf_model_type(spec.hf_config) == "glm4_moe_lite" or sigmoid and not dense_first(spec.moe.moe_layers)
+    if lite and not sigmoid:
+        raise ConversionError("GLM-4.7-Flash (glm4_moe_lite) routes by sigmoid scores")
+    model_type, architecture = (
+        ("glm4_moe_lite", "Glm4MoeLiteForCausalLM") if lite
+        else ("deepseek_v3", "DeepseekV3ForCausalLM") if sigmoid
+        else ("deepseek_v2", "DeepseekV2ForCausalLM")
+    )
+    config = write_moe(write_dense_config(spec, model_type, architecture), spec, "deepseek", layer_types=lite)
     for name in ("head_dim", "qk_head_dim"):
         config.pop(name, None)
     config.update(
@@ -255,20 +308,25 @@ def write_config(spec: ModelSpec) -> dict[str, Any]:
         qk_nope_head_dim=mla.qk_head_dim,
         qk_rope_head_dim=mla.qk_pos_emb_head_dim,
         v_head_dim=mla.v_head_dim,
-        moe_layer_freq=1,
         num_nextn_predict_layers=spec.mtp_layers,
-        scoring_func=spec.moe.score_function,
-        topk_method="noaux_tc" if sigmoid else "group_limited_greedy" if spec.moe.num_groups else "greedy",
     )
+    if not lite:  # DeepSeek's own fields, which GLM-4.7-Flash's config has no use for
+        config.update(
+            moe_layer_freq=1,
+            scoring_func=spec.moe.score_function,
+            topk_method="noaux_tc" if sigmoid else "group_limited_greedy" if spec.moe.num_groups else "greedy",
+        )
     return config
 
 
 FAMILY = Family(
     name="deepseek",
-    model_types=("deepseek_v2", "deepseek_v3"),
-    model_sizes=("deepseek", "kimi-k2", "moonlight"),
+    model_types=("deepseek_v2", "deepseek_v3", "glm4_moe_lite"),
+    model_sizes=("deepseek", "kimi-k2", "moonlight", "glm-4.7-flash", "glm4.7-flash", "glm4-moe-lite"),
     table=TABLE,
     read_config=read_config,
     write_config=write_config,
-    architectures=(("DeepseekV2ForCausalLM", "deepseek_v2"), ("DeepseekV3ForCausalLM", "deepseek_v3")),
+    architectures=(
+        ("DeepseekV2ForCausalLM", "deepseek_v2"), ("DeepseekV3ForCausalLM", "deepseek_v3"), ("Glm4MoeLiteForCausalLM", "glm4_moe_lite"),
+    ),
 )

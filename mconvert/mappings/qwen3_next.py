@@ -17,7 +17,7 @@ from typing import Any
 from mconvert.errors import ConversionError
 from mconvert.mappings import deepseek, llama, qwen2_moe
 from mconvert.mappings.family import Family, Table
-from mconvert.mappings.glm4_moe import partial_rotary_factor
+from mconvert.mappings.rope import partial_rotary_factor
 from mconvert.mappings.spec import LinearAttentionSpec, ModelSpec, read_dense_spec, require, write_dense_config
 from mconvert.mappings.splits import Column, Replicated, Row, Sectioned
 from mconvert.mappings.transforms import Rename, Section, Shift

@@ -34,6 +34,14 @@ class RopeScaling:
     truncate: bool = True
 
 
+def partial_rotary_factor(config: dict[str, Any]) -> float:
+    """The fraction of each head's rope dims that rope rotates, where a family's transformers class reads it (GLM's, Qwen3-Next's).
+    Hub configs hold it at the top level; transformers v5 moves it into rope_parameters."""
+    factor = config.get("partial_rotary_factor")
+    if factor is None:
+        factor = (config.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    return float(factor)
+
 
 def read_rope(config: dict[str, Any], source: str, default_theta: float = 10000.0) -> tuple[float, RopeScaling | None]:
     """Rope theta and scaling from either config style: hub configs' `rope_theta` + `rope_scaling`, or

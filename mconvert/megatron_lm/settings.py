@@ -151,9 +151,11 @@ SETTINGS: tuple[Setting, ...] = (
             # Sparse attention's absorbed MLA requires it at TP > 1.
             value=lambda spec, target: target.par.tp > 1),
     # What Megatron-LM's validation leaves of its default: off beside another position embedding than rope, and off
-    # beside sparse attention, where megatron-core refuses it (Megatron-LM turns it off by itself beside the others).
+    # where megatron-core refuses it (Megatron-LM turns it off by itself beside the others): beside sparse attention,
+    # and under multi-latent attention without YaRN (GLM-4.7-Flash).
     Setting("apply_rope_fusion", True, flag="--no-rope-fusion", kind="negated",
-            value=lambda spec, target: _position_embedding_type(spec) == "rope" and spec.sparse_attention is None,
+            value=lambda spec, target: _position_embedding_type(spec) == "rope" and spec.sparse_attention is None
+            and (spec.mla is None or _rope_kind(spec) == "yarn"),
             show=lambda get: not get("apply_rope_fusion") and get("position_embedding_type") == "rope"),
     # GPTModel's argument (and a field of multi-latent attention's config).
     Setting("rotary_percent", 1.0, spec="rotary_percent", read=lambda get: float(get("rotary_percent"))),

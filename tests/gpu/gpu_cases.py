@@ -1,6 +1,7 @@
 """The cases of the GPU evidence: every family mconvert converts, each at the four-GPU layouts its shape allows.
 
-A family is one line of FAMILIES: a real config (mconvert/configs) shrunk by mconvert.synthetic (hidden 64, 4 heads,
+A family is one line of FAMILIES (and so is a model type that a family reads by config rules of its own, as the
+deepseek family reads GLM-4.7-Flash's): a real config (mconvert/configs) shrunk by mconvert.synthetic (hidden 64, 4 heads,
 8 experts, vocabulary 1000), random weights at std 0.1, and what its runs need beyond that. A layout it cannot take
 is named in `skipped` with the reason, and the tests show it skipped with that reason. Imported at collection: no
 torch, no transformers, no megatron here.
@@ -56,6 +57,8 @@ DENSE = {"layouts": ("tp2pp2",), "skipped": {"tp2ep2": "dense: no experts", "ep4
 class Family:
     name: str  # mconvert's family name (mconvert.mappings.FAMILIES), or the case's where `family` names it
     config: str  # a real config in mconvert/configs
+    # mconvert's family name where `name` is a model type of it, read by config rules of its own.
+    family: str = ""
     layers: int = 2
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # config fields after shrinking
     # The text-only checkpoint of an image-text config (its text_config as its own model).
@@ -104,6 +107,9 @@ FAMILIES = [
     # Rope on interleaved pairs: the printed flags keep Transformer Engine's fused rope (TE >= 2.3 rotates pairs).
     Family("ernie4_5", "ernie-4.5-0.3b-pt", **DENSE),
     Family("olmoe", "olmoe-1b-7b-0924"),
+    Family("glm4_moe_lite", "glm-4.7-flash", family="deepseek"),
+    Family("dots1", "dots.llm1.inst", family="glm4_moe", overrides={"sliding_window": 32, "max_window_layers": 1}),
+    Family("hy_v3", "hy3-preview"),
     # Without causal_conv1d (a CUDA build) megatron-core's fused Mamba path cannot run: its other path, the same function.
     Family("nemotron_h", "nemotron-3-nano-30b-a3b", layers=6, model_class="hybrid", compiles_kernels=True,
            megatron_flags=("--disable-mamba-mem-eff-path",), train_options=("--model-class", "hybrid")),

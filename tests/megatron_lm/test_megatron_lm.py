@@ -89,6 +89,11 @@ MODELS = {
     "qwen2.5-pp2-interleaved-layout": ("qwen2.5-7b-instruct", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(layout="E|t|(t|)*1,tL"))),
     # Nemotron 3 Super's latent MoE (--moe-latent-size) beside Mamba layers: a HybridModel checkpoint.
     "nemotron-3-super-tp2ep2": ("nemotron-3-super-120b-a12b", 4, {"hybrid_override_pattern": "ME*E"}, Parallelism(tp=2, ep=2, model_class="hybrid")),
+    # DeepSeek-V3's experts beside other attention: GLM-4.7-Flash's MLA with its dense layer where mlp_layer_types says,
+    # dots.llm1's q/k norms and an 8-token window from max_window_layers on, Hy3's own tensor names.
+    "glm-4.7-flash-tp2ep2": ("glm-4.7-flash", 3, {"mlp_layer_types": ["sparse", "dense", "sparse"]}, Parallelism(tp=2, ep=2)),
+    "dots1-window-tp2ep2": ("dots.llm1.inst", 2, {"sliding_window": 8, "max_window_layers": 1}, Parallelism(tp=2, ep=2)),
+    "hy3-tp2ep2": ("hy3-preview", 2, {}, Parallelism(tp=2, ep=2)),
     # DeepSeek-V3's multi-token prediction layer in the layout (m), on the last stage.
     "deepseek-v3-mtp-pp2-layout": ("deepseek-v3", 3, {"mtp": True}, Parallelism(pp=2, ep=2, pipeline=PipelineSplit(layout="Et|ttmL"))),
 }
@@ -363,7 +368,7 @@ def run_megatron_lm(name: str, argv: list[str]) -> torch.Tensor:
     "name", ["llama3.1-tp2", "mistral-window-tp2", "gpt-oss-tp2ep2etp1", "qwen3-pp2", "qwen2moe-ep2", "qwen3moe-dense-first-tp2ep2etp1", "glm4.5-air-pp2",
              "qwen3-pp2-first-stage-1", "llama3.1-pp2-embedding-counts", "qwen2.5-pp2-layout", "qwen3-next-tp2ep2", "qwen3.5-tp2pp2", "qwen3-next-tp4",
              "deepseek-v3.2-tp2ep2", "glm-5.1-tp2pp2-latent-epsilon", "minimax-m2-tp2ep2", "ernie4.5-tp2pp2",
-             "olmoe-tp2ep2"]
+             "olmoe-tp2ep2", "dots1-window-tp2ep2", "hy3-tp2ep2"]
 )
 def test_megatron_lm_load_checkpoint_gives_transformers_logits(name, converted):
     hf, ckpt = converted(name)
