@@ -174,6 +174,9 @@ class ModelSpec:
     # The q/k norms normalise each token's query (key) over all heads of the layer together, one weight per channel
     # of them (MiniMax-M2's qk_norm_type 'per_layer'), not each head alone.
     qk_norm_across_heads: bool = False
+    # The layer's norms come after its attention and its MLP, each on the sublayer's output before the residual add,
+    # and none before them (OLMo 2's post_attention_layernorm and post_feedforward_layernorm).
+    norms_after_sublayers: bool = False
     # Every RMSNorm multiplies by 1 + w (Megatron's layernorm_zero_centered_gamma, `--apply-layernorm-1p`).
     zero_centered_norms: bool = False
     # Dropout on attention probabilities in training (HF `attention_dropout`); no effect on the weights.

@@ -17,7 +17,7 @@ from mconvert.megatron_lm.args import (
 )
 from mconvert.megatron_lm.hybrid_args import gpt_checkpoint_into_hybrid_flags
 from mconvert.megatron_lm.settings import BY_ARG, SETTINGS, getter, has_feature
-from mconvert.megatron_lm.spec_names import QK_NORM_ACROSS_HEADS, QK_NORM_ACROSS_HEADS_HYBRID
+from mconvert.megatron_lm.spec_names import HYBRID_STACKS
 
 
 def pipeline_split_flags(split: PipelineSplit) -> list[str]:
@@ -112,10 +112,10 @@ def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
             "(--no-dsa-indexer-rotate-activation: orthogonal, no score changes; drop the flag to rotate, in bf16 with "
             "fast-hadamard-transform)"
         )
-    if tuple(getattr(args, "spec", None) or ()) in (QK_NORM_ACROSS_HEADS, QK_NORM_ACROSS_HEADS_HYBRID):
+    if tuple(getattr(args, "spec", None) or ()) in (*HYBRID_STACKS, *HYBRID_STACKS.values()):
         caveats.append(
-            f"the layers' q/k norms across heads are built by mconvert's {args.spec[0]} (--spec): install mconvert "
-            "where Megatron-LM runs"
+            f"the layers are built by mconvert's {args.spec[0]} (--spec {args.spec[1]}): install mconvert where "
+            "Megatron-LM runs"
         )
     if getattr(args, "rotary_interleaved", False):
         caveats.append(

@@ -14,7 +14,7 @@ from mconvert.errors import ConversionError
 from mconvert.mappings.spec import ModelSpec
 from mconvert.mcore import hybrid
 from mconvert.mcore.parallelism import Parallelism, PipelineSplit
-from mconvert.megatron_lm.spec_names import QK_NORM_ACROSS_HEADS, QK_NORM_ACROSS_HEADS_HYBRID
+from mconvert.megatron_lm.spec_names import HYBRID_STACKS
 
 # Megatron-LM's --spec for HybridModel's default (Transformer Engine) stack, as its migration guide passes it.
 HYBRID_STACK_SPEC = ["megatron.core.models.hybrid.hybrid_layer_specs", "hybrid_stack_spec"]
@@ -34,7 +34,7 @@ def hybrid_args(args: dict[str, Any], spec: ModelSpec, par: Parallelism) -> dict
     updates: dict[str, Any] = dict(
         hybrid_layer_pattern=pattern,
         num_layers=hybrid.blocks_per_layer(spec) * spec.num_layers,
-        spec=list(QK_NORM_ACROSS_HEADS_HYBRID) if spec.qk_norm_across_heads else HYBRID_STACK_SPEC,
+        spec=list(HYBRID_STACKS[tuple(args["spec"])]) if args.get("spec") else HYBRID_STACK_SPEC,
         # The pattern's `|` separators are the split (virtual stages included), which Megatron-LM takes no flag beside.
         decoder_first_pipeline_num_layers=None,
         decoder_last_pipeline_num_layers=None,
@@ -95,7 +95,8 @@ def gpt_view(args: argparse.Namespace, source: str = "args") -> argparse.Namespa
     if hybrid.MLA in attention or hybrid.SPARSE_ATTENTION in attention:
         view.multi_latent_attention = True
     stack = tuple(getattr(args, "spec", None) or ())
-    view.spec = {tuple(HYBRID_STACK_SPEC): None, QK_NORM_ACROSS_HEADS_HYBRID: list(QK_NORM_ACROSS_HEADS)}.get(stack, getattr(args, "spec", None))
+    gpt_specs = {tuple(HYBRID_STACK_SPEC): None, **{hybrid: list(gpt) for gpt, hybrid in HYBRID_STACKS.items()}}
+    view.spec = gpt_specs.get(stack, getattr(args, "spec", None))
     return view
 
 

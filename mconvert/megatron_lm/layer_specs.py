@@ -1,20 +1,25 @@
-"""Layer specs for Megatron-LM's `--spec MODULE FUNCTION`, for models whose layers megatron-core builds only with a
-module of mconvert's in its spec: q/k norms over all heads of a layer (MiniMax-M2's `qk_norm_type: per_layer`),
-where megatron-core's own q/k norms span one head each.
+"""Layer specs for Megatron-LM's `--spec MODULE FUNCTION`, for models whose layers megatron-core builds only with
+modules of mconvert's in its spec: q/k norms over all heads of a layer (MiniMax-M2's `qk_norm_type: per_layer`),
+where megatron-core's own q/k norms span one head each; and OLMo 2's layer, whose norms come after its attention
+and its MLP (before each residual add) rather than before them, beside q/k norms across heads.
 
     --qk-layernorm --spec mconvert.megatron_lm.layer_specs gpt_layers_with_qk_norm_across_heads
+    --qk-layernorm --spec mconvert.megatron_lm.layer_specs gpt_layers_with_norms_after_sublayers
     --qk-layernorm --spec mconvert.megatron_lm.hybrid_layer_specs hybrid_stack_with_qk_norm_across_heads  # HybridModel
+    --qk-layernorm --spec mconvert.megatron_lm.hybrid_layer_specs hybrid_stack_with_norms_after_sublayers
 
 Megatron-LM's GPT model builder calls the function with its model config in place of its default layer spec; the
-function takes that default and puts `QueryNormAcrossHeads` and `KeyNormAcrossHeads` where the per-head norms were;
-Megatron-LM's HybridModel builder takes a stack spec object instead: HybridModel's default with those norms
-(mconvert.megatron_lm.hybrid_layer_specs, which imports megatron-core).
+function takes that default and puts `QueryNormAcrossHeads` and `KeyNormAcrossHeads` where the per-head norms were
+(and, for OLMo 2, moves the norms: `with_norms_after_sublayers`); Megatron-LM's HybridModel builder takes a stack
+spec object instead: HybridModel's default with those changes (mconvert.megatron_lm.hybrid_layer_specs, which
+imports megatron-core).
 The training environment needs mconvert importable (it needs nothing else of it). Megatron-LM stores `--spec` in
 its checkpoints' args and `--use-checkpoint-args` restores it. megatron-core is imported only when a spec is built.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -40,10 +45,13 @@ class _SumOverRanks(torch.autograd.Function):
 
 class RMSNormAcrossHeads(torch.nn.Module):
     """RMSNorm of the query (or key) of all `heads` heads of a layer together, as transformers' MiniMax-M2 computes
-    it: in fp32, cast back, then scaled by the weight. megatron-core hands it this rank's heads, [s, b, heads/TP,
-    head_dim]; the sum of squares is all-reduced over the tensor-parallel ranks in the forward and in the backward
-    pass, so that each rank's gradient counts every rank's use of the shared denominator. The weight, one per
-    channel of the layer's heads, is split across those ranks as the heads are."""
+    it: in fp32, cast back, then scaled by the weight (OLMo 2's scales in fp32, then casts back: `scales_in_fp32`).
+    megatron-core hands it this rank's heads, [s, b, heads/TP, head_dim]; the sum of squares is all-reduced over the
+    tensor-parallel ranks in the forward and in the backward pass, so that each rank's gradient counts every rank's
+    use of the shared denominator. The weight, one per channel of the layer's heads, is split across those ranks as
+    the heads are."""
+
+    scales_in_fp32 = False
 
     def __init__(self, heads: int, head_dim: int, config: Any, eps: float):
         super().__init__()
@@ -60,6 +68,8 @@ class RMSNormAcrossHeads(torch.nn.Module):
         rows = x.float().flatten(-2)
         squares = self.sum_over_ranks(rows.pow(2).sum(-1, keepdim=True))
         normalised = rows * torch.rsqrt(squares / self.width + self.eps)
+        if self.scales_in_fp32:
+            return (self.weight * normalised).to(x.dtype).view_as(x)
         return (self.weight * normalised.to(x.dtype)).view_as(x)
 
     def sum_over_ranks(self, squares: torch.Tensor) -> torch.Tensor:
@@ -88,12 +98,84 @@ class KeyNormAcrossHeads(RMSNormAcrossHeads):
         super().__init__(config.num_query_groups or config.num_attention_heads, hidden_size, config, eps)
 
 
+class QueryNormAcrossHeadsInFp32(QueryNormAcrossHeads):
+    """OLMo 2's: the weight scales the fp32 values."""
+
+    scales_in_fp32 = True
+
+
+class KeyNormAcrossHeadsInFp32(KeyNormAcrossHeads):
+    """OLMo 2's: the weight scales the fp32 values."""
+
+    scales_in_fp32 = True
+
+
+def _layers(spec: Any) -> list:
+    """The layer specs of `spec`: one layer's ModuleSpec, or a TransformerBlockSubmodules of several."""
+    return getattr(spec, "layer_specs", None) or [spec]
+
+
 def with_qk_norm_across_heads(spec: Any) -> Any:
     """`spec` (one layer's ModuleSpec or a TransformerBlockSubmodules of several) with its attention's q/k norms
     across heads."""
-    for layer in getattr(spec, "layer_specs", None) or [spec]:
+    for layer in _layers(spec):
         attention = layer.submodules.self_attention.submodules
         attention.q_layernorm, attention.k_layernorm = QueryNormAcrossHeads, KeyNormAcrossHeads
+    return spec
+
+
+@functools.cache
+def normed_after(linear: type, norm: type) -> type:
+    """`linear`, a row-parallel linear that ends a sublayer, with `norm` over its output, its bias added first: the
+    sublayer's output normalised before the residual add. The output is whole on every tensor-parallel rank (a
+    part of the sequence under sequence parallelism), so the norm is per token and its weight replicated; it is
+    stored as the linear's `post_layernorm.weight` (the linear's sharded_state_dict holds it under both specs)."""
+
+    class NormedAfter(linear):
+        def __init__(self, input_size: int, output_size: int, *, config: Any, **kwargs: Any):
+            super().__init__(input_size, output_size, config=config, **kwargs)
+            self.post_layernorm = norm(config=config, hidden_size=output_size, eps=config.layernorm_epsilon)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+            output, bias = super().forward(x)
+            return self.post_layernorm(output if bias is None else output + bias), None
+
+    return NormedAfter
+
+
+def _mlp_submodules(mlp: Any) -> Any:
+    """A dense MLP's MLPSubmodules: its ModuleSpec's (megatron-core 0.16) or its builder's (0.19)."""
+    return mlp.submodules if hasattr(mlp, "submodules") else mlp.keywords["submodules"]
+
+
+def with_norms_after_sublayers(spec: Any, transformer_engine: bool) -> Any:
+    """`spec` (as with_qk_norm_across_heads takes it; the dense layers of megatron-core's Transformer Engine spec, or
+    of its local one) as OLMo 2's layers: no norm before the attention or the MLP (Transformer Engine's fused into
+    linear_qkv and linear_fc1 taken out with them), an RMSNorm on the output of each (in linear_proj and linear_fc2:
+    normed_after), q/k norms across heads scaled in fp32. A HybridModel's attention layer or MLP layer has one of
+    the two sublayers."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    if transformer_engine:
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+        backend = TESpecProvider()
+    else:
+        backend = LocalSpecProvider()
+    norm = backend.layer_norm(rms_norm=True, for_qk=False)
+    for layer in _layers(spec):
+        layer = layer.submodules
+        layer.input_layernorm = layer.pre_mlp_layernorm = IdentityOp
+        if layer.self_attention is not IdentityOp:
+            attention = layer.self_attention.submodules
+            attention.linear_qkv = backend.column_parallel_linear()
+            attention.linear_proj = normed_after(attention.linear_proj, norm)
+            attention.q_layernorm, attention.k_layernorm = QueryNormAcrossHeadsInFp32, KeyNormAcrossHeadsInFp32
+        if layer.mlp is not IdentityOp:
+            mlp = _mlp_submodules(layer.mlp)
+            mlp.linear_fc1 = backend.column_parallel_linear()
+            mlp.linear_fc2 = normed_after(mlp.linear_fc2, norm)
     return spec
 
 
@@ -103,4 +185,13 @@ def gpt_layers_with_qk_norm_across_heads(config: Any, vp_stage: int | None = Non
     from megatron.training.models.gpt import default_layer_spec
 
     return with_qk_norm_across_heads(default_layer_spec(config, vp_stage))
+
+
+def gpt_layers_with_norms_after_sublayers(config: Any, vp_stage: int | None = None) -> Any:
+    """Megatron-LM's `--spec` function: its GPT model builder's default layer spec for `config`, as OLMo 2's layers
+    (with_norms_after_sublayers)."""
+    from megatron.training.models.gpt import default_layer_spec
+
+    transformer_engine = config.transformer.transformer_impl == "transformer_engine"
+    return with_norms_after_sublayers(default_layer_spec(config, vp_stage), transformer_engine)
 

@@ -20,7 +20,7 @@ from mconvert.mappings.spec import ModelSpec, shared_top_k_schedule
 from mconvert.mcore import hybrid
 from mconvert.mcore.parallelism import PipelineSplit, padded_vocab_size
 from mconvert.megatron_lm.setting import Getter, Setting, Target, integral
-from mconvert.megatron_lm.spec_names import QK_NORM_ACROSS_HEADS
+from mconvert.megatron_lm.spec_names import NORMS_AFTER_SUBLAYERS, QK_NORM_ACROSS_HEADS
 
 # The features whose models have args of their own: whether a conversion's model has it, whether stored args do.
 FEATURES: dict[str, tuple[Callable[[ModelSpec, Target], bool], Callable[[Getter], bool]]] = {
@@ -94,6 +94,14 @@ def _top_k_schedule(spec: ModelSpec) -> tuple[int, int]:
     """megatron-core's (dsa_indexer_topk_freq, dsa_indexer_skip_topk_offset) for the layers that run an indexer."""
     layers = spec.sparse_attention.indexer_layers
     return shared_top_k_schedule(layers) if not all(layers) else (1, 0)
+
+
+def _layer_spec(spec: ModelSpec, target: Target) -> list[str] | None:
+    """mconvert's layer spec that builds the model's layers, where megatron-core's own specs cannot: OLMo 2's (norms
+    after the sublayers, with q/k norms across heads), or q/k norms across heads alone."""
+    if spec.norms_after_sublayers:
+        return list(NORMS_AFTER_SUBLAYERS)
+    return list(QK_NORM_ACROSS_HEADS) if spec.qk_norm_across_heads else None
 
 
 def _tokenizer_type(spec: ModelSpec, target: Target) -> str | None:
@@ -196,8 +204,7 @@ SETTINGS: tuple[Setting, ...] = (
     # Multi-latent attention's latent norms exist only with it; they are not q/k norms.
     Setting("qk_layernorm", False, value=lambda spec, target: spec.qk_norm or spec.mla is not None, kind="switch"),
     # Megatron-LM's --spec: the layer spec function its model builder calls instead of its default one.
-    Setting("spec", value=lambda spec, target: list(QK_NORM_ACROSS_HEADS) if spec.qk_norm_across_heads else None,
-            kind="words", config=None),
+    Setting("spec", value=_layer_spec, kind="words", config=None),
     Setting("layernorm_zero_centered_gamma", False, spec="zero_centered_norms", flag="--apply-layernorm-1p", kind="switch",
             stored_as="apply_layernorm_1p"),
     Setting("attention_output_gate", False, spec="attention_output_gate", kind="switch"),

@@ -25,7 +25,7 @@ from mconvert.megatron_lm.args import MLA_YARN_DEFAULTS
 from mconvert.megatron_lm.hybrid_args import gpt_view
 from mconvert.megatron_lm.setting import Getter
 from mconvert.megatron_lm.settings import FEATURES, SETTINGS, getter, has_feature
-from mconvert.megatron_lm.spec_names import QK_NORM_ACROSS_HEADS
+from mconvert.megatron_lm.spec_names import NORMS_AFTER_SUBLAYERS, QK_NORM_ACROSS_HEADS
 
 # The sub-specs a model has where its args have the feature of the same name.
 SUB_SPECS = {"moe": MoESpec, "mla": MLASpec, "linear_attention": LinearAttentionSpec,
@@ -52,7 +52,7 @@ def spec_from_args(
     if vocab is None:
         raise ConversionError("args record no vocab_size (only the padded size): pass --hf-config with the real vocabulary")
     layer_spec = tuple(get("spec") or ())
-    if layer_spec not in ((), QK_NORM_ACROSS_HEADS) and layer_spec[0] != "local":
+    if layer_spec not in ((), QK_NORM_ACROSS_HEADS, NORMS_AFTER_SUBLAYERS) and layer_spec[0] != "local":
         raise ConversionError(f"args: spec {' '.join(layer_spec)}: a layer spec of its own, whose layers mconvert does not know")
 
     fields: dict[str, Any] = {}
@@ -71,7 +71,8 @@ def spec_from_args(
         vocab_size=vocab,
         # Multi-latent attention's qk_layernorm is its latent norms, not q/k norms.
         qk_norm=bool(get("qk_layernorm")) and mla is None,
-        qk_norm_across_heads=layer_spec == QK_NORM_ACROSS_HEADS,
+        qk_norm_across_heads=layer_spec in (QK_NORM_ACROSS_HEADS, NORMS_AFTER_SUBLAYERS),
+        norms_after_sublayers=layer_spec == NORMS_AFTER_SUBLAYERS,
         dtype=_params_dtype(get),
         rope_scaling=_rope_scaling(get),
         activation="quick_gelu" if get("quick_geglu") else "squared_relu" if get("squared_relu") else "silu",

@@ -5,3 +5,8 @@ writing a checkpoint's args needs only the names."""
 
 QK_NORM_ACROSS_HEADS = ("mconvert.megatron_lm.layer_specs", "gpt_layers_with_qk_norm_across_heads")
 QK_NORM_ACROSS_HEADS_HYBRID = ("mconvert.megatron_lm.hybrid_layer_specs", "hybrid_stack_with_qk_norm_across_heads")
+# OLMo 2's layers: norms after the attention and the MLP, none before them, and q/k norms across heads.
+NORMS_AFTER_SUBLAYERS = ("mconvert.megatron_lm.layer_specs", "gpt_layers_with_norms_after_sublayers")
+NORMS_AFTER_SUBLAYERS_HYBRID = ("mconvert.megatron_lm.hybrid_layer_specs", "hybrid_stack_with_norms_after_sublayers")
+# HybridModel's stack spec for each of GPTModel's layer specs above.
+HYBRID_STACKS = {QK_NORM_ACROSS_HEADS: QK_NORM_ACROSS_HEADS_HYBRID, NORMS_AFTER_SUBLAYERS: NORMS_AFTER_SUBLAYERS_HYBRID}

@@ -106,6 +106,17 @@ def local_hybrid_stack_spec(config: object, args: argparse.Namespace) -> object:
     return ModuleSpec(module=HybridStack, submodules=submodules)
 
 
+def with_mconverts_layers(stack: object, args: argparse.Namespace) -> None:
+    """The local stack spec with what the stack spec `args.spec` names (mconvert's, Transformer Engine's) has in place
+    of HybridModel's default: mconvert's q/k norms across heads, or OLMo 2's norms after the sublayers."""
+    layers = stack.submodules
+    if tuple(args.spec or ()) == spec_names.QK_NORM_ACROSS_HEADS_HYBRID:
+        layer_specs.with_qk_norm_across_heads(layers.attention_layer)
+    elif tuple(args.spec or ()) == spec_names.NORMS_AFTER_SUBLAYERS_HYBRID:
+        for layer in (layers.attention_layer, layers.mlp_layer):
+            layer_specs.with_norms_after_sublayers(layer, transformer_engine=False)
+
+
 def build_model_as_pretrain_hybrid(args: argparse.Namespace, pre_process: bool, post_process: bool) -> object:
     """The HybridModel Megatron-LM's pretrain_hybrid.py builds from `args` (hybrid_config_from_args and its
     HybridModelBuilder), with the local stack spec in place of its Transformer Engine one on CPU ranks."""
@@ -116,8 +127,7 @@ def build_model_as_pretrain_hybrid(args: argparse.Namespace, pre_process: bool, 
     model_config = hybrid_config_from_args(args)
     if args.transformer_impl != "transformer_engine":
         model_config.hybrid_stack_spec = local_hybrid_stack_spec(model_config.transformer, args)
-        if tuple(args.spec or ()) == spec_names.QK_NORM_ACROSS_HEADS_HYBRID:  # what Megatron-LM's --spec gives it
-            layer_specs.with_qk_norm_across_heads(model_config.hybrid_stack_spec.submodules.attention_layer)
+        with_mconverts_layers(model_config.hybrid_stack_spec, args)
     return HybridModelBuilder(model_config).build_model(
         ProcessGroupCollection.use_mpu_process_groups(), pre_process=pre_process, post_process=post_process
     )
@@ -150,8 +160,7 @@ def build_hybrid_model(
             config.use_mamba_mem_eff_path = False
     else:
         stack = local_hybrid_stack_spec(config, args)
-        if tuple(args.spec or ()) == spec_names.QK_NORM_ACROSS_HEADS_HYBRID:
-            layer_specs.with_qk_norm_across_heads(stack.submodules.attention_layer)
+        with_mconverts_layers(stack, args)
     return HybridModel(
         hybrid_stack_spec=stack, hybrid_layer_pattern=args.hybrid_layer_pattern,
         **language_model_settings(config, args, pre_process, post_process),

@@ -274,8 +274,11 @@ def _layer_spec(
         )
     if config.multi_latent_attention and not use_te:
         _fit_local_mla(spec)
+    # What Megatron-LM's --spec gives it.
     if tuple(getattr(args, "spec", None) or ()) == spec_names.QK_NORM_ACROSS_HEADS:
-        layer_specs.with_qk_norm_across_heads(spec)  # what Megatron-LM's --spec gives it
+        layer_specs.with_qk_norm_across_heads(spec)
+    elif tuple(getattr(args, "spec", None) or ()) == spec_names.NORMS_AFTER_SUBLAYERS:
+        layer_specs.with_norms_after_sublayers(spec, use_te)
     return spec
 
 

@@ -110,6 +110,8 @@ FAMILIES = [
     Family("glm4_moe_lite", "glm-4.7-flash", family="deepseek"),
     Family("dots1", "dots.llm1.inst", family="glm4_moe", overrides={"sliding_window": 32, "max_window_layers": 1}),
     Family("hy_v3", "hy3-preview"),
+    # Norms after the sublayers (mconvert's --spec).
+    Family("olmo2", "olmo-2-1124-7b-instruct", **DENSE),
     # Without causal_conv1d (a CUDA build) megatron-core's fused Mamba path cannot run: its other path, the same function.
     Family("nemotron_h", "nemotron-3-nano-30b-a3b", layers=6, model_class="hybrid", compiles_kernels=True,
            megatron_flags=("--disable-mamba-mem-eff-path",), train_options=("--model-class", "hybrid")),

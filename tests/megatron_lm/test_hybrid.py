@@ -53,6 +53,8 @@ MODELS = {
     "gpt-oss-ep2": ("gpt-oss-20b", 2, {"sliding_window": 4}, Parallelism(ep=2, etp=1, **HYBRID), "*E*E"),
     # q/k norms across heads: mconvert's HybridModel stack spec (--spec mconvert.megatron_lm.hybrid_layer_specs ...).
     "minimax-m2-tp2ep2": ("minimax-m2.7", 2, {}, Parallelism(tp=2, ep=2, **HYBRID), "*E*E"),
+    # Norms after the attention and the MLP: OLMo 2's halves in mconvert's stack spec.
+    "olmo2-tp2": ("olmo-2-1124-7b-instruct", 2, {}, Parallelism(tp=2, **HYBRID), "*-*-"),
 }
 
 
@@ -104,7 +106,7 @@ def load_and_save(argv: list[str], save: str) -> torch.Tensor:
     return forward_logits(model, TOKENS)
 
 
-@pytest.mark.parametrize("name", ["deepseek-v3-mtp-tp2pp2", "qwen3-next-tp2ep2", "deepseek-v3.2-tp2ep2", "gpt-oss-ep2", "minimax-m2-tp2ep2"])
+@pytest.mark.parametrize("name", ["deepseek-v3-mtp-tp2pp2", "qwen3-next-tp2ep2", "deepseek-v3.2-tp2ep2", "gpt-oss-ep2", "minimax-m2-tp2ep2", "olmo2-tp2"])
 def test_megatron_lm_loads_the_hybrid_checkpoint_and_its_save_exports_bit_identically(name, converted, tmp_path):
     hf, ckpt = converted(name)
     parallelism = MODELS[name][3]

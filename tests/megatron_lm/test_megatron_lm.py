@@ -81,6 +81,9 @@ MODELS = {
     "ernie4.5-tp2pp2": ("ernie-4.5-0.3b-pt", 4, {}, Parallelism(tp=2, pp=2)),
     # q/k norms across heads (--spec) with softmax routing, the top-k not renormalised.
     "olmoe-tp2ep2": ("olmoe-1b-7b-0924", 2, {}, Parallelism(tp=2, ep=2)),
+    # Norms after the attention and the MLP, none before them, q/k norms across heads: OLMo 2's layers, from mconvert's
+    # layer spec (--spec).
+    "olmo2-tp2": ("olmo-2-1124-7b-instruct", 2, {}, Parallelism(tp=2)),
     "deepseek-v2-lite-ep2": ("deepseek-v2-lite", 2, {}, Parallelism(ep=2)),
     # Layer counts that no pipeline size divides: Megatron-LM's uneven splits (DeepSeek-V3 has 61 layers).
     "qwen3-pp2-first-stage-1": ("qwen3-8b", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(first_stage_layers=1))),
@@ -368,7 +371,7 @@ def run_megatron_lm(name: str, argv: list[str]) -> torch.Tensor:
     "name", ["llama3.1-tp2", "mistral-window-tp2", "gpt-oss-tp2ep2etp1", "qwen3-pp2", "qwen2moe-ep2", "qwen3moe-dense-first-tp2ep2etp1", "glm4.5-air-pp2",
              "qwen3-pp2-first-stage-1", "llama3.1-pp2-embedding-counts", "qwen2.5-pp2-layout", "qwen3-next-tp2ep2", "qwen3.5-tp2pp2", "qwen3-next-tp4",
              "deepseek-v3.2-tp2ep2", "glm-5.1-tp2pp2-latent-epsilon", "minimax-m2-tp2ep2", "ernie4.5-tp2pp2",
-             "olmoe-tp2ep2", "dots1-window-tp2ep2", "hy3-tp2ep2"]
+             "olmoe-tp2ep2", "dots1-window-tp2ep2", "hy3-tp2ep2", "olmo2-tp2"]
 )
 def test_megatron_lm_load_checkpoint_gives_transformers_logits(name, converted):
     hf, ckpt = converted(name)
@@ -410,7 +413,7 @@ def megatron_lm_save(argv: list[str], iteration: int) -> None:
     save_checkpoint(iteration, model, None, None, 0)
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-tp2", "qwen2moe-ep2", "qwen3-pp2-first-stage-1", "qwen3-next-tp2ep2", "glm-5.1-tp2pp2", "minimax-m2-tp2ep2"])
+@pytest.mark.parametrize("name", ["qwen2.5-tp2", "qwen2moe-ep2", "qwen3-pp2-first-stage-1", "qwen3-next-tp2ep2", "glm-5.1-tp2pp2", "minimax-m2-tp2ep2", "olmo2-tp2"])
 def test_a_megatron_lm_training_save_exports_bit_identically(name, converted, tmp_path):
     """Megatron-LM's own save (iteration directory, common state in the DCP files, args with its enums and
     0.19 names; with its layers split unevenly over the pipeline stages) of the loaded checkpoint exports to
