@@ -66,6 +66,7 @@ DIGESTS = {
     "glm-5.1+shared": "47022fcecc96bf4c5757556f3c7b9035bed9c25b51b7de03dc164d1229f2bc86",
     "glm-4.7-flash+layer-types": "f5ef213ba02d4bd1f3e19e2496ea9acfb11e126410f2c265207e09bd3a845ae5",
     "glm-4.7-flash+layer-types+mtp": "c3469334ad6eadbb9792e94f77f76fa0b7c4c56b6ba4b9810cc0b0545a93ad48",
+    "olmo-2+olmo3": "f9dd15e8ba417f8e894c8a8dbbb4e9af2d07d6285e16ab4f1b137a1c4d2d0ddb",
 }
 
 # Configs beside every shipped one at 4 layers: layers mixed dense and MoE, a pattern with each Nemotron-H block, a
@@ -78,6 +79,7 @@ VARIANTS = {
     "deepseek-v2-lite+dense": ("deepseek-v2-lite", {"first_k_dense_replace": 2}),
     "glm-5.1+shared": ("glm-5.1", {"indexer_types": ["full", "shared", "full", "shared"]}),
     "glm-4.7-flash+layer-types": ("glm-4.7-flash", {"mlp_layer_types": ["sparse", "dense", "sparse", "dense"]}),
+    "olmo-2+olmo3": ("olmo-2-1124-7b-instruct", {"model_type": "olmo3", "sliding_window": 8, "num_key_value_heads": 2}),
 }
 
 LAYOUTS = {

@@ -22,6 +22,7 @@ from mconvert.mappings import (
     mixtral,
     nemotron_h,
     olmo2,
+    olmo3,
     olmoe,
     qwen2,
     qwen2_moe,
@@ -40,7 +41,7 @@ FAMILIES: dict[str, Family] = {
     for family in (
         llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, deepseek.FAMILY, glm4_moe.FAMILY,
         deepseek_v32.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY, qwen3_5.FAMILY, qwen3_5.TEXT_FAMILY, minimax_m2.FAMILY,
-        nemotron_h.FAMILY, ernie4_5.FAMILY, olmoe.FAMILY, hy_v3.FAMILY, olmo2.FAMILY,
+        nemotron_h.FAMILY, ernie4_5.FAMILY, olmoe.FAMILY, hy_v3.FAMILY, olmo2.FAMILY, olmo3.FAMILY,
     )
 }
 
@@ -142,18 +143,18 @@ def get_mapping(config: dict[str, Any], model_size: str | None = None, source: s
 
 def family_for_spec(spec: ModelSpec) -> Family:
     """The family whose architecture has the features of `spec`, for a model known only by its features (as
-    Megatron args describe it, naming no family). Mamba layers: Nemotron-H; norms after the sublayers: OLMo 2; q/k
-    norms across heads: MiniMax-M2 with sigmoid routing, else OLMoE; gated delta-net layers: Qwen3-Next with experts,
-    Qwen3.5's text model without (Qwen3.5's image-text checkpoints and its MoE models are told by their config, as
-    `--hf-config` gives it); sparse attention: DeepSeek-V3.2 (GLM-5.1 where its indexer rotates pairs or shares
-    top-k); multi-latent attention: DeepSeek; experts routed by sigmoid scores: GLM-4.5; attention sinks: gpt-oss;
-    experts with a shared expert: Qwen2-MoE; experts with q/k norms: Qwen3-MoE; other experts: Mixtral. Dense with
-    interleaved rope: ERNIE 4.5; with q/k norms: Qwen3; with biases on q, k and v only: Qwen2; else Llama. Whether the
-    family can express every feature is `write_hf_config`'s check."""
+    Megatron args describe it, naming no family). Mamba layers: Nemotron-H; norms after the sublayers: OLMo 3 with
+    sliding-window layers, else OLMo 2; q/k norms across heads: MiniMax-M2 with sigmoid routing, else OLMoE; gated
+    delta-net layers: Qwen3-Next with experts, Qwen3.5's text model without (Qwen3.5's image-text checkpoints and its
+    MoE models are told by their config, as `--hf-config` gives it); sparse attention: DeepSeek-V3.2 (GLM-5.1 where
+    its indexer rotates pairs or shares top-k); multi-latent attention: DeepSeek; experts routed by sigmoid scores:
+    GLM-4.5; attention sinks: gpt-oss; experts with a shared expert: Qwen2-MoE; experts with q/k norms: Qwen3-MoE;
+    other experts: Mixtral. Dense with interleaved rope: ERNIE 4.5; with q/k norms: Qwen3; with biases on q, k and v
+    only: Qwen2; else Llama. Whether the family can express every feature is `write_hf_config`'s check."""
     if spec.mamba is not None:
         name = "nemotron_h"
     elif spec.norms_after_sublayers:
-        name = "olmo2"
+        name = "olmo3" if spec.sliding_window is not None else "olmo2"
     elif spec.qk_norm_across_heads:
         name = "minimax_m2" if spec.moe is not None and spec.moe.score_function == "sigmoid" else "olmoe"
     elif spec.linear_attention is not None:

@@ -32,13 +32,13 @@ DENSE_MLP = (
 
 TABLE = Table(model=llama.MODEL, attention=ATTENTION, dense_mlp=DENSE_MLP)
 
-# What transformers' Olmo2Config assumes where config.json says nothing.
+# What transformers' Olmo2Config (and Olmo3Config) assume where config.json says nothing.
 DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048}
 
 
 def read_dense_olmo_spec(config: dict[str, Any], family: str, source: str, **overrides: Any) -> ModelSpec:
-    """OLMo 2's fields. Its MLP has no biases whatever the config says (`attention_bias` puts biases on q, k, v and o
-    only, which Megatron cannot express: refused)."""
+    """The fields OLMo 2 and OLMo 3 share. Their MLP has no biases whatever the config says (`attention_bias` puts
+    biases on q, k, v and o only, which Megatron cannot express: refused)."""
     return read_dense_spec(
         {**DEFAULTS, **config, "mlp_bias": False}, family, source, applies_sliding_window=False,
         qk_norm=True, qk_norm_across_heads=True, norms_after_sublayers=True, **overrides,

@@ -110,8 +110,11 @@ FAMILIES = [
     Family("glm4_moe_lite", "glm-4.7-flash", family="deepseek"),
     Family("dots1", "dots.llm1.inst", family="glm4_moe", overrides={"sliding_window": 32, "max_window_layers": 1}),
     Family("hy_v3", "hy3-preview"),
-    # Norms after the sublayers (mconvert's --spec).
+    # Norms after the sublayers (mconvert's --spec); OLMo 3 from OLMo 2's config: windows on three layers in four,
+    # grouped-query attention.
     Family("olmo2", "olmo-2-1124-7b-instruct", **DENSE),
+    Family("olmo3", "olmo-2-1124-7b-instruct", layers=4, overrides={
+        "model_type": "olmo3", "architectures": ["Olmo3ForCausalLM"], "sliding_window": 32, "num_key_value_heads": 2}, **DENSE),
     # Without causal_conv1d (a CUDA build) megatron-core's fused Mamba path cannot run: its other path, the same function.
     Family("nemotron_h", "nemotron-3-nano-30b-a3b", layers=6, model_class="hybrid", compiles_kernels=True,
            megatron_flags=("--disable-mamba-mem-eff-path",), train_options=("--model-class", "hybrid")),

@@ -40,6 +40,7 @@ from mconvert.verify.megatron_lm import (  # noqa: E402
 from mconvert.verify.megatron_side import forward_logits  # noqa: E402
 
 MISTRAL = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 5, "num_key_value_heads": 2}
+OLMO3 = {"model_type": "olmo3", "architectures": ["Olmo3ForCausalLM"], "sliding_window": 5, "num_key_value_heads": 2}
 MODELS = {
     # name: (config, layers, overrides, parallelism)
     "llama3.1-tp2": ("llama-3.1-8b", 2, {}, Parallelism(tp=2)),
@@ -82,8 +83,9 @@ MODELS = {
     # q/k norms across heads (--spec) with softmax routing, the top-k not renormalised.
     "olmoe-tp2ep2": ("olmoe-1b-7b-0924", 2, {}, Parallelism(tp=2, ep=2)),
     # Norms after the attention and the MLP, none before them, q/k norms across heads: OLMo 2's layers, from mconvert's
-    # layer spec (--spec).
+    # layer spec (--spec); OLMo 3's with windows on three layers in four (the prompts 12 tokens), grouped-query.
     "olmo2-tp2": ("olmo-2-1124-7b-instruct", 2, {}, Parallelism(tp=2)),
+    "olmo3-pp2": ("olmo-2-1124-7b-instruct", 4, OLMO3, Parallelism(pp=2)),
     "deepseek-v2-lite-ep2": ("deepseek-v2-lite", 2, {}, Parallelism(ep=2)),
     # Layer counts that no pipeline size divides: Megatron-LM's uneven splits (DeepSeek-V3 has 61 layers).
     "qwen3-pp2-first-stage-1": ("qwen3-8b", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(first_stage_layers=1))),
@@ -371,7 +373,7 @@ def run_megatron_lm(name: str, argv: list[str]) -> torch.Tensor:
     "name", ["llama3.1-tp2", "mistral-window-tp2", "gpt-oss-tp2ep2etp1", "qwen3-pp2", "qwen2moe-ep2", "qwen3moe-dense-first-tp2ep2etp1", "glm4.5-air-pp2",
              "qwen3-pp2-first-stage-1", "llama3.1-pp2-embedding-counts", "qwen2.5-pp2-layout", "qwen3-next-tp2ep2", "qwen3.5-tp2pp2", "qwen3-next-tp4",
              "deepseek-v3.2-tp2ep2", "glm-5.1-tp2pp2-latent-epsilon", "minimax-m2-tp2ep2", "ernie4.5-tp2pp2",
-             "olmoe-tp2ep2", "dots1-window-tp2ep2", "hy3-tp2ep2", "olmo2-tp2"]
+             "olmoe-tp2ep2", "dots1-window-tp2ep2", "hy3-tp2ep2", "olmo2-tp2", "olmo3-pp2"]
 )
 def test_megatron_lm_load_checkpoint_gives_transformers_logits(name, converted):
     hf, ckpt = converted(name)
