@@ -15,6 +15,7 @@ from mconvert.mappings import (
     deepseek_v32,
     glm4_moe,
     gpt_oss,
+    kimi_k25,
     llama,
     minimax_m2,
     mixtral,
@@ -35,7 +36,7 @@ FAMILIES: dict[str, Family] = {
     for family in (
         llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, deepseek.FAMILY, glm4_moe.FAMILY,
         deepseek_v32.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY, qwen3_5.FAMILY, qwen3_5.TEXT_FAMILY, minimax_m2.FAMILY,
-        nemotron_h.FAMILY,
+        nemotron_h.FAMILY, kimi_k25.FAMILY,
     )
 }
 
@@ -78,17 +79,22 @@ def how_read(config: dict[str, Any]) -> str | None:
         return None
     model_type = config.get("model_type")
     family = next((family for family in FAMILIES.values() if model_type in family.model_types), None)
-    if family is not None:
+    if family is not None and model_type in dict(family.architectures).values():
         architecture = next(name for name, of_type in family.architectures if of_type == model_type)
         return (
             f"model_type '{model_type}' ships its own code (auto_map), which was not run: read as transformers' "
             f"built-in {architecture} (the {family.name} family), the class of that model_type"
         )
-    if (taken := remote_code_architecture(config)) is None:
+    if family is not None:  # a model transformers has no class of (Kimi-K2.5), whose language model's code is one it has
+        text = config.get("text_config")
+        taken, read = remote_code_architecture(text) if isinstance(text, dict) else None, "its language model (text_config) read as"
+    else:
+        taken, read = remote_code_architecture(config), "read as"
+    if taken is None:
         return None
     family, architecture = taken
     return (
-        f"model_type '{model_type}' ships its own code (auto_map), which was not run: read as "
+        f"model_type '{model_type}' ships its own code (auto_map), which was not run: {read} "
         f"{architecture} (the {family.name} family), the class its auto_map and architectures name"
     )
 
