@@ -30,6 +30,7 @@ from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 from tests.cli_runner import assert_nothing_left, assert_one_line_error, run_cli
 from tests.test_fp8 import stored
+from tests.test_optional_packages import old_release
 
 # Kimi-K2.5's, which Kimi-K2-Thinking's config.json shares: INT4, symmetric, groups of 32, all but the routed experts ignored.
 QUANTIZATION = real_config("kimi-k2.5")["text_config"]["quantization_config"]
@@ -145,15 +146,20 @@ def language_model(directory: Path, out: Path) -> Path:
     return write(out, tensors, {**config["text_config"], "tie_word_embeddings": config["tie_word_embeddings"]})
 
 
-@pytest.mark.parametrize("model", MODELS)
-def test_megatron_core_gives_the_logits_transformers_gives_from_the_dequantized_model(model, made, tmp_path):
+@pytest.mark.parametrize("model, judge", [("kimi-k2-thinking", "dequantized"), ("kimi-k2-thinking", "int4"), ("kimi-k2.5", "dequantized")])
+def test_megatron_core_gives_the_logits_transformers_gives_from_the_dequantized_model(model, judge, made, tmp_path):
     """`mconvert verify` runs megatron-core (gloo CPU ranks, TP 2, EP 2) on the conversion of the INT4 checkpoint, and
     transformers on compressed-tensors' dequantization of it (Kimi-K2.5's: its language model, which transformers
-    builds)."""
+    builds), or on the INT4 checkpoint itself, which transformers dequantizes through compressed-tensors as it loads."""
     int4, dequantized = made[model]
     assert run_cli("hf-to-mcore", "--load-dir", int4, "--save-dir", tmp_path / "mcore", "--tp", "2", "--ep", "2").returncode == 0
-    judge = language_model(dequantized, tmp_path / "judge") if model == "kimi-k2.5" else dequantized
-    passed = run_cli("verify", "--hf", judge, "--mcore", tmp_path / "mcore", "--tp", "2", "--ep", "2", "--device", "cpu")
+    if judge == "int4":
+        hf = int4
+    elif model == "kimi-k2.5":
+        hf = language_model(dequantized, tmp_path / "judge")
+    else:
+        hf = dequantized
+    passed = run_cli("verify", "--hf", hf, "--mcore", tmp_path / "mcore", "--tp", "2", "--ep", "2", "--device", "cpu")
     assert passed.returncode == 0 and passed.stdout.strip().endswith("PASS"), passed.stdout + passed.stderr
 
 
@@ -217,3 +223,13 @@ def test_a_checkpoint_its_config_does_not_describe_is_refused_in_one_line(mismat
     result = run_cli("hf-to-mcore", "--load-dir", source, "--save-dir", tmp_path / "out")
     assert_one_line_error(result, *names)
     assert_nothing_left(tmp_path / "out")
+
+
+def test_verify_of_an_int4_source_with_compressed_tensors_too_old_is_one_line(made, tmp_path):
+    """transformers dequantizes the INT4 checkpoint through compressed-tensors: verify names it when it is missing or
+    too old, before running anything."""
+    int4, _ = made["kimi-k2-thinking"]
+    convert_hf_to_mcore(int4, tmp_path / "mcore")
+    older = old_release(tmp_path, "compressed-tensors", "0.19.0")
+    result = run_cli("verify", "--hf", int4, "--mcore", tmp_path / "mcore", "--device", "cpu", python_path=older)
+    assert_one_line_error(result, f"verify of the INT4 checkpoint {int4}", "compressed-tensors>=0.20 (0.19.0 is installed)", code=2)

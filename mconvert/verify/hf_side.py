@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from mconvert.dependencies import ACCELERATE, VERIFY_INSTALL, require
+from mconvert.dependencies import ACCELERATE, COMPRESSED_TENSORS, VERIFY_INSTALL, require
 from mconvert.errors import ConversionError
 from mconvert.mappings import remote_code_architecture
 
@@ -91,8 +91,8 @@ def load_failure(held: list[str], error: Exception) -> str:
 
 def dequantized(config: dict, hf_dir: str | Path) -> dict:
     """from_pretrained's setting for a checkpoint stored quantized (DeepSeek-V3's and MiniMax-M2's FP8 blocks,
-    gpt-oss's MXFP4): transformers' own dequantization of its weights, the values mconvert converts. Running them
-    quantized instead needs kernels that only some GPUs and extra packages have."""
+    gpt-oss's MXFP4, Kimi-K2-Thinking's pack-quantized INT4): transformers' own dequantization of its weights, the
+    values mconvert converts. Running them quantized instead needs kernels that only some GPUs and extra packages have."""
     quantization = config.get("quantization_config")
     if not quantization:
         return {}
@@ -100,6 +100,8 @@ def dequantized(config: dict, hf_dir: str | Path) -> dict:
 
     if quantization.get("quant_method") == "fp8":
         require((ACCELERATE,), f"verify of the FP8 checkpoint {Path(hf_dir)}", VERIFY_INSTALL)
+    if quantization.get("quant_method") == "compressed-tensors":
+        require((COMPRESSED_TENSORS,), f"verify of the INT4 checkpoint {Path(hf_dir)}", "pip install compressed-tensors")
     return {"quantization_config": AutoQuantizationConfig.from_dict({**quantization, "dequantize": True})}
 
 
