@@ -153,7 +153,7 @@ def pack_quantized(config: dict) -> PackQuantized | None:
                 continue
         raise ConversionError(f"config.json: quantization_config's {what} is not supported {supported}")
     if quantization.get("kv_cache_scheme") or len(schemes) != 1:
-        why = "a kv_cache_scheme" if quantization.get("kv_cache_scheme") else f"{len(schemes)} different weight schemes"
+        why = "a kv_cache_scheme" if quantization.get("kv_cache_scheme") else f"{len(schemes) or 'no'} weight schemes"
         raise ConversionError(f"config.json: quantization_config with {why} is not supported {supported}")
     ((group_size, symmetric),) = schemes
     return PackQuantized(tuple(quantization.get("ignore") or ()), tuple(targets), group_size, symmetric)
