@@ -25,7 +25,6 @@ from safetensors.torch import load_file, save_file
 
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.formats import hf_checkpoint, quantized
-from mconvert.mappings.kimi_k25 import LANGUAGE_MODEL
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 from tests.cli_runner import assert_nothing_left, assert_one_line_error, run_cli
@@ -138,29 +137,28 @@ def test_a_planted_fault_breaks_the_bit_for_bit_agreement(fault, made, tmp_path,
     assert different == ["decoder.layers.1.mlp.experts.experts.linear_fc1.weight", "decoder.layers.1.mlp.experts.experts.linear_fc2.weight"]
 
 
-def language_model(directory: Path, out: Path) -> Path:
-    """Kimi-K2.5's language model on its own: a Kimi-K2 checkpoint (its text_config; its tensors without
-    `language_model.`), which transformers builds as DeepseekV3ForCausalLM."""
-    config = json.loads((directory / "config.json").read_text())
-    tensors = {name.removeprefix(LANGUAGE_MODEL): t for name, t in load_file(directory / "model.safetensors").items() if name.startswith(LANGUAGE_MODEL)}
-    return write(out, tensors, {**config["text_config"], "tie_word_embeddings": config["tie_word_embeddings"]})
-
-
-@pytest.mark.parametrize("model, judge", [("kimi-k2-thinking", "dequantized"), ("kimi-k2-thinking", "int4"), ("kimi-k2.5", "dequantized")])
+@pytest.mark.parametrize("judge", ["dequantized", "int4"])
+@pytest.mark.parametrize("model", MODELS)
 def test_megatron_core_gives_the_logits_transformers_gives_from_the_dequantized_model(model, judge, made, tmp_path):
     """`mconvert verify` runs megatron-core (gloo CPU ranks, TP 2, EP 2) on the conversion of the INT4 checkpoint, and
-    transformers on compressed-tensors' dequantization of it (Kimi-K2.5's: its language model, which transformers
-    builds), or on the INT4 checkpoint itself, which transformers dequantizes through compressed-tensors as it loads."""
+    transformers on compressed-tensors' dequantization of it, or on the INT4 checkpoint itself, which transformers
+    dequantizes through compressed-tensors as it loads (Kimi-K2.5: its language model, which transformers builds from
+    its text_config)."""
     int4, dequantized = made[model]
     assert run_cli("hf-to-mcore", "--load-dir", int4, "--save-dir", tmp_path / "mcore", "--tp", "2", "--ep", "2").returncode == 0
-    if judge == "int4":
-        hf = int4
-    elif model == "kimi-k2.5":
-        hf = language_model(dequantized, tmp_path / "judge")
-    else:
-        hf = dequantized
+    hf = int4 if judge == "int4" else dequantized
     passed = run_cli("verify", "--hf", hf, "--mcore", tmp_path / "mcore", "--tp", "2", "--ep", "2", "--device", "cpu")
     assert passed.returncode == 0 and passed.stdout.strip().endswith("PASS"), passed.stdout + passed.stderr
+    assert "UNEXPECTED" not in passed.stderr  # Kimi-K2.5's vision tower is not the language model's: no load report of it
+
+
+def test_the_judge_tells_the_int4_model_from_the_one_before_quantization(made, tmp_path):
+    """The control of the test above: the same weights before quantization (a bf16 Kimi-K2.5, vision tower included)
+    are another model than the INT4 one, and verify says so."""
+    int4, _ = made["kimi-k2.5"]
+    assert run_cli("hf-to-mcore", "--load-dir", int4, "--save-dir", tmp_path / "mcore", "--tp", "2", "--ep", "2").returncode == 0
+    failed = run_cli("verify", "--hf", int4.parent / "source", "--mcore", tmp_path / "mcore", "--tp", "2", "--ep", "2", "--device", "cpu")
+    assert failed.returncode == 1 and "FAIL" in failed.stdout, failed.stdout + failed.stderr
 
 
 def test_kimi_k25_leaves_out_its_vision_tower_and_the_way_back_copies_it_unquantizing_the_rest(made, tmp_path):

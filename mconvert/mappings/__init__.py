@@ -55,6 +55,21 @@ def remote_code_architecture(config: dict[str, Any]) -> tuple[Family, str] | Non
     return next(((family, name) for family in FAMILIES.values() if name in dict(family.architectures)), None)
 
 
+def language_model_of(config: dict[str, Any]) -> tuple[Family, str, str] | None:
+    """For a model that ships its own code of a class transformers lacks, whose language model (text_config) ships
+    code of a class mconvert maps (Kimi-K2.5's kimi_k25 around a DeepseekV3ForCausalLM): that class's family, the
+    class, and the prefix of the language model's tensors in the checkpoint (`language_model.`: the family's layer
+    prefix before the inner family's). None for the rest. The shipped code is never imported or run."""
+    family = next((family for family in FAMILIES.values() if config.get("model_type") in family.model_types), None)
+    text = config.get("text_config")
+    if "auto_map" not in config or family is None or config.get("model_type") in dict(family.architectures).values() or not isinstance(text, dict):
+        return None
+    if (taken := remote_code_architecture(text)) is None:
+        return None
+    inner, architecture = taken
+    return inner, architecture, family.table.layer_prefix.removesuffix(inner.table.layer_prefix)
+
+
 def family_for_config(config: dict[str, Any], source: str = "config.json") -> Family:
     model_type = config.get("model_type")
     for family in FAMILIES.values():
@@ -86,13 +101,12 @@ def how_read(config: dict[str, Any]) -> str | None:
             f"built-in {architecture} (the {family.name} family), the class of that model_type"
         )
     if family is not None:  # a model transformers has no class of (Kimi-K2.5), whose language model's code is one it has
-        text = config.get("text_config")
-        taken, read = remote_code_architecture(text) if isinstance(text, dict) else None, "its language model (text_config) read as"
+        taken, read = language_model_of(config), "its language model (text_config) read as"
     else:
         taken, read = remote_code_architecture(config), "read as"
     if taken is None:
         return None
-    family, architecture = taken
+    family, architecture = taken[:2]
     return (
         f"model_type '{model_type}' ships its own code (auto_map), which was not run: {read} "
         f"{architecture} (the {family.name} family), the class its auto_map and architectures name"
@@ -184,5 +198,5 @@ def write_hf_config(family: Family, spec: ModelSpec) -> dict[str, Any]:
 
 __all__ = [
     "FAMILIES", "Family", "ModelSpec", "MoESpec", "RopeScaling", "Table", "family_for_config", "family_for_model_size",
-    "family_for_spec", "get_mapping", "how_read", "remote_code_architecture", "write_hf_config",
+    "family_for_spec", "get_mapping", "how_read", "language_model_of", "remote_code_architecture", "write_hf_config",
 ]
