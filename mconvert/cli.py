@@ -206,7 +206,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
         f"{plan.dtype.name}, "
         + _summary(started, iteration_dir(Path(options.load_dir), options.iteration), save_dir)
     )
-    if "quantization_config" in plan.spec.hf_config:
+    if result.dequantized:
         print(f"wrote the weights unquantized: config.json leaves out the quantization_config of {options.hf_config}")
     print("next:")
     # megatron-core's models load FSDP saves only in FSDP runs.

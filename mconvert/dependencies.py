@@ -31,6 +31,8 @@ MAMBA_INSTALL = "MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install -
 # transformers loads FP8 checkpoints (DeepSeek-V3's, MiniMax-M2's) only with accelerate installed, even to dequantize
 # them; the `verify` extra has it too.
 ACCELERATE = Requirement("accelerate", "accelerate", "1.0")
+# transformers dequantizes compressed-tensors' INT4 checkpoints (Kimi-K2-Thinking's) through compressed-tensors.
+COMPRESSED_TENSORS = Requirement("compressed-tensors", "compressed_tensors", "0.20")
 
 
 def release(version: str) -> tuple[int, ...]:

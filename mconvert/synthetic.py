@@ -54,8 +54,13 @@ def shrink(config: dict[str, Any], layers: int = 2, **overrides: Any) -> dict[st
     """The same architecture at test size, keeping what distinguishes it: GQA or MHA, a head_dim that differs
     from hidden/heads, biases, rope settings, MoE with shared experts and dense layers mixed in."""
     if isinstance(config.get("text_config"), dict):  # image-text: the language model shrunk, a small vision tower
-        vision = dict(config["vision_config"], depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
-        return {**config, "text_config": shrink(config["text_config"], layers, **overrides), "vision_config": vision}
+        text, vision = shrink(config["text_config"], layers, **overrides), config["vision_config"]
+        if "vt_hidden_size" in vision:  # Kimi-K2.5's MoonViT and projector
+            vision = dict(vision, vt_hidden_size=32, vt_intermediate_size=64, vt_num_attention_heads=2, vt_num_hidden_layers=1,
+                          init_pos_emb_height=4, init_pos_emb_width=4, mm_hidden_size=32, text_hidden_size=text["hidden_size"])
+        else:
+            vision = dict(vision, depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+        return {**config, "text_config": text, "vision_config": vision}
     small = dict(config)
     heads = 4
     grouped = config.get("num_key_value_heads", config["num_attention_heads"]) < config["num_attention_heads"]
@@ -132,10 +137,13 @@ def make_hf_checkpoint(
     """A random-init model of `config` saved by transformers' `save_pretrained` (several shards when
     `max_shard_size` is small), its matrices at `weight_std` (0.1 for attention far from uniform over a test's
     prompts). MoE experts are saved one tensor per expert as on the hub, or with `fused_experts` in the layout
-    transformers v5 holds in memory (3-D tensors of all experts)."""
+    transformers v5 holds in memory (3-D tensors of all experts). Kimi-K2.5, which transformers does not build, is
+    made as _kimi_k25_checkpoint says, in one file."""
     import torch
     import transformers
 
+    if config.get("model_type") == "kimi_k25":
+        return _kimi_k25_checkpoint(config, Path(out_dir), seed, dtype, fused_experts, weight_std)
     torch.manual_seed(seed)
     hf_config = transformers.AutoConfig.for_model(**as_transformers_builds(config))
     # An image-text checkpoint (text_config beside vision_config) is made whole, vision tower included.
@@ -157,6 +165,49 @@ def make_hf_checkpoint(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, save_original_format=not fused_experts, **kwargs)
     keep_remote_code_identity(config, out_dir)
+    return out_dir
+
+
+def kimi_k25_vision(vision: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Kimi-K2.5's vision tower (MoonViT: a patch embedding and its position embedding, pre-norm blocks of fused-qkv
+    attention and a two-layer MLP, a final norm) and its projector (a norm, then two linear layers over 2 x 2 merged
+    patches), by name and shape as the release stores them (vLLM's kimi_k25_vit.py and kimi_k25.py load them so)."""
+    width, inner, patch = vision["vt_hidden_size"], vision["vt_intermediate_size"], vision["patch_size"]
+    merged = width * vision["merge_kernel_size"][0] * vision["merge_kernel_size"][1]
+    shapes = {
+        "vision_tower.patch_embed.proj.weight": (width, 3, patch, patch), "vision_tower.patch_embed.proj.bias": (width,),
+        "vision_tower.patch_embed.pos_emb.weight": (vision["init_pos_emb_height"], vision["init_pos_emb_width"], width),
+    }
+    for block in range(vision["vt_num_hidden_layers"]):
+        prefix = f"vision_tower.encoder.blocks.{block}."
+        for name, shape in (("norm0", (width,)), ("norm1", (width,)), ("wqkv", (3 * width, width)), ("wo", (width, width)),
+                            ("mlp.fc0", (inner, width)), ("mlp.fc1", (width, inner))):
+            shapes.update({f"{prefix}{name}.weight": shape, f"{prefix}{name}.bias": shape[:1]})
+    for name, shape in (("vision_tower.encoder.final_layernorm", (width,)), ("mm_projector.pre_norm", (width,)),
+                        ("mm_projector.proj.0", (merged, merged)), ("mm_projector.proj.2", (vision["text_hidden_size"], merged))):
+        shapes.update({f"{name}.weight": shape, f"{name}.bias": shape[:1]})
+    return shapes
+
+
+def _kimi_k25_checkpoint(config: dict[str, Any], out_dir: Path, seed: int, dtype: str, fused_experts: bool, weight_std: float) -> Path:
+    """Kimi-K2.5, whose image-text model transformers does not build: its language model made by transformers from
+    its text_config (a DeepSeek-V3) and stored under `language_model.` as the release stores it, beside random tensors
+    of its vision tower and projector (kimi_k25_vision); config.json is `config`, in one file."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from mconvert.mappings.kimi_k25 import LANGUAGE_MODEL
+
+    config = {**config, "text_config": {**config["text_config"], "dtype": dtype}}
+    text = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings", False)}
+    make_hf_checkpoint(text, out_dir, seed=seed, dtype=dtype, fused_experts=fused_experts, weight_std=weight_std)
+    tensors = {LANGUAGE_MODEL + name: tensor for name, tensor in load_file(out_dir / "model.safetensors").items()}
+    generator = torch.Generator().manual_seed(seed)
+    for name, shape in kimi_k25_vision(config["vision_config"]).items():
+        values = torch.randn(shape, generator=generator)
+        tensors[name] = (values * weight_std if len(shape) > 1 else values * 0.5 + 1.0).to(getattr(torch, dtype))
+    save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
 
 

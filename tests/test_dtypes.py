@@ -1,12 +1,12 @@
 """The way in's numpy arithmetic against torch's, bit for bit: casts between the weights' dtypes (round to nearest even,
-ties, subnormals, overflow), FP8 and MXFP4 dequantized, and the finite check on every float dtype."""
+ties, subnormals, overflow), FP8, MXFP4 and pack-quantized INT4 dequantized, and the finite check on every float dtype."""
 
 import numpy as np
 import pytest
 import torch
 
 from mconvert import dtypes
-from mconvert.formats.quantized import dequantize_fp8_blocks, dequantize_mxfp4
+from mconvert.formats.quantized import dequantize_fp8_blocks, dequantize_int4, dequantize_mxfp4
 
 
 def awkward_fp32(count: int = 1 << 16) -> np.ndarray:
@@ -45,6 +45,29 @@ def test_mxfp4_dequantizes_as_transformers_does():
     theirs = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.bfloat16)
     ours = np.ascontiguousarray(dequantize_mxfp4(blocks, scales).swapaxes(-1, -2))
     assert ours.view(np.uint16).tobytes() == dtypes.as_numpy(theirs.contiguous()).view(np.uint16).tobytes()
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("strategy, shape", [("group", (40, 96)), ("channel", (40, 96)), ("channel", (24, 20))])
+def test_pack_quantized_int4_dequantizes_as_compressed_tensors_does(strategy, shape, symmetric, scale_dtype):
+    """compressed-tensors packs a weight (its own scales and zero points, of min-max per group of 32 or per row, 20
+    columns leaving a part-filled word) and decompresses it: the numpy dequantization gives the same bits, in the
+    scales' dtype."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy=strategy, group_size=32 if strategy == "group" else None)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    weight = (torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 0.1).to(scale_dtype)
+    groups = weight.unflatten(-1, (-1, 32)) if strategy == "group" else weight.unsqueeze(1)
+    scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+    stored = PackedQuantizationCompressor.compress({"weight": weight, "weight_scale": scale, "weight_zero_point": zero_point.to(torch.int8)}, scheme)
+    theirs = PackedQuantizationCompressor.decompress(dict(stored), scheme)["weight"]
+    zero_points = None if symmetric else stored["weight_zero_point"].numpy()
+    ours = dequantize_int4(stored["weight_packed"].numpy(), dtypes.as_numpy(stored["weight_scale"]), shape[1], zero_points)
+    assert ours.dtype == dtypes.dtype_of(theirs.dtype) and ours.tobytes() == dtypes.as_numpy(theirs).tobytes()
 
 
 @pytest.mark.parametrize("name", ["float64", "float32", "float16", "bfloat16"])

@@ -37,6 +37,8 @@ DIGESTS = {
     "hy3-preview+mtp": "ca1f77f39c9b5ea8f6966cfc8650ff49eac7ab832ad1d84fa1ec9ee530969658",
     "kimi-k2-instruct": "458681f1b5b65bee4f433c56e78524820047bc12bf2211b38d797cb6db52fb93",
     "kimi-k2-instruct+mtp": "b4ffa06a3aa851e19841f6ab8870ad30b4f39f79ec5d20b90ff68f243822199f",
+    "kimi-k2.5": "0a50b9f983ce19bd1177984ad51a8afaf1408af3be52b1884b444ee13a89885b",
+    "kimi-k2.5+mtp": "e32a43b482449e38f20062154bf839beb5489349f58adc1d0d715a2dea773691",
     "llama-2-7b": "7aceaaef0d17918000cebeb93ee331d2f0be06803eaba97c120a55dfac139c3d",
     "llama-3.1-8b": "5a93f9f860008de8ca2eef112cf6db35506f0443ba5a3e2216962383f6fa76fe",
     "minimax-m2.7": "97071d24c54e7df393811b3960e1ffed16ea08df3964619a537f10e491d43df6",

@@ -23,7 +23,7 @@ from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
 from mconvert.converters.progress import NoProgress, Progress
 from mconvert.formats import dcp_writer
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
-from mconvert.formats.quantized import fp8_block_size, is_mxfp4
+from mconvert.formats.quantized import fp8_block_size, is_mxfp4, pack_quantized
 from mconvert.formats.safetensors import Rows
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family, mtp_blocks
@@ -282,7 +282,7 @@ def import_plan(
     """The HF checkpoint in `load_dir` opened (its headers read), the plan of converting it, every tensor it holds
     checked against the plan, and how many MTP layers it holds (in the plan unless `mtp` is off or the layout
     leaves them out)."""
-    hf = HFCheckpoint(load_dir, fp8_block_size(config), check_finite=not allow_nonfinite, mxfp4=is_mxfp4(config))
+    hf = HFCheckpoint(load_dir, fp8_block_size(config), not allow_nonfinite, is_mxfp4(config), pack_quantized(config))
     held = mtp_layers_held(family, spec, hf.tensors)
     mtp = mtp and not mtp_left_out(family, parallelism)
     spec = dataclasses.replace(spec, mtp_layers=held if mtp else 0)

@@ -30,6 +30,7 @@ from mconvert.converters.progress import NoProgress, Progress
 from mconvert.dtypes import dtype_of, torch_dtype
 from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
+from mconvert.formats.quantized import quantization_config
 from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, Rows, SafetensorsWriter, StoredTensor, parse_size
 from mconvert.hub import HF_SIDE_FILES
 from mconvert.mappings import family_for_model_size, family_for_spec, get_mapping, write_hf_config
@@ -305,6 +306,9 @@ class HFExport:
     # Tensors copied unchanged from the original checkpoint (`copied_back`: the vision tower).
     copied: int = 0
     source_format: str = "torch_dist"  # the format read (MegatronTensors.format)
+    # Whether the --hf-config checkpoint's weights are quantized (its quantization_config, or its text_config's),
+    # where these are written unquantized and config.json leaves it out.
+    dequantized: bool = False
 
 
 def convert_mcore_to_hf(
@@ -367,4 +371,5 @@ def convert_mcore_to_hf(
                     for path in sorted(Path(hf_config_dir).glob(pattern)):
                         shutil.copy2(path, work / path.name)
     files = tuple(sorted(p.name for p in save_dir.iterdir()))
-    return HFExport(plan, config, files, copied=len(beside), source_format=source.format)
+    dequantized = bool(quantization_config(plan.spec.hf_config))
+    return HFExport(plan, config, files, copied=len(beside), source_format=source.format, dequantized=dequantized)

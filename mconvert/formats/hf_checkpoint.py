@@ -1,7 +1,7 @@
 """An HF model directory's weights, read lazily: `model.safetensors`, or the shards its index lists, one tensor
 (or one slice of its first axis) at a time. Reading with plain file reads into a fresh buffer, rather than
 through a memory map, keeps the process's resident memory at the tensors in hand, whatever the checkpoint's
-size. FP8 block-quantized and MXFP4 weights read dequantized (mconvert.formats.quantized); with `check_finite`,
+size. FP8 block-quantized, MXFP4 and pack-quantized INT4 weights read dequantized (mconvert.formats.quantized); with `check_finite`,
 a floating-point tensor holding NaN or Inf is an error naming it."""
 
 from __future__ import annotations
@@ -20,8 +20,14 @@ from mconvert.formats.quantized import (
     FP8_DTYPES,
     MXFP4_BLOCKS,
     MXFP4_SCALES,
+    PACKED,
+    SCALE,
     SCALE_SUFFIX,
+    SHAPE,
+    ZERO_POINT,
+    PackQuantized,
     dequantize_fp8_blocks,
+    dequantize_int4,
     dequantize_mxfp4,
 )
 from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, Part, Rows, StoredTensor, read_header
@@ -56,11 +62,14 @@ class HFCheckpoint:
     With `check_finite`, reading a floating-point tensor that holds NaN or Inf is an error naming it."""
 
     def __init__(
-        self, directory: str | os.PathLike, fp8_block: tuple[int, int] | None = None, check_finite: bool = True, mxfp4: bool = False
+        self, directory: str | os.PathLike, fp8_block: tuple[int, int] | None = None, check_finite: bool = True, mxfp4: bool = False,
+        int4: PackQuantized | None = None,
     ):
         """`fp8_block`: the block size of FP8 weights' scales (config.json's quantization_config, see
         fp8_block_size); FP8 weights are read dequantized. `mxfp4`: the config names MXFP4 weights (is_mxfp4),
-        read dequantized under their own names. `check_finite`: a weight holding NaN or Inf is an error."""
+        read dequantized under their own names. `int4`: the pack-quantized INT4 weights the config names
+        (pack_quantized), read dequantized as `<module>.weight`; without it their tensors stand as stored.
+        `check_finite`: a weight holding NaN or Inf is an error."""
         self.directory = Path(directory)
         self.check_finite = check_finite
         index = self.directory / INDEX_FILE
@@ -89,6 +98,7 @@ class HFCheckpoint:
                 raise ConversionError(f"{self.directory / file}: tensor '{name}' listed in {INDEX_FILE} is not there")
         self.scales = self._take_block_scales(fp8_block)
         self.mxfp4 = self._take_mxfp4() if mxfp4 else {}
+        self.int4 = self._take_int4(int4) if int4 is not None else {}
 
     def _take_block_scales(self, block: tuple[int, int] | None) -> dict[str, tuple[StoredTensor, tuple[int, int]]]:
         """FP8 weights' block scales, by weight name, with the block size, taken out of `tensors`: FP8 weights
@@ -129,9 +139,67 @@ class HFCheckpoint:
             packed[name] = (blocks, scales)
         return packed
 
+    def _take_int4(self, scheme: PackQuantized) -> dict[str, tuple[StoredTensor, StoredTensor, StoredTensor | None]]:
+        """Pack-quantized INT4 weights' integers, scales and zero points, by weight name, taken out of `tensors`, where
+        each weight `M.weight` stands as its dequantized values: its scales' dtype, `M.weight_shape`'s shape. Which
+        weights are packed is the checkpoint's to say (`M.weight_packed`); the config's scheme must agree: a packed
+        module that its `ignore` list names, or its `targets` do not, is an error, as are scales or zero points of
+        another layout than the scheme's."""
+        modules = [name.removesuffix("." + PACKED) for name in self.tensors if name.endswith("." + PACKED)]
+        if not modules:
+            raise ConversionError(
+                f"{self.directory}: config.json's quantization_config names pack-quantized INT4 weights, but no tensor is stored so (no *.{PACKED})"
+            )
+        shapes = self._weight_shapes(modules)
+        packed = {}
+        for module in modules:
+            name, stored = f"{module}.weight", self.tensors.pop(f"{module}.{PACKED}")
+            where = f"tensor '{module}.{PACKED}' in {stored.file}"
+            if (pattern := scheme.ignored_by(module)) is not None or not scheme.targets_module(module):
+                why = f"ignores it ('{pattern}')" if pattern is not None else f"targets {list(scheme.targets)}, not it"
+                raise ConversionError(f"{where} is packed INT4, but config.json's quantization_config {why}")
+            if name in self.tensors:
+                raise ConversionError(f"{where} is packed INT4 beside an unquantized {name}")
+            scale, zero = self.tensors.pop(f"{module}.{SCALE}", None), self.tensors.pop(f"{module}.{ZERO_POINT}", None)
+            rows, columns = shape = shapes[module]
+            groups = 1 if scheme.group_size is None else columns // scheme.group_size
+            fits = stored.dtype == np.int32 and stored.shape == (rows, -(-columns // 8)) and (scheme.group_size is None or columns % scheme.group_size == 0)
+            fits &= scale is not None and scale.shape == (rows, groups) and dtypes.is_floating(scale.dtype) and scale.dtype.itemsize > 1
+            if not fits or (zero is None) != scheme.symmetric or zero is not None and (zero.dtype != np.int32 or zero.shape != (-(-rows // 8), groups)):
+                per = "a row" if scheme.group_size is None else f"{scheme.group_size} columns"
+                zeros = " and no zero points (symmetric)" if scheme.symmetric else f" and a {module}.{ZERO_POINT} of one packed zero point each"
+                raise ConversionError(
+                    f"{where} is not pack-quantized INT4 of {module}.{SHAPE} {list(shape)} with a {module}.{SCALE} of one "
+                    f"scale per {per}{zeros}, as config.json's quantization_config says"
+                )
+            self.tensors[name] = StoredTensor(stored.file, scale.dtype, shape, stored.begin, stored.end)
+            packed[name] = (stored, scale, zero)
+        return packed
+
+    def _weight_shapes(self, modules: list[str]) -> dict[str, tuple[int, int]]:
+        """Each packed module's `weight_shape` (its weight's rows and columns), taken out of `tensors` and read, each
+        file opened once (Kimi-K2 has 70,272 of them)."""
+        by_file: dict[Path, list[tuple[str, StoredTensor]]] = {}
+        for module in modules:
+            stored = self.tensors.pop(f"{module}.{SHAPE}", None)
+            if stored is None or stored.dtype.kind != "i" or stored.shape != (2,):
+                where = f"tensor '{module}.{PACKED}' in {self.tensors[f'{module}.{PACKED}'].file}"
+                raise ConversionError(f"{where} has no {module}.{SHAPE} of two integers (its weight's shape)")
+            by_file.setdefault(stored.file, []).append((module, stored))
+        shapes = {}
+        for path, entries in by_file.items():
+            with open(path, "rb", buffering=0) as f:
+                for module, stored in entries:
+                    data = os.pread(f.fileno(), stored.end - stored.begin, stored.begin)
+                    shape = tuple(int(v) for v in np.frombuffer(data, dtype=stored.dtype.newbyteorder("<"))) if len(data) == stored.end - stored.begin else ()
+                    if len(shape) != 2 or min(shape) < 1:
+                        raise ConversionError(f"{path}: tensor '{module}.{SHAPE}' holds {list(shape)}, not a weight's two sizes")
+                    shapes[module] = shape
+        return shapes
+
     def quantized(self, name: str) -> bool:
         """Whether the tensor `name` is stored quantized (read dequantized, never copied as its bytes)."""
-        return name in self.scales or name in self.mxfp4
+        return name in self.scales or name in self.mxfp4 or name in self.int4
 
     def where(self, name: str) -> str:
         return f"tensor '{name}' in {self.tensors[name].file}"
@@ -158,6 +226,12 @@ class HFCheckpoint:
         (an FP8 weight's whole, its scales being per block)."""
         if isinstance(index, Rows) and self.quantized(name):
             return np.ascontiguousarray(index.select(self.read(name)))
+        if name in self.int4:  # a linear layer's 2-D weight, read whole (a slice `index` of it is cut from it)
+            tensor = self._dequantize_int4(name, into)
+            tensor = tensor if index is None else np.ascontiguousarray(tensor[index])
+            if self.check_finite and not dtypes.finite(tensor):
+                raise self._nonfinite(name, index)
+            return tensor
         if name in self.mxfp4:
             blocks, scales = (self._read_stored(stored, name, index) for stored in self.mxfp4[name])
             tensor = np.ascontiguousarray(dequantize_mxfp4(blocks, scales).swapaxes(-1, -2))
@@ -237,3 +311,12 @@ class HFCheckpoint:
         scale, block = self.scales[name]
         scales = self._read_stored(scale, name + SCALE_SUFFIX, index)
         return dequantize_fp8_blocks(tensor, scales, block)
+
+    def _dequantize_int4(self, name: str, into: np.ndarray | None) -> np.ndarray:
+        """A pack-quantized INT4 weight's values, in its scales' dtype: its packed integers read into `into` (which
+        holds the dequantized tensor's bytes, four times theirs or more), its scales and zero points into fresh
+        memory."""
+        packed, scale, zero = self.int4[name]
+        words = self._read_runs(packed, name, [(packed.begin, packed.end - packed.begin)], packed.shape, into)
+        zeros = None if zero is None else self._read_stored(zero, name, None)
+        return dequantize_int4(words, self._read_stored(scale, name, None), self.tensors[name].shape[1], zeros)

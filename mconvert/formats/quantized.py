@@ -1,12 +1,19 @@
 """Quantized hub weights, dequantized a tensor at a time while streaming: block-quantized FP8 (DeepSeek-V3's
 `quant_method: fp8` with `weight_block_size`), where each FP8 weight `X` comes with `X_scale_inv`, one factor per
 block, which multiplies the block back to its values: fp32, or a power of two in float8_e8m0fnu where the config
-says `scale_fmt: ue8m0` (DeepSeek-V3.2), both read as their values. And MXFP4 (gpt-oss's `quant_method: mxfp4`):
-a weight `X` stored as `X_blocks`, two 4-bit floats a byte, and `X_scales`, one power of two per 32 values.
+says `scale_fmt: ue8m0` (DeepSeek-V3.2), both read as their values. MXFP4 (gpt-oss's `quant_method: mxfp4`):
+a weight `X` stored as `X_blocks`, two 4-bit floats a byte, and `X_scales`, one power of two per 32 values. And
+compressed-tensors' pack-quantized INT4 (Kimi-K2-Thinking's and Kimi-K2.5's experts): a linear layer `M` stored as
+`M.weight_packed`, eight 4-bit integers an int32, `M.weight_scale`, one factor per group of a row, `M.weight_shape`
+and, where asymmetric, `M.weight_zero_point`.
 
-(FP8's block size, and whether a config names MXFP4, are both read from config.json's quantization_config.)"""
+(FP8's block size, whether a config names MXFP4, and the INT4 scheme are all read from config.json's
+quantization_config, or its text_config's where the config describes an image-text model.)"""
 
 from __future__ import annotations
+
+import re
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -22,9 +29,16 @@ MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
+def quantization_config(config: dict) -> dict:
+    """config.json's quantization_config, or its text_config's where it has none (Kimi-K2.5 states its language
+    model's there); {} where neither names one."""
+    text = config.get("text_config")
+    return config.get("quantization_config") or (text.get("quantization_config") if isinstance(text, dict) else None) or {}
+
+
 def is_mxfp4(config: dict) -> bool:
     """Whether config.json's quantization_config names MXFP4 weights (gpt-oss as released)."""
-    return (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+    return quantization_config(config).get("quant_method") == "mxfp4"
 
 
 def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype: np.dtype = dtypes.bfloat16) -> np.ndarray:
@@ -45,14 +59,14 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype: np.dtype = d
 def fp8_block_size(config: dict) -> tuple[int, int] | None:
     """The block size of block-quantized FP8 weights that config.json's quantization_config names
     (DeepSeek-V3: `quant_method: fp8`, `weight_block_size: [128, 128]`), None when it names none (or MXFP4)."""
-    quantization = config.get("quantization_config") or {}
+    quantization = quantization_config(config)
     block = quantization.get("weight_block_size")
-    if not quantization or is_mxfp4(config):
+    if not quantization or quantization.get("quant_method") in ("mxfp4", COMPRESSED_TENSORS):
         return None
     if quantization.get("quant_method") != "fp8" or not block or len(block) != 2:
         raise ConversionError(
             f"config.json: quantization_config {quantization} is not supported (block-quantized fp8 with a "
-            f"2-D weight_block_size, and mxfp4, are)"
+            f"2-D weight_block_size, mxfp4, and compressed-tensors' pack-quantized INT4 are)"
         )
     return int(block[0]), int(block[1])
 
@@ -70,3 +84,101 @@ def dequantize_fp8_blocks(tensor: np.ndarray, scales: np.ndarray, block: tuple[i
     blocked = values.reshape(*values.shape[:-2], rows // block_rows, block_rows, cols // block_cols, block_cols)
     blocked *= factors[..., :, None, :, None]
     return values
+
+
+COMPRESSED_TENSORS = "compressed-tensors"
+# A pack-quantized linear layer's tensors, beside its name (compressed-tensors' PackedQuantizationCompressor).
+PACKED, SCALE, SHAPE, ZERO_POINT = "weight_packed", "weight_scale", "weight_shape", "weight_zero_point"
+# The two integers of each byte of packed INT4, the low 4 bits first, stored as compressed-tensors stores them: plus 8.
+INT4_PAIRS = np.stack([np.tile(np.arange(16) - 8, 16), np.repeat(np.arange(16) - 8, 16)], axis=-1).astype(np.float32)
+
+
+def _names(pattern: str, module: str) -> bool:
+    """Whether a quantization_config `ignore` or `targets` entry names `module`, as compressed-tensors matches names:
+    `re:` and a regular expression matched from the start of the name, else the whole name."""
+    if pattern.startswith("re:"):
+        return re.match(pattern.removeprefix("re:"), module) is not None
+    return pattern == module
+
+
+@dataclass(frozen=True)
+class PackQuantized:
+    """compressed-tensors' pack-quantized INT4 weights as config.json's quantization_config states them: the modules
+    its `ignore` list leaves unquantized and those its `targets` name, the group size (None: one scale a row,
+    `strategy: channel`), and whether the integers are symmetric (no zero points)."""
+
+    ignore: tuple[str, ...]
+    targets: tuple[str, ...]
+    group_size: int | None
+    symmetric: bool
+
+    def ignored_by(self, module: str) -> str | None:
+        """The `ignore` entry that leaves `module` unquantized, None where none does."""
+        return next((pattern for pattern in self.ignore if _names(pattern, module)), None)
+
+    def targets_module(self, module: str) -> bool:
+        """Whether `targets` takes in `module`, as compressed-tensors' dequantization of a checkpoint (no model in
+        hand) decides: every module where they name the class `Linear` (or nothing), else those they name."""
+        return not self.targets or "Linear" in self.targets or any(_names(pattern, module) for pattern in self.targets)
+
+
+def pack_quantized(config: dict) -> PackQuantized | None:
+    """The INT4 weights config.json's quantization_config names (compressed-tensors' `pack-quantized` format), None
+    where it names none; an error naming what it names that is not 4-bit integer weights alone, in groups of a row
+    or one scale a row."""
+    quantization = quantization_config(config)
+    if quantization.get("quant_method") != COMPRESSED_TENSORS:
+        return None
+    supported = "(compressed-tensors' pack-quantized 4-bit integer weights, in groups of a row or one scale a row, are)"
+    schemes, targets = set(), []
+    for key, group in (quantization.get("config_groups") or {}).items():
+        weights, fmt = group.get("weights") or {}, group.get("format") or quantization.get("format")
+        what = f"config_groups.{key}"
+        if fmt != "pack-quantized":
+            what += f" format {fmt}"
+        elif group.get("input_activations") or group.get("output_activations"):
+            what += " quantizing activations"
+        elif (weights.get("type"), weights.get("num_bits"), weights.get("dynamic") or False) != ("int", 4, False):
+            what += f" weights of type {weights.get('type')}, num_bits {weights.get('num_bits')}, dynamic {weights.get('dynamic')}"
+        elif weights.get("strategy") not in ("group", "channel") or weights.get("actorder") == "group":
+            # actorder group stores its groups by a permutation of the columns (weight_g_idx).
+            what += f" weights of strategy {weights.get('strategy')}, actorder {weights.get('actorder')}"
+        else:
+            group_size = weights.get("group_size") if weights["strategy"] == "group" else None
+            if weights["strategy"] == "group" and not (isinstance(group_size, int) and group_size > 0):
+                what += f" group_size {group_size}"
+            else:
+                schemes.add((group_size, bool(weights.get("symmetric", True))))
+                targets += group.get("targets") or []
+                continue
+        raise ConversionError(f"config.json: quantization_config's {what} is not supported {supported}")
+    if quantization.get("kv_cache_scheme") or len(schemes) != 1:
+        why = "a kv_cache_scheme" if quantization.get("kv_cache_scheme") else f"{len(schemes) or 'no'} weight schemes"
+        raise ConversionError(f"config.json: quantization_config with {why} is not supported {supported}")
+    ((group_size, symmetric),) = schemes
+    return PackQuantized(tuple(quantization.get("ignore") or ()), tuple(targets), group_size, symmetric)
+
+
+def unpack_int4(words: np.ndarray, count: int) -> np.ndarray:
+    """The 4-bit integers packed in int32 `words` [..., n], as stored (little-endian), as fp32 [..., count]: value
+    i of a row is bits 4 (i % 8) up of word i // 8, less 8; in the stored bytes, byte i // 2's low 4 bits for an
+    even i, its high 4 for an odd one. Each byte's two values are looked up at once."""
+    pairs = np.take(INT4_PAIRS, np.ascontiguousarray(words).view(np.uint8), axis=0)
+    values = pairs.reshape(*words.shape[:-1], -1)
+    return values if values.shape[-1] == count else values[..., :count]
+
+
+def dequantize_int4(packed: np.ndarray, scales: np.ndarray, columns: int, zero_points: np.ndarray | None = None) -> np.ndarray:
+    """A pack-quantized weight as [rows, columns] of its scales' dtype, as compressed-tensors' decompression gives it:
+    each integer (less its group's zero point) times its group's scale, computed in the scales' dtype. `packed` [rows,
+    ceil(columns / 8)] int32, `scales` [rows, groups] (columns / groups values each: one group a row for strategy
+    channel), `zero_points` [ceil(rows / 8), groups] int32, packed along the rows. In fp32 here: a 4-bit integer, or
+    the difference of two, times a bf16 or fp16 scale is exact there, and is then rounded once to the scales' dtype,
+    as torch's bf16 and fp16 products are (computed in fp32, rounded to nearest even); an fp32 scale's product is
+    rounded in fp32, as torch's is."""
+    rows, groups = scales.shape
+    grouped = unpack_int4(packed, columns).reshape(rows, groups, columns // groups)
+    if zero_points is not None:
+        grouped -= unpack_int4(zero_points.T, rows).T[..., None]
+    grouped *= scales.astype(np.float32)[..., None]
+    return grouped.reshape(rows, columns).astype(scales.dtype)

@@ -17,6 +17,7 @@ from mconvert.mappings import (
     glm4_moe,
     gpt_oss,
     hy_v3,
+    kimi_k25,
     llama,
     minimax_m2,
     mixtral,
@@ -41,7 +42,7 @@ FAMILIES: dict[str, Family] = {
     for family in (
         llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, deepseek.FAMILY, glm4_moe.FAMILY,
         deepseek_v32.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY, qwen3_5.FAMILY, qwen3_5.TEXT_FAMILY, minimax_m2.FAMILY,
-        nemotron_h.FAMILY, ernie4_5.FAMILY, olmoe.FAMILY, hy_v3.FAMILY, olmo2.FAMILY, olmo3.FAMILY,
+        nemotron_h.FAMILY, ernie4_5.FAMILY, olmoe.FAMILY, hy_v3.FAMILY, olmo2.FAMILY, olmo3.FAMILY, kimi_k25.FAMILY,
     )
 }
 
@@ -68,6 +69,21 @@ def remote_code_architecture(config: dict[str, Any]) -> tuple[Family, str] | Non
     if name not in (config.get("architectures") or ()):
         return None
     return next(((family, name) for family in FAMILIES.values() if name in dict(family.architectures)), None)
+
+
+def language_model_of(config: dict[str, Any]) -> tuple[Family, str, str] | None:
+    """For a model that ships its own code of a class transformers lacks, whose language model (text_config) ships
+    code of a class mconvert maps (Kimi-K2.5's kimi_k25 around a DeepseekV3ForCausalLM): that class's family, the
+    class, and the prefix of the language model's tensors in the checkpoint (`language_model.`: the family's layer
+    prefix before the inner family's). None for the rest. The shipped code is never imported or run."""
+    family = next((family for family in FAMILIES.values() if config.get("model_type") in family.model_types), None)
+    text = config.get("text_config")
+    if "auto_map" not in config or family is None or config.get("model_type") in dict(family.architectures).values() or not isinstance(text, dict):
+        return None
+    if (taken := remote_code_architecture(text)) is None:
+        return None
+    inner, architecture = taken
+    return inner, architecture, family.table.layer_prefix.removesuffix(inner.table.layer_prefix)
 
 
 def family_for_config(config: dict[str, Any], source: str = "config.json") -> Family:
@@ -98,17 +114,21 @@ def how_read(config: dict[str, Any]) -> str | None:
         return None
     model_type = config.get("model_type")
     family = next((family for family in FAMILIES.values() if model_type in family.model_types), None)
-    if family is not None:
+    if family is not None and model_type in dict(family.architectures).values():
         architecture = next(name for name, of_type in family.architectures if of_type == model_type)
         return (
             f"model_type '{model_type}' ships its own code (auto_map), which was not run: read as transformers' "
             f"built-in {architecture} (the {family.name} family), the class of that model_type"
         )
-    if (taken := remote_code_architecture(config)) is None:
+    if family is not None:  # a model transformers has no class of (Kimi-K2.5), whose language model's code is one it has
+        taken, read = language_model_of(config), "its language model (text_config) read as"
+    else:
+        taken, read = remote_code_architecture(config), "read as"
+    if taken is None:
         return None
-    family, architecture = taken
+    family, architecture = taken[:2]
     return (
-        f"model_type '{model_type}' ships its own code (auto_map), which was not run: read as "
+        f"model_type '{model_type}' ships its own code (auto_map), which was not run: {read} "
         f"{architecture} (the {family.name} family), the class its auto_map and architectures name"
     )
 
@@ -203,5 +223,5 @@ def write_hf_config(family: Family, spec: ModelSpec) -> dict[str, Any]:
 
 __all__ = [
     "FAMILIES", "INEXPRESSIBLE", "Family", "ModelSpec", "MoESpec", "RopeScaling", "Table", "family_for_config", "family_for_model_size",
-    "family_for_spec", "get_mapping", "how_read", "remote_code_architecture", "write_hf_config",
+    "family_for_spec", "get_mapping", "how_read", "language_model_of", "remote_code_architecture", "write_hf_config",
 ]

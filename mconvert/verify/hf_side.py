@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
-from mconvert.dependencies import ACCELERATE, VERIFY_INSTALL, require
+from mconvert.dependencies import ACCELERATE, COMPRESSED_TENSORS, VERIFY_INSTALL, require
 from mconvert.errors import ConversionError
-from mconvert.mappings import remote_code_architecture
+from mconvert.formats.quantized import quantization_config
+from mconvert.mappings import family_for_config, language_model_of, remote_code_architecture
 
 
 @dataclass
@@ -29,21 +30,33 @@ class Outputs:
 def load_hf_model(hf_dir: str | Path, dtype: torch.dtype):
     """transformers' model of an HF directory, offline. A checkpoint that ships its own code (auto_map) under a
     model_type transformers does not know is built as the transformers class its `architectures` names, as
-    mconvert reads it (mconvert.mappings.remote_code_architecture); its own code is not run."""
+    mconvert reads it (mconvert.mappings.remote_code_architecture); one of a class transformers lacks whose language
+    model is such a class (Kimi-K2.5) is built as its language model, from its text_config and its tensors under the
+    language model's prefix (the vision tower is not built). Its own code is not run."""
     import transformers
 
     config = json.loads((Path(hf_dir) / "config.json").read_text())
     options = dict(dtype=dtype, local_files_only=True, **dequantized(config, hf_dir))
-    taken = remote_code_architecture(config)
+    taken, inside = remote_code_architecture(config), language_model_of(config)
+    if inside is not None:
+        text = config["text_config"]
+        taken, described = inside[:2], {**text, "tie_word_embeddings": config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
+        options["key_mapping"] = {f"^{re.escape(inside[2])}": ""}
+    else:
+        described = config
     with transformers_log_held() as held:
         try:
             if taken is None:
                 model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **options)
             else:
                 family, architecture = taken
-                fields = {key: value for key, value in config.items() if key not in ("auto_map", "model_type")}
-                hf_config = transformers.AutoConfig.for_model(family.hf_model_type(config), **fields)
-                model = getattr(transformers, architecture).from_pretrained(hf_dir, config=hf_config, **options)
+                fields = {key: value for key, value in described.items() if key not in ("auto_map", "model_type")}
+                hf_config = transformers.AutoConfig.for_model(family.hf_model_type(described), **fields)
+                model_class = getattr(transformers, architecture)
+                if inside is not None:  # the tensors beside the language model (its vision tower) are not its own
+                    left_out = [f"^{re.escape(prefix)}" for prefix, _ in family_for_config(config).table.left_out]
+                    model_class = type(architecture, (model_class,), {"_keys_to_ignore_on_load_unexpected": left_out})
+                model = model_class.from_pretrained(hf_dir, config=hf_config, **options)
         except (RuntimeError, ValueError) as error:  # e.g. its FP8 dequantization of blocks cut at a tensor's edge
             raise ConversionError(
                 f"{Path(hf_dir)}: transformers {transformers.__version__} cannot load it as the judge: {load_failure(held, error)}"
@@ -91,15 +104,17 @@ def load_failure(held: list[str], error: Exception) -> str:
 
 def dequantized(config: dict, hf_dir: str | Path) -> dict:
     """from_pretrained's setting for a checkpoint stored quantized (DeepSeek-V3's and MiniMax-M2's FP8 blocks,
-    gpt-oss's MXFP4): transformers' own dequantization of its weights, the values mconvert converts. Running them
-    quantized instead needs kernels that only some GPUs and extra packages have."""
-    quantization = config.get("quantization_config")
+    gpt-oss's MXFP4, Kimi-K2-Thinking's pack-quantized INT4): transformers' own dequantization of its weights, the
+    values mconvert converts. Running them quantized instead needs kernels that only some GPUs and extra packages have."""
+    quantization = quantization_config(config)
     if not quantization:
         return {}
     from transformers.quantizers.auto import AutoQuantizationConfig
 
     if quantization.get("quant_method") == "fp8":
         require((ACCELERATE,), f"verify of the FP8 checkpoint {Path(hf_dir)}", VERIFY_INSTALL)
+    if quantization.get("quant_method") == "compressed-tensors":
+        require((COMPRESSED_TENSORS,), f"verify of the INT4 checkpoint {Path(hf_dir)}", "pip install compressed-tensors")
     return {"quantization_config": AutoQuantizationConfig.from_dict({**quantization, "dequantize": True})}
 
 

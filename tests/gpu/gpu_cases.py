@@ -96,6 +96,8 @@ FAMILIES = [
     Family("qwen3_moe", "qwen3-30b-a3b"),
     Family("mixtral", "mixtral-8x7b-v0.1"),
     Family("deepseek", "deepseek-v3"),
+    # Kimi-K2.5's language model (its vision tower is left out, and copied back by the export).
+    Family("kimi_k25", "kimi-k2.5"),
     Family("glm4_moe", "glm-4.5-air"),
     Family("deepseek_v32", "deepseek-v3.2"),
     Family("gpt_oss", "gpt-oss-20b", overrides={"sliding_window": 32}, layouts=("tp2pp2etp1", "tp2ep4etp1", "ep4"),
