@@ -57,7 +57,8 @@ DENSE = {"layouts": ("tp2pp2",), "skipped": {"tp2ep2": "dense: no experts", "ep4
 class Family:
     name: str  # mconvert's family name (mconvert.mappings.FAMILIES), or the case's where `family` names it
     config: str  # a real config in mconvert/configs
-    # mconvert's family name where `name` is a model type of it, read by config rules of its own.
+    # mconvert's family name where `name` is not one: a model type the family reads by config rules of its own
+    # (GLM-4.7-Flash in deepseek's), or a second model of it (Nemotron 3 Super's latent MoE beside Nano's).
     family: str = ""
     layers: int = 2
     overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # config fields after shrinking
@@ -75,8 +76,6 @@ class Family:
     compiles_kernels: bool = False
     # Megatron-LM's logits may differ from transformers' by ATOL + logit_rtol x the largest logit (tests/gpu/test_layouts.py).
     logit_rtol: float = 1e-4
-    # mconvert's family, for a case that is a second model of one (Nemotron 3 Super's latent MoE beside Nano's).
-    family: str = ""
 
 
 # Gated delta-net: megatron-core's layers import flash-linear-attention (scripts/gpu/run_gpu_tests.sh installs it, and
