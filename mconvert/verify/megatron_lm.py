@@ -144,6 +144,7 @@ def load_as_megatron_lm(argv: list[str]):
     """In a rank: parse `argv` as Megatron-LM does, build the model as pretrain_gpt.py does (pretrain_hybrid.py, for a
     hybrid layer pattern) and load the checkpoint `--load` names through Megatron-LM's `load_checkpoint`. Returns
     (the model chunks, the args)."""
+    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.training import checkpointing, global_vars
@@ -160,6 +161,10 @@ def load_as_megatron_lm(argv: list[str]):
     else:
         build = build_model_as_pretrain_gpt
     model = build(args, parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
+    if dist.get_backend() == "nccl":
+        # As Megatron-LM's get_model places the model before loading: Transformer Engine's modules are made on the GPU,
+        # plain parameters (a shared expert's gate, mconvert's own layers' norms) on the CPU.
+        model.cuda(torch.cuda.current_device())
     checkpointing.load_checkpoint([model], None, None, strict=True)
     model.eval()
     return [model], args

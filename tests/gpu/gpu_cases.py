@@ -87,6 +87,10 @@ class Family:
 # tokens, one chunk) give KL 2.5e-10.
 DELTA_NET = {"megatron_flags": ("--deterministic-mode",), "compiles_kernels": True, "logit_rtol": 1e-3}
 
+# YaRN's fused MLA rope (megatron-core's Triton kernel, which Megatron-LM runs by default) takes head dims of powers of
+# two, as the released models have (128); the shrunk value head's 12 would stop it.
+MLA_ROPE_FUSION = {"v_head_dim": 16}
+
 FAMILIES = [
     Family("llama", "llama-3.1-8b", **DENSE),
     Family("qwen2", "qwen2.5-7b-instruct", **DENSE),
@@ -94,9 +98,9 @@ FAMILIES = [
     Family("qwen2_moe", "qwen1.5-moe-a2.7b"),
     Family("qwen3_moe", "qwen3-30b-a3b"),
     Family("mixtral", "mixtral-8x7b-v0.1"),
-    Family("deepseek", "deepseek-v3"),
+    Family("deepseek", "deepseek-v3", overrides=MLA_ROPE_FUSION),
     # Kimi-K2.5's language model (its vision tower is left out, and copied back by the export).
-    Family("kimi_k25", "kimi-k2.5"),
+    Family("kimi_k25", "kimi-k2.5", overrides=MLA_ROPE_FUSION),
     Family("glm4_moe", "glm-4.5-air"),
     Family("deepseek_v32", "deepseek-v3.2"),
     Family("gpt_oss", "gpt-oss-20b", overrides={"sliding_window": 32}, layouts=("tp2pp2etp1", "tp2ep4etp1", "ep4"),
@@ -104,7 +108,8 @@ FAMILIES = [
     Family("qwen3_next", "qwen3-next-80b-a3b-instruct", layers=4, **DELTA_NET),
     Family("qwen3_5", "qwen3.5-0.8b", layers=4, **DENSE, **DELTA_NET),
     Family("qwen3_5_text", "qwen3.5-35b-a3b", layers=4, text_only=True, **DELTA_NET),
-    Family("minimax_m2", "minimax-m2.7"),
+    # transformers 5.17 (the GPU machines') turns rope on the head's dims that partial_rotary_factor says, not rotary_dim.
+    Family("minimax_m2", "minimax-m2.7", overrides={"partial_rotary_factor": 0.5}),
     # Rope on interleaved pairs: the printed flags keep Transformer Engine's fused rope (TE >= 2.3 rotates pairs).
     Family("ernie4_5", "ernie-4.5-0.3b-pt", **DENSE),
     Family("olmoe", "olmoe-1b-7b-0924"),
