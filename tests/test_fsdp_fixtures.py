@@ -62,10 +62,7 @@ def mismatches(read: dict[str, torch.Tensor], trained: dict[str, dict]) -> list[
 
 # A save at EP above 1 holds experts its one-GPU run's weights do not (each expert-parallel rank draws its own): each
 # rank dumped its own beside the save (experts.sha256.json, scripts/gpu/save_fixture.py), which hold every expert of
-# the save bit for bit, the MTP layer's included. fsdp_dtensor-deepseek-ep2 was made before those dumps; until it is
-# remade (MADE.md), its experts are held as far as its one-GPU run's weights hold them. True once it is: then an
-# expert-parallel fixture without the dumps fails.
-EXPERT_DUMPS_REQUIRED = False
+# the save bit for bit, the MTP layer's included.
 
 
 def expert_parallel_size(fixture: Path) -> int:
@@ -81,14 +78,8 @@ def test_the_way_back_reads_the_weights_the_run_trained(name):
     assert save.format == name.split("-")[0]
     trained = trained_weights(fixture)
     read = read_by_model_name(save)
-    if expert_parallel_size(fixture) > 1 and not (fixture / "experts.sha256.json").exists():
-        assert not EXPERT_DUMPS_REQUIRED, f"{fixture}: no experts.sha256.json (its expert-parallel ranks' own experts)"
-        # Its weights are a one-GPU run's (MADE.md), whose experts Megatron drew from one stream, where each
-        # expert-parallel rank draws its own: only the first tensor rank 0 draws is the same. The experts are held
-        # by the export's loss (below).
-        same_draw = re.compile(r"^decoder\.layers\.1\.mlp\.experts\.linear_fc1\.weight[0-3]$")
-        read = {n: t for n, t in read.items() if ".mlp.experts." not in n or same_draw.match(n)}
-        trained = {n: d for n, d in trained.items() if ".mlp.experts." not in n or same_draw.match(n)}
+    if expert_parallel_size(fixture) > 1:
+        assert (fixture / "experts.sha256.json").exists(), f"{fixture}: no experts.sha256.json (its expert-parallel ranks' own experts)"
     assert not mismatches(read, trained)
     assert all(NEVER_SAVED.search(n) for n in trained.keys() - read.keys()), sorted(trained.keys() - read.keys())
 
