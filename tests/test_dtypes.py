@@ -1,4 +1,4 @@
-"""The way in's numpy arithmetic against torch's, bit for bit: casts between the weights' dtypes (round to nearest even,
+"""hf-to-mcore's numpy arithmetic against torch's, bit for bit: casts between the weights' dtypes (round to nearest even,
 ties, subnormals, overflow), FP8, MXFP4 and pack-quantized INT4 dequantized, and the finite check on every float dtype."""
 
 import numpy as np

@@ -127,7 +127,7 @@ def test_random_fp8_checkpoints_are_the_hubs_layout(tmp_path):
     assert torch.equal(converted, dequantize(tensors[name], tensors[name + "_scale_inv"]))
 
 
-def test_the_way_back_writes_no_quantization_config(checkpoints, tmp_path, capsys):
+def test_the_export_writes_no_quantization_config(checkpoints, tmp_path, capsys):
     fp8, _ = checkpoints
     assert main(["hf-to-mcore", "--load-dir", str(fp8), "--save-dir", str(tmp_path / "mcore"), "--dtype", "bf16"]) == 0
     capsys.readouterr()

@@ -65,7 +65,7 @@ def megatron_logits(ckpt, parallelism: Parallelism) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_megatron_core_gives_transformers_logits_and_the_way_back_is_bit_exact(layout, hf, tmp_path):
+def test_megatron_core_gives_transformers_logits_and_the_export_is_bit_exact(layout, hf, tmp_path):
     parallelism = LAYOUTS[layout]
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
     torch.testing.assert_close(megatron_logits(tmp_path / "mcore", parallelism), hf_logits(hf), rtol=1e-4, atol=1e-4)
@@ -157,7 +157,7 @@ def test_the_printed_verify_command_runs_as_printed_and_a_wrong_etp_is_one_line(
 def test_mxfp4_hub_weights_convert_as_transformers_dequantizes_them(hf, tmp_path):
     """gpt-oss as released: each layer's experts stored as MXFP4 (`gate_up_proj_blocks` [E, 2I, H/32, 16] bytes of two
     4-bit floats, `gate_up_proj_scales` [E, 2I, H/32] exponents; `down_proj` alike), `quant_method: mxfp4`. They
-    convert as the bf16 weights transformers' own dequantization makes of them; the way back writes those, without
+    convert as the bf16 weights transformers' own dequantization makes of them; mcore-to-hf writes those, without
     the quantization_config, and says so."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 

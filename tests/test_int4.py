@@ -161,7 +161,7 @@ def test_the_judge_tells_the_int4_model_from_the_one_before_quantization(made, t
     assert failed.returncode == 1 and "FAIL" in failed.stdout, failed.stdout + failed.stderr
 
 
-def test_kimi_k25_leaves_out_its_vision_tower_and_the_way_back_copies_it_unquantizing_the_rest(made, tmp_path):
+def test_kimi_k25_leaves_out_its_vision_tower_and_the_export_copies_it_unquantizing_the_rest(made, tmp_path):
     """hf-to-mcore says what it leaves out; mcore-to-hf with the original as --hf-config writes Kimi-K2.5 back: the
     vision tower and projector copied bit for bit, the language model in bf16 bit for bit compressed-tensors'
     dequantization, config.json Kimi's own (kimi_k25 around kimi_k2) without the quantization_config."""

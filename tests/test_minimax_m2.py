@@ -66,7 +66,7 @@ def megatron_logits(ckpt, parallelism: Parallelism) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_megatron_core_gives_transformers_logits_and_the_way_back_is_bit_exact(layout, hf, tmp_path):
+def test_megatron_core_gives_transformers_logits_and_the_export_is_bit_exact(layout, hf, tmp_path):
     parallelism = LAYOUTS[layout]
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
     torch.testing.assert_close(megatron_logits(tmp_path / "mcore", parallelism), hf_logits(hf), rtol=1e-4, atol=1e-4)

@@ -105,7 +105,7 @@ def test_super_has_megatron_cores_latent_moe_and_mtp_keys_and_converts_back_bit_
 
 def test_a_save_without_megatron_lms_args_is_read_as_a_hybrid_model(hf, tmp_path):
     """ms-swift saves Nemotron-H as a HybridModel with its own training arguments in place of Megatron-LM's (no model in
-    them; found beside the peers on the GPU host): given --hf-config, the way back takes it as HybridModel, the only
+    them; found beside the peers on the GPU host): given --hf-config, mcore-to-hf takes it as HybridModel, the only
     model that holds Nemotron-H's layers, bit for bit; taken as GPTModel it was refused."""
     import argparse
 

@@ -4,7 +4,7 @@ add, and q and k each normalised over all heads of the layer (mconvert's layer s
 `--spec`); OLMo 3's windows on three layers in four, the prompts three windows long. The norm weights are far from
 ones (make_hf_checkpoint), the matrices at std 0.1. Planted faults are caught: the same checkpoint in layers whose norms
 come before their sublayers, and OLMo 3's window on the other layers, move megatron-core's logits; q/k norms per head
-would move transformers' own far beyond the comparison's tolerance. The way back is bit-exact from the stored args. In
+would move transformers' own far beyond the comparison's tolerance. The export is bit-exact from the stored args. In
 bf16, the q/k norms give transformers' bits (the weight applied in fp32, before the cast back)."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def megatron_logits(ckpt, parallelism: Parallelism, view=megatron_view) -> torch
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_megatron_core_gives_transformers_logits_and_the_way_back_is_bit_exact(name, made, tmp_path):
+def test_megatron_core_gives_transformers_logits_and_the_export_is_bit_exact(name, made, tmp_path):
     hf, parallelism = made(name), MODELS[name][2]
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
     torch.testing.assert_close(megatron_logits(tmp_path / "mcore", parallelism), hf_logits(hf), rtol=1e-4, atol=1e-4)

@@ -291,7 +291,7 @@ def main() -> int:
             result.update(lr0_exit=code0, trained_exit=code1)
             reference = hf
             if options.from_scratch and code0 == 0:
-                # The run's own weights, as the way back reads them from its save: transformers' loss is theirs.
+                # The run's own weights, as mcore-to-hf reads them from its save: transformers' loss is theirs.
                 reference = work / "exported"
                 code, result["export_s"] = run(
                     [sys.executable, "-m", "mconvert.cli", "mcore-to-hf", "--load-dir", str(work / "save0"), "--save-dir",

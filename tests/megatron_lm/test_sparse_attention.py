@@ -91,7 +91,7 @@ def positions_off(megatron_logits: torch.Tensor, reference: torch.Tensor, by: fl
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_megatron_core_gives_transformers_logits_and_the_way_back_is_bit_exact(case, made, tmp_path):
+def test_megatron_core_gives_transformers_logits_and_the_export_is_bit_exact(case, made, tmp_path):
     name, parallelism, overrides = CASES[case]
     hf = made(name, **overrides)
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
