@@ -1,5 +1,5 @@
-"""ERNIE 4.5 dense converted to torch_dist and judged by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU ranks)
-at TP 2 x PP 2 through `mconvert verify`: rope on interleaved pairs of each head's dims (megatron-core's
+"""ERNIE 4.5 dense converted to torch_dist and checked by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU
+ranks) at TP 2 x PP 2 through `mconvert verify`: rope on interleaved pairs of each head's dims (megatron-core's
 rotary_interleaved), tied embeddings, head_dim 128 beside a width of 1024 (shrunk: 32 beside 64). The planted fault,
 the same checkpoint with rope on the halves of each head (the flag left out), moves megatron-core's logits far beyond
 the tolerance. HybridModel builds its rope without the flag: refused in one line. ERNIE 4.5 MoE, whose router megatron-core

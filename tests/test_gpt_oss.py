@@ -1,4 +1,4 @@
-"""gpt-oss converted to torch_dist and judged by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU ranks) at
+"""gpt-oss converted to torch_dist and checked by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU ranks) at
 TP 2 x EP 2 (ETP 1: megatron-core takes biased experts only there) and PP 2: attention with biases and a learned
 sink per head, a window on every other layer, YaRN that does not round its correction range, a router with a
 bias, experts with biases and a clamped, offset quick-GELU gate. The prompts are longer than the window, the sinks
@@ -192,8 +192,8 @@ def test_mxfp4_hub_weights_convert_as_transformers_dequantizes_them(hf, tmp_path
     assert back.keys() == plain.keys() and all(torch.equal(back[k], plain[k]) for k in plain)
     assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
     # verify runs transformers on its own dequantization of the blocks (running them as MXFP4 needs kernels and a GPU)
-    judged = run_cli("verify", "--hf", tmp_path / "mxfp4", "--mcore", tmp_path / "mxfp4-mcore", "--tp", "2", "--ep", "2", "--etp", "1", "--device", "cpu")
-    assert judged.returncode == 0 and judged.stdout.strip().endswith("PASS"), judged.stdout + judged.stderr
+    checked = run_cli("verify", "--hf", tmp_path / "mxfp4", "--mcore", tmp_path / "mxfp4-mcore", "--tp", "2", "--ep", "2", "--etp", "1", "--device", "cpu")
+    assert checked.returncode == 0 and checked.stdout.strip().endswith("PASS"), checked.stdout + checked.stderr
 
 
 def test_random_mxfp4_checkpoints_are_the_hubs_layout(tmp_path):

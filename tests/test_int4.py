@@ -137,22 +137,22 @@ def test_a_planted_fault_breaks_the_bit_for_bit_agreement(fault, made, tmp_path,
     assert different == ["decoder.layers.1.mlp.experts.experts.linear_fc1.weight", "decoder.layers.1.mlp.experts.experts.linear_fc2.weight"]
 
 
-@pytest.mark.parametrize("judge", ["dequantized", "int4"])
+@pytest.mark.parametrize("reference", ["dequantized", "int4"])
 @pytest.mark.parametrize("model", MODELS)
-def test_megatron_core_gives_the_logits_transformers_gives_from_the_dequantized_model(model, judge, made, tmp_path):
+def test_megatron_core_gives_the_logits_transformers_gives_from_the_dequantized_model(model, reference, made, tmp_path):
     """`mconvert verify` runs megatron-core (gloo CPU ranks, TP 2, EP 2) on the conversion of the INT4 checkpoint, and
     transformers on compressed-tensors' dequantization of it, or on the INT4 checkpoint itself, which transformers
     dequantizes through compressed-tensors as it loads (Kimi-K2.5: its language model, which transformers builds from
     its text_config)."""
     int4, dequantized = made[model]
     assert run_cli("hf-to-mcore", "--load-dir", int4, "--save-dir", tmp_path / "mcore", "--tp", "2", "--ep", "2").returncode == 0
-    hf = int4 if judge == "int4" else dequantized
+    hf = int4 if reference == "int4" else dequantized
     passed = run_cli("verify", "--hf", hf, "--mcore", tmp_path / "mcore", "--tp", "2", "--ep", "2", "--device", "cpu")
     assert passed.returncode == 0 and passed.stdout.strip().endswith("PASS"), passed.stdout + passed.stderr
     assert "UNEXPECTED" not in passed.stderr  # Kimi-K2.5's vision tower is not the language model's: no load report of it
 
 
-def test_the_judge_tells_the_int4_model_from_the_one_before_quantization(made, tmp_path):
+def test_the_reference_tells_the_int4_model_from_the_one_before_quantization(made, tmp_path):
     """The control of the test above: the same weights before quantization (a bf16 Kimi-K2.5, vision tower included)
     are another model than the INT4 one, and verify says so."""
     int4, _ = made["kimi-k2.5"]

@@ -1,6 +1,6 @@
 """The Megatron-LM flags mconvert prints: values in the form Megatron-LM's parser takes, everything the model
 needs, the same text on the console and in megatron_args.sh, and which args `--use-checkpoint-args` would miss.
-(Megatron-LM's own parser judges the flags in tests/megatron_lm/, in the Python 3.12 environment.)"""
+(Megatron-LM's own parser checks the flags in tests/megatron_lm/, in the Python 3.12 environment.)"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""MiniMax-M2 converted to torch_dist and judged by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU ranks) at
+"""MiniMax-M2 converted to torch_dist and checked by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU ranks) at
 TP 2 x EP 2 and PP 2: q and k each RMS-normalised over all heads of the layer (mconvert's layer spec, split across
 TP ranks with the heads), rope on half of each head, experts in every layer routed by sigmoid scores with a routing
 bias that only chooses them. The routing biases are random (transformers initialises them to zero), so that they

@@ -2,7 +2,7 @@
 one block an HF layer, which only HybridModel holds. Converted at TP 2 x EP 2 into the keys megatron-core 0.19.2's
 MambaMixer stores (in_proj's z, x, B, C, dt and the convolution's x, B, C under keys of their own), and back bit for
 bit with a config.json transformers builds the same model from; what megatron-core fixes and a config varies, and
-the GPT model class, refused in one line. megatron-core's and Megatron-LM's judgement: tests/megatron_lm/test_nemotron_h.py."""
+the GPT model class, refused in one line. megatron-core's and Megatron-LM's checks: tests/megatron_lm/test_nemotron_h.py."""
 
 from __future__ import annotations
 

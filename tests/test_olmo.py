@@ -1,4 +1,4 @@
-"""OLMo 2 and OLMo 3 converted to torch_dist and judged by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU
+"""OLMo 2 and OLMo 3 converted to torch_dist and checked by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU
 ranks) at TP 2 and PP 2: no norm before the attention or the MLP, an RMSNorm on each one's output before the residual
 add, and q and k each normalised over all heads of the layer (mconvert's layer spec, which Megatron-LM loads by
 `--spec`); OLMo 3's windows on three layers in four, the prompts three windows long. The norm weights are far from

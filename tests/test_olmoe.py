@@ -1,4 +1,4 @@
-"""OLMoE converted to torch_dist and judged by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU ranks) at
+"""OLMoE converted to torch_dist and checked by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU ranks) at
 TP 2 x EP 2 through `mconvert verify`: q and k each RMS-normalised over all heads of the layer (mconvert's layer spec,
 split across TP ranks with the heads), experts in every layer routed by a softmax over all of them without
 renormalising the top-k (norm_topk_prob false). Planted faults are caught: norm_topk_prob misread (the top-k

@@ -1,4 +1,4 @@
-"""Qwen3-Next, Qwen3.5 (image-text, dense) and Qwen3.5-MoE converted to torch_dist and judged by megatron-core
+"""Qwen3-Next, Qwen3.5 (image-text, dense) and Qwen3.5-MoE converted to torch_dist and checked by megatron-core
 0.16.1's own GPTModel on gloo CPU ranks at TP 2 with EP 2 or PP 2: three gated delta-net layers, then one of
 full attention with an output gate, q/k norms and partial rope, zero-centred norms, MoE with a gated shared
 expert. megatron-core builds gated delta-net only under Transformer Engine; on CPU ranks its own GatedDeltaNet

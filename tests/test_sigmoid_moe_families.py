@@ -6,7 +6,7 @@ std 0.1 with the expert biases random:
 - dots.llm1 (`dots1`, the glm4_moe family): Qwen3's attention, an 8-token window on the layers from
   `max_window_layers` on though `use_sliding_window` says false, as transformers reads it;
 - Hy3 (`hy_v3`): GLM-4.5's features under its own tensor names, its MTP layer.
-`mconvert verify` judges the same models at the same layout (tests/test_verify.py: megatron-core's GPTModel on CPU
+`mconvert verify` checks the same models at the same layout (tests/test_verify.py: megatron-core's GPTModel on CPU
 ranks against transformers, prompts up to 64 tokens, top-2 of 8 experts), within a window where the model has one.
 Here: dots.llm1's windows over prompts five times as long; the MTP layers, which transformers drops, hold the HF
 tensors this test names by hand; the export is bit for bit, its config.json that of the family it came from."""

@@ -413,7 +413,7 @@ for stage in "$@"; do
   fsdp-dp2-train)
     # On two GPUs: what fsdp-dp2 left. FSDP2 at data-parallel size 2 from the Llama conversion at TP 2 with its lr 1e-4
     # run (the loss falls); Megatron-FSDP at EP 2 (DeepSeek-V3's architecture with MTP, bf16, random init: the dense
-    # weights sharded over the two data-parallel ranks, each rank's experts its own), its save judged by transformers'
+    # weights sharded over the two data-parallel ranks, each rank's experts its own), its save checked by transformers'
     # loss on the export and kept (fsdp-dp2-saves.tar.gz).
     two_gpu_fsdp_runs "$stage" "--fsdp torch ${AT_ONE[*]}|$LLAMA_TINY:tp2" "$MEGATRON_FSDP_EP2"
     ;;
@@ -470,7 +470,7 @@ for stage in "$@"; do
     ;;
   hybrid-pp2)
     # On two GPUs: a Megatron-LM HybridModel training save made at PP 2 (MLA with a dense first layer, MoE and MTP: the
-    # pattern's stages and its MTP part) from mconvert's hybrid checkpoint written so; the judge exports the --lr 0
+    # pattern's stages and its MTP part) from mconvert's hybrid checkpoint written so; the check exports the --lr 0
     # save and holds it to the HF input bit for bit.
     python3 scripts/gpu/gpu_train.py --nproc 2 --model-class hybrid --mtp --steps 0 --keep-saves "$WORK/hybrid-saves" \
       --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" "$DEEPSEEK_TINY:pp2" >> "$OUT/$stage.log" 2>&1

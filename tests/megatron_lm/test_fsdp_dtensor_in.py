@@ -1,4 +1,4 @@
-"""`hf-to-mcore --format fsdp_dtensor` judged by Megatron-LM 0.19.2 on CPU: its parser takes MODEL_ARGS and LOAD_ARGS
+"""`hf-to-mcore --format fsdp_dtensor` checked by Megatron-LM 0.19.2 on CPU: its parser takes MODEL_ARGS and LOAD_ARGS
 as a Megatron-FSDP resumption, its check_checkpoint_args (which that resumption runs) accepts the stored args, and
 every tensor of the model its builder makes (its own module names, under the local spec that runs on CPU) is in
 the checkpoint under the name Megatron-FSDP reads (`model.module.<name>`, a SwiGLU fc1 as `_w` then `_v` halves),

@@ -1,4 +1,4 @@
-"""Megatron-LM judges mconvert's HybridModel checkpoints (`hf-to-mcore --model-class hybrid`; Python 3.12,
+"""Megatron-LM checks mconvert's HybridModel checkpoints (`hf-to-mcore --model-class hybrid`; Python 3.12,
 megatron-core 0.19.2): its parser reads the printed flags as the stored model; pretrain_hybrid.py's config and
 builder (hybrid_config_from_args, HybridModelBuilder) with the local stack spec CPU ranks need
 (mconvert.verify.hybrid_model) and its own `load_checkpoint`, strict, give transformers' logits; its own
@@ -173,7 +173,7 @@ def test_thehybrid_shared_top_k_schedule_keeps_megatron_cores_layers():
             assert source_dsa_compute_layer(at, hybrid_offset, hybrid_freq) == 2 * source_dsa_compute_layer(layer, offset, freq) - 1
 
 
-def test_verify_judges_a_hybrid_checkpoint_at_another_layout(converted, tmp_path):
+def test_verify_checks_a_hybrid_checkpoint_at_another_layout(converted, tmp_path):
     """`mconvert verify` builds megatron-core's HybridModel from the checkpoint's args alone: written at TP 2 x EP 2 and
     run at EP 2 (the sparse-attention indexer without sequence parallelism, its 64-token prompt past the top-k 8), it
     passes; against an HF model with GPT layer 1's MLP changed, it fails there (the hybrid MLP layer 3 ends it)."""

@@ -1,4 +1,4 @@
-"""megatron-core 0.19.2 and Megatron-LM 0.19.2 judge mconvert's Nemotron-H checkpoints (Python 3.12; CPU gloo ranks,
+"""megatron-core 0.19.2 and Megatron-LM 0.19.2 check mconvert's Nemotron-H checkpoints (Python 3.12; CPU gloo ranks,
 fp32): megatron-core's HybridModel, built from the checkpoint's args alone (`mconvert verify`), strict-loads them at TP 1,
 TP 2 x EP 2 and PP 2 and gives transformers' logits, on a prompt of two of the Mamba scan's 128-token chunks too;
 Megatron-LM's parser reads the printed flags as the stored model, its pretrain_hybrid.py builder and own

@@ -1,5 +1,5 @@
 """DeepSeek-V3.2 and GLM-5.1 (multi-latent attention with DeepSeek Sparse Attention's lightning indexer) converted to
-torch_dist and judged by megatron-core 0.19.2's own GPTModel on gloo CPU ranks: TP 2 with EP 2, TP 2 with PP 2.
+torch_dist and checked by megatron-core 0.19.2's own GPTModel on gloo CPU ranks: TP 2 with EP 2, TP 2 with PP 2.
 megatron-core builds the `dsa` variant only under Transformer Engine; on CPU ranks its own absorbed MLA,
 DSAttention and DSAIndexer run with local linears (mconvert.verify.cpu_shims.sparse_attention_block_without_te).
 The prompts are 160 tokens and the indexer keeps 32 of them, so it chooses; weights at std 0.1. Planted faults (the
