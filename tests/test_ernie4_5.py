@@ -1,6 +1,6 @@
 """ERNIE 4.5 dense converted to torch_dist and checked by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU
 ranks) at TP 2 x PP 2 through `mconvert verify`: rope on interleaved pairs of each head's dims (megatron-core's
-rotary_interleaved), tied embeddings, head_dim 128 beside a width of 1024 (shrunk: 32 beside 64). The planted fault,
+rotary_interleaved), tied embeddings, head_dim 128 beside a width of 1024 (shrunk: 32 beside 64). The injected fault,
 the same checkpoint with rope on the halves of each head (the flag left out), moves megatron-core's logits far beyond
 the tolerance. HybridModel builds its rope without the flag: refused in one line. ERNIE 4.5 MoE, whose router megatron-core
 lacks, is refused in one line naming what it lacks (tests/megatron_lm/test_megatron_lm.py holds megatron-core to it)."""

@@ -2,7 +2,7 @@
 TP 2 x EP 2 (ETP 1: megatron-core takes biased experts only there) and PP 2: attention with biases and a learned
 sink per head, a window on every other layer, YaRN that does not round its correction range, a router with a
 bias, experts with biases and a clamped, offset quick-GELU gate. The prompts are longer than the window, the sinks
-large enough to move the softmax. Planted faults (sinks zeroed, the window on the other layer, gate and up not
+large enough to move the softmax. Injected faults (sinks zeroed, the window on the other layer, gate and up not
 de-interleaved) each move megatron-core's logits away from transformers'; the conversion back is bit-exact."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_megatron_core_gives_transformers_logits_and_the_export_is_bit_exact(lay
 
 def test_the_prompts_exercise_the_sinks_and_the_window(hf, tmp_path):
     """Without either, transformers' own logits move: the prompts are such that a conversion that lost them would
-    show (the same faults in the conversion: test_a_planted_fault_moves_megatrons_logits)."""
+    show (the same faults in the conversion: test_an_injected_fault_moves_megatrons_logits)."""
     reference = hf_logits(hf)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -105,7 +105,7 @@ class Zeroed(Rename):
         return [self.to_mcore(tensors, spec)]
 
 
-def planted(attention=None, experts=None):
+def family_with(attention=None, experts=None):
     """The gpt-oss family with its attention or experts entries replaced."""
     table = dataclasses.replace(
         gpt_oss.TABLE, attention=attention or gpt_oss.TABLE.attention, fused_experts=experts or gpt_oss.TABLE.fused_experts
@@ -128,13 +128,13 @@ STORED_ARGS_FAULTS = {
 
 
 @pytest.mark.parametrize("fault", ["sinks zeroed", *STORED_ARGS_FAULTS, "gate and up not de-interleaved"])
-def test_a_planted_fault_moves_megatrons_logits(fault, hf, tmp_path, monkeypatch):
+def test_an_injected_fault_moves_megatrons_logits(fault, hf, tmp_path, monkeypatch):
     if fault == "sinks zeroed":
         attention = tuple(Zeroed(e.mcore, e.hf, split=e.split) if e.mcore.endswith("softmax_offset") else e for e in gpt_oss.TABLE.attention)
-        monkeypatch.setitem(mappings.FAMILIES, "gpt_oss", planted(attention=attention))
+        monkeypatch.setitem(mappings.FAMILIES, "gpt_oss", family_with(attention=attention))
     elif fault == "gate and up not de-interleaved":
         experts = tuple(Transpose(e.mcore, e.hf, split=e.split) if e.mcore == "linear_fc1.weight" else e for e in gpt_oss.TABLE.fused_experts)
-        monkeypatch.setitem(mappings.FAMILIES, "gpt_oss", planted(experts=experts))
+        monkeypatch.setitem(mappings.FAMILIES, "gpt_oss", family_with(experts=experts))
     parallelism = LAYOUTS["tp2-ep2-etp1"]
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
     if fault in STORED_ARGS_FAULTS:

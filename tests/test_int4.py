@@ -123,13 +123,13 @@ def scale_per_row():
 
 
 @pytest.mark.parametrize("fault", [nibbles_swapped, scale_per_row])
-def test_a_planted_fault_breaks_the_bit_for_bit_agreement(fault, made, tmp_path, monkeypatch):
+def test_an_injected_fault_breaks_the_bit_for_bit_agreement(fault, made, tmp_path, monkeypatch):
     """What the test above is for: a reader that takes a byte's nibbles in the other order, or applies a row's first
     scale to all its groups, converts the experts to other values than compressed-tensors' (every expert tensor
     differs), and nothing else."""
     int4, dequantized = made["kimi-k2-thinking"]
-    name, planted = fault()
-    monkeypatch.setattr(quantized if name == "INT4_PAIRS" else hf_checkpoint, name, planted)
+    name, faulty = fault()
+    monkeypatch.setattr(quantized if name == "INT4_PAIRS" else hf_checkpoint, name, faulty)
     for out, source in (("int4", int4), ("plain", dequantized)):
         convert_hf_to_mcore(source, tmp_path / out, parallelism=Parallelism(tp=2, ep=2), dtype=torch.float32)
     from_int4, from_plain = stored(tmp_path / "int4"), stored(tmp_path / "plain")

@@ -1,7 +1,7 @@
 """OLMoE converted to torch_dist and checked by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU ranks) at
 TP 2 x EP 2 through `mconvert verify`: q and k each RMS-normalised over all heads of the layer (mconvert's layer spec,
 split across TP ranks with the heads), experts in every layer routed by a softmax over all of them without
-renormalising the top-k (norm_topk_prob false). Planted faults are caught: norm_topk_prob misread (the top-k
+renormalising the top-k (norm_topk_prob false). Injected faults are caught: norm_topk_prob misread (the top-k
 renormalised) moves megatron-core's logits; q/k norms per head would move transformers' own logits far beyond the
 comparison's tolerance. What megatron-core cannot build (clip_qkv, a window, a head_dim of its own) is refused."""
 

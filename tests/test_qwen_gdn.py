@@ -3,7 +3,7 @@
 full attention with an output gate, q/k norms and partial rope, zero-centred norms, MoE with a gated shared
 expert. megatron-core builds gated delta-net only under Transformer Engine; on CPU ranks its own GatedDeltaNet
 runs with local linears and its PyTorch delta rule (mconvert.verify.cpu_shims). The prompts are 160
-tokens, three chunks of the delta rule's 64. Planted faults (Qwen3-Next's per-key-head sections read flat, the
+tokens, three chunks of the delta rule's 64. Injected faults (Qwen3-Next's per-key-head sections read flat, the
 delta-net's output norm not shifted to zero-centred, the norms not zero-centred at all) each move megatron-core's logits away from transformers';
 the conversion back is bit-exact, the vision tower copied from the original."""
 
@@ -109,7 +109,7 @@ def without_zero_centred_norms(ckpt):
 
 
 @pytest.mark.parametrize("fault", ["sections read flat", "output norm not zero-centred", "no --apply-layernorm-1p"])
-def test_a_planted_fault_moves_megatrons_logits(fault, made, tmp_path, monkeypatch):
+def test_an_injected_fault_moves_megatrons_logits(fault, made, tmp_path, monkeypatch):
     entries = []
     for entry in qwen3_next.TABLE.linear_attention:
         if fault == "sections read flat" and isinstance(entry, Section) and "in_proj_qkvz" in entry.hf:

@@ -54,7 +54,7 @@
 #               and from random init saving fsdp_dtensor and torch_dcp) of test-sized models (dense, MoE, MLA with
 #               MTP); their HF configs, tokens, losses and --lr 0 saves come back as fixtures
 #   fsdp-in     on one GPU: Megatron-FSDP trained from hf-to-mcore --format fsdp_dtensor (dense, MoE, MLA with MTP),
-#               beside DDP from torch_dist and a planted fault (the conversion without its Adam step counts)
+#               beside DDP from torch_dist and an injected fault (the conversion without its Adam step counts)
 #   fsdp-in-launch  on one GPU: the train.sh of such a conversion, as a user runs it
 #   fsdp2-dcp-in  on one GPU: FSDP2 saving torch_dcp from torch_dist conversions (--auto-detect-ckpt-format)
 #   fsdp-dp2    on two GPUs: the FSDP saves at data-parallel size 2 kept as fixtures, and FSDP2 at data-parallel size 2
@@ -355,7 +355,7 @@ for stage in "$@"; do
     # On one GPU: Megatron-FSDP (bf16) trained from hf-to-mcore --format fsdp_dtensor: Llama converted for TP 2,
     # Qwen3-MoE for EP 2, DeepSeek-V3 with MTP for TP 2 x EP 2, each run at TP 1, EP 1 (its --lr 0 save exported, its
     # step losses, its --lr 1e-4 losses). Beside them, DDP in bf16 from the torch_dist conversions of the same Llama and
-    # Qwen3-MoE, whose losses Megatron-FSDP's must give from its first step on; a planted fault, the Llama conversion
+    # Qwen3-MoE, whose losses Megatron-FSDP's must give from its first step on; an injected fault, the Llama conversion
     # with its Adam step counts taken out (Megatron-FSDP's loading step leaves them at 1: its first update is then
     # smaller); the Llama in fp32, where Megatron-LM's own load stops (its SwiGLU split: AttributeError); and Qwen2.5's
     # tied embeddings.

@@ -178,7 +178,7 @@ def main() -> int:
     parser.add_argument("--format", choices=("torch_dist", "fsdp_dtensor"), default="torch_dist",
                         help="hf-to-mcore's --format: fsdp_dtensor for a Megatron-FSDP run (with --fsdp megatron)")
     parser.add_argument("--without-keys", metavar="REGEX",
-                        help="a planted fault: the conversion's DCP keys matching REGEX taken out of its .metadata")
+                        help="an injected fault: the conversion's DCP keys matching REGEX taken out of its .metadata")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                         help="the conversion's (and so the run's) dtype; Megatron-FSDP loads a SwiGLU model only in bf16")
     parser.add_argument("--from-scratch", action="store_true",

@@ -51,7 +51,7 @@ def test_megatron_lm_resumes_from_it_with_its_flags_and_stored_args(hf_model_fac
     checkpointing.set_checkpoint_version(3.0)
     stored = DCPCheckpoint(tmp_path / "fsdp" / "iter_0000000").read_object("args")
     checkpointing.check_checkpoint_args(stored)
-    stored.hidden_size += 1  # planted: the check a resumption makes catches a model of another width
+    stored.hidden_size += 1  # injected: the check a resumption makes catches a model of another width
     with pytest.raises(AssertionError, match="hidden_size"):
         checkpointing.check_checkpoint_args(stored)
 

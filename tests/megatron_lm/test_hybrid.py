@@ -147,7 +147,7 @@ def test_a_gpt_checkpoint_loads_into_a_hybrid_run_with_hybrid_args(hf_model_fact
 
 
 def test_megatron_lm_refuses_a_hybrid_checkpoint_with_its_sub_blocks_swapped(converted, tmp_path, monkeypatch):
-    """The planted fault: each GPT layer's MLP written before its attention. Megatron-LM's strict load says so."""
+    """The injected fault: each GPT layer's MLP written before its attention. Megatron-LM's strict load says so."""
     hf, _ = converted("llama2-tp2")
     monkeypatch.setattr(hybrid, "sub_block", lambda name: 1 if name.startswith(hybrid.ATTENTION_SCOPES) else 0)
     convert_hf_to_mcore(hf, tmp_path / "swapped", parallelism=Parallelism(**HYBRID))
@@ -184,13 +184,13 @@ def test_verify_checks_a_hybrid_checkpoint_at_another_layout(converted, tmp_path
     hf, ckpt = converted("deepseek-v3.2-tp2ep2")
     report = verify(VerifyRequest(hf, ckpt, Parallelism(ep=2)))
     assert report.passed and report.first_diverging_layer is None, report
-    planted = tmp_path / "hf"
-    planted.mkdir()
+    changed = tmp_path / "hf"
+    changed.mkdir()
     for path in hf.iterdir():
-        (planted / path.name).symlink_to(path)
+        (changed / path.name).symlink_to(path)
     weights = load_file(hf / "model.safetensors")
     weights["model.layers.1.mlp.shared_experts.down_proj.weight"] *= 1.5
-    (planted / "model.safetensors").unlink()
-    save_file(weights, planted / "model.safetensors", metadata={"format": "pt"})
-    report = verify(VerifyRequest(planted, ckpt, Parallelism(ep=2)))
+    (changed / "model.safetensors").unlink()
+    save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
+    report = verify(VerifyRequest(changed, ckpt, Parallelism(ep=2)))
     assert not report.passed and report.first_diverging_layer == 1

@@ -2,7 +2,7 @@
 torch_dist and checked by megatron-core 0.19.2's own GPTModel on gloo CPU ranks: TP 2 with EP 2, TP 2 with PP 2.
 megatron-core builds the `dsa` variant only under Transformer Engine; on CPU ranks its own absorbed MLA,
 DSAttention and DSAIndexer run with local linears (mconvert.verify.cpu_shims.sparse_attention_block_without_te).
-The prompts are 160 tokens and the indexer keeps 32 of them, so it chooses; weights at std 0.1. Planted faults (the
+The prompts are 160 tokens and the indexer keeps 32 of them, so it chooses; weights at std 0.1. Injected faults (the
 indexer's weights zeroed, its rope layout flipped, its top-k as long as the prompts) each move megatron-core's logits
 away from transformers'; the conversion back is bit-exact."""
 
@@ -147,7 +147,7 @@ class Zeroed(Rename):
 
 @pytest.mark.parametrize("fault", ["indexer weights zeroed", "indexer rope layout flipped"])
 @pytest.mark.parametrize("name", ["deepseek-v3.2", "glm-5.1"])
-def test_a_planted_fault_moves_megatrons_logits(fault, name, made, tmp_path, monkeypatch):
+def test_an_injected_fault_moves_megatrons_logits(fault, name, made, tmp_path, monkeypatch):
     if fault == "indexer weights zeroed":
         indexer = tuple(Zeroed(entry.mcore, entry.hf, split=entry.split) if entry.mcore.endswith("linear_wq_b.weight") else entry for entry in deepseek_v32.INDEXER)
         table = dataclasses.replace(deepseek_v32.TABLE, indexer=indexer)
