@@ -1,7 +1,7 @@
 """The dtypes a conversion moves, as numpy's dtypes (ml_dtypes adds bfloat16 and the float8s), named as torch names
 them: the conversion's tensors are numpy arrays, so that converting never imports torch (whose import alone took
 1.0-1.5 s on the 2-core box and 3-5 s on the GPU machines' hosts, most of a small model's conversion). Code that
-holds torch tensors (verify, the way back from a Megatron checkpoint, weight sync) takes `torch_dtype`.
+holds torch tensors (verify, the export from a Megatron checkpoint, weight sync) takes `torch_dtype`.
 
 Casts are numpy's and ml_dtypes' (round to nearest even, as torch's), and `finite` scans a float tensor's bits."""
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A virtualenv with mconvert and its judges: the CPU build of torch, megatron-core (loads and runs converted
+# A virtualenv with mconvert and its references: the CPU build of torch, megatron-core (loads and runs converted
 # checkpoints) and transformers (the HF side). Idempotent; VENV picks the directory (default .venv).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -78,7 +78,7 @@ def test_converted_checkpoint_loads_with_expected_values(tmp_path, tp):
 def test_tensors_wider_than_the_checkpoint_are_said_to_round(tmp_path, capsys):
     """transformers keeps DeepSeek-V3.2's indexer weights_proj in fp32 in a bf16 model (`_keep_in_fp32_modules`), so a
     checkpoint it saves holds them so. A bf16 conversion rounds them, as Megatron's bf16 parameters would: said, and
-    the way back gives their rounded values (the rest bit for bit, the routing bias that Megatron keeps in fp32 too);
+    the export gives their rounded values (the rest bit for bit, the routing bias that Megatron keeps in fp32 too);
     --dtype fp32 keeps them and says nothing."""
     from safetensors.torch import save_file
 

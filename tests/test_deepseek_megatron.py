@@ -1,5 +1,5 @@
 """DeepSeek-V2/V3 (multi-latent attention, sigmoid routing with an expert bias, group-limited routing, shared
-experts, yarn, multi-token prediction layers) and GLM-4.5 (partial rope, q/k/v biases, q/k norms) converted to torch_dist, judged by
+experts, yarn, multi-token prediction layers) and GLM-4.5 (partial rope, q/k/v biases, q/k norms) converted to torch_dist, checked by
 megatron-core 0.16.1: its GPTModel (local spec, gloo CPU ranks) loads the checkpoint at TP=2 with EP=2 and at
 PP=2 (the dense first layer on another stage than the MoE one); every parameter equals what the HF weights
 imply (written out here from the HF tensors, independently of the mapping tables), every key megatron asks for

@@ -1,4 +1,4 @@
-"""Dense families converted to torch_dist, judged by megatron-core: its own GPTModel (local spec, gloo CPU
+"""Dense families converted to torch_dist, checked by megatron-core: its own GPTModel (local spec, gloo CPU
 ranks) loads the checkpoint at the target TP/PP, every parameter equals what the HF weights imply (computed
 here independently of mconvert's mapping code), and its forward gives transformers' logits."""
 

@@ -1,4 +1,4 @@
-"""The way in's numpy arithmetic against torch's, bit for bit: casts between the weights' dtypes (round to nearest even,
+"""hf-to-mcore's numpy arithmetic against torch's, bit for bit: casts between the weights' dtypes (round to nearest even,
 ties, subnormals, overflow), FP8, MXFP4 and pack-quantized INT4 dequantized, and the finite check on every float dtype."""
 
 import numpy as np
@@ -76,7 +76,7 @@ def test_finite_finds_one_nan_or_inf_anywhere(name):
     assert dtypes.finite(values)
     for bad in (np.inf, -np.inf, np.nan):
         for place in (0, 65_535, 65_536, 199_999):  # either side of a scanned slice's edge
-            planted = values.copy()
-            planted[place] = bad
-            assert not dtypes.finite(planted), (bad, place)
+            faulty = values.copy()
+            faulty[place] = bad
+            assert not dtypes.finite(faulty), (bad, place)
     assert dtypes.finite(np.full(7, 65504, dtype=np.float16)) and dtypes.finite(np.array([], dtype=dtypes.bfloat16))

@@ -1,6 +1,6 @@
-"""ERNIE 4.5 dense converted to torch_dist and judged by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU ranks)
-at TP 2 x PP 2 through `mconvert verify`: rope on interleaved pairs of each head's dims (megatron-core's
-rotary_interleaved), tied embeddings, head_dim 128 beside a width of 1024 (shrunk: 32 beside 64). The planted fault,
+"""ERNIE 4.5 dense converted to torch_dist and checked by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU
+ranks) at TP 2 x PP 2 through `mconvert verify`: rope on interleaved pairs of each head's dims (megatron-core's
+rotary_interleaved), tied embeddings, head_dim 128 beside a width of 1024 (shrunk: 32 beside 64). The injected fault,
 the same checkpoint with rope on the halves of each head (the flag left out), moves megatron-core's logits far beyond
 the tolerance. HybridModel builds its rope without the flag: refused in one line. ERNIE 4.5 MoE, whose router megatron-core
 lacks, is refused in one line naming what it lacks (tests/megatron_lm/test_megatron_lm.py holds megatron-core to it)."""
@@ -34,7 +34,7 @@ def hf(tmp_path_factory):
     return make_hf_checkpoint(config, tmp_path_factory.mktemp("ernie") / "hf", weight_std=0.1)
 
 
-def test_verify_passes_at_tp2_pp2_and_the_way_back_is_bit_exact(hf, tmp_path, capsys):
+def test_verify_passes_at_tp2_pp2_and_the_export_is_bit_exact(hf, tmp_path, capsys):
     mcore, back = tmp_path / "mcore", tmp_path / "back"
     assert main(["hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(mcore), "--tp", "2", "--pp", "2"]) == 0
     out = capsys.readouterr().out
@@ -43,7 +43,7 @@ def test_verify_passes_at_tp2_pp2_and_the_way_back_is_bit_exact(hf, tmp_path, ca
     assert "--rotary-interleaved" in script and "--kv-channels 32" in script and "--untie-embeddings" not in script
     assert main(["verify", "--hf", str(hf), "--mcore", str(mcore), "--device", "cpu", "--tp", "2", "--pp", "2"]) == 0
     assert capsys.readouterr().out.strip().endswith("PASS")
-    # The way back from the stored args alone.
+    # The export from the stored args alone.
     assert main(["mcore-to-hf", "--load-dir", str(mcore), "--save-dir", str(back), "--quiet"]) == 0
     original = load_file(hf / "model.safetensors")
     exported = {k: v for path in back.glob("*.safetensors") for k, v in load_file(path).items()}

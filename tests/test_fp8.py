@@ -87,7 +87,7 @@ def test_fp8_converts_as_its_dequantized_values(checkpoints, dtype, tmp_path):
     assert from_fp8["decoder.layers.0.self_attention.linear_q_down_proj.weight"].dtype == dtype
 
 
-def test_verify_judges_an_fp8_source_by_transformers_dequantization(tmp_path):
+def test_verify_checks_an_fp8_source_by_transformers_dequantization(tmp_path):
     """`verify` runs transformers on its own dequantization of the FP8 blocks (its FP8 kernels would compute other
     numbers, and need a GPU of a recent kind): the checkpoint converted from them gives its logits."""
     # transformers' dequantization takes the block size from the grid of scales, so it needs whole blocks
@@ -107,7 +107,7 @@ def test_verify_of_an_fp8_source_transformers_cannot_load_is_one_line(checkpoint
     result = run_cli("verify", "--hf", fp8, "--mcore", tmp_path / "mcore", "--device", "cpu")
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("mconvert verify: error:")]
-    assert f"{fp8}: transformers " in line and "cannot load it as the judge" in line
+    assert f"{fp8}: transformers " in line and "cannot load it as the reference" in line
 
 
 def test_random_fp8_checkpoints_are_the_hubs_layout(tmp_path):
@@ -127,7 +127,7 @@ def test_random_fp8_checkpoints_are_the_hubs_layout(tmp_path):
     assert torch.equal(converted, dequantize(tensors[name], tensors[name + "_scale_inv"]))
 
 
-def test_the_way_back_writes_no_quantization_config(checkpoints, tmp_path, capsys):
+def test_the_export_writes_no_quantization_config(checkpoints, tmp_path, capsys):
     fp8, _ = checkpoints
     assert main(["hf-to-mcore", "--load-dir", str(fp8), "--save-dir", str(tmp_path / "mcore"), "--dtype", "bf16"]) == 0
     capsys.readouterr()

@@ -1,6 +1,6 @@
-"""`hf-to-mcore --format fsdp_dtensor`: what a Megatron-FSDP run (`--use-megatron-fsdp`) starts from. Judged here by
-a real Megatron-FSDP save (tests/fixtures/fsdp/fsdp_dtensor-deepseek, made by Megatron-LM 0.19.2 on a GPU: every
-name and shape it holds must be written), by the way back (bit for bit), and on the GPU by Megatron-LM's own
+"""`hf-to-mcore --format fsdp_dtensor`: what a Megatron-FSDP run (`--use-megatron-fsdp`) starts from. Checked here
+against a real Megatron-FSDP save (tests/fixtures/fsdp/fsdp_dtensor-deepseek, made by Megatron-LM 0.19.2 on a
+GPU: every name and shape it holds must be written) and by mcore-to-hf (bit for bit); on the GPU by Megatron-LM's own
 training steps from it (docs/verification.md, stage `fsdp-in` of scripts/gpu/gpu_session.sh)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The way back from saves that Megatron-LM 0.19.2 made under its FSDP wrappers on a GPU (tests/fixtures/fsdp,
+"""The export from saves that Megatron-LM 0.19.2 made under its FSDP wrappers on a GPU (tests/fixtures/fsdp,
 how each was made: its MADE.md and job.json). Each run dumped the weights it trained from (lr 0: those it saved)
 at its first step (at EP above 1, each expert-parallel rank its own experts); their sha256 digests are kept beside
-the save. The way back must read every tensor the save
+the save. The export must read every tensor the save
 holds as exactly those bytes, leave out nothing but buffers that runs never save, and its export must give
 transformers the loss Megatron-LM computed on the same tokens."""
 
@@ -32,7 +32,7 @@ NEVER_SAVED = re.compile(r"rotary_pos_emb\.(cos|sin)_cached$|\.local_tokens_per_
 
 
 def model_name(where: Where, grouped_experts: bool) -> str:
-    """The model's own name of a region the way back found: an expert's as TEGroupedMLP (`grouped_experts`) or
+    """The model's own name of a region the export found: an expert's as TEGroupedMLP (`grouped_experts`) or
     SequentialMLP names it, an MTP layer's decoder layer as megatron-core 0.19's module (`mtp_model_layer`)."""
     name, layer, expert = where
     if expert is not None:
@@ -47,7 +47,7 @@ def digest(tensor: torch.Tensor) -> str:
 
 
 def read_by_model_name(save: FsdpCheckpoint) -> dict[str, torch.Tensor]:
-    """Every region the way back finds in the save, whole, under the model's own name for it."""
+    """Every region the export finds in the save, whole, under the model's own name for it."""
     grouped = bool(getattr(save.args, "moe_grouped_gemm", False))
     read = {}
     for where, keys in save.entries.items():
@@ -72,7 +72,7 @@ def expert_parallel_size(fixture: Path) -> int:
 
 
 @pytest.mark.parametrize("name", SAVES)
-def test_the_way_back_reads_the_weights_the_run_trained(name):
+def test_the_export_reads_the_weights_the_run_trained(name):
     fixture = FIXTURES / name
     save = open_megatron_checkpoint(fixture / "save")
     assert save.format == name.split("-")[0]

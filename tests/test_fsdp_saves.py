@@ -1,4 +1,4 @@
-"""The way back from Megatron-LM's FSDP saves (fsdp_dtensor, torch_dcp): how names are read, and what it refuses,
+"""The export from Megatron-LM's FSDP saves (fsdp_dtensor, torch_dcp): how names are read, and what it refuses,
 on DCP folders written by torch's `dcp.save` of a state dict nested as Megatron-LM nests it. Megatron-LM's real
 saves, made on a GPU, are held in tests/fixtures/fsdp (tests/test_fsdp_fixtures.py)."""
 
@@ -28,7 +28,7 @@ def megatron_lm_save(directory, model: dict[str, torch.Tensor], prefix: str, **a
     dcp.save(state, checkpoint_id=str(directory), no_dist=True)
 
 
-def test_the_way_back_reads_the_names_as_megatron_lm_nests_them(tmp_path):
+def test_the_export_reads_the_names_as_megatron_lm_nests_them(tmp_path):
     """Halves joined as gate then up, experts by their global number, the MTP layer's module name, each format's
     prefix; the optimizer's state left unread."""
     gate, up = torch.randn(4, 3), torch.randn(4, 3)
@@ -54,7 +54,7 @@ def test_the_way_back_reads_the_names_as_megatron_lm_nests_them(tmp_path):
     ({"decoder.layers.0.mlp.linear_fc2.weight": torch.ones(2, 2)}, {"pipeline_model_parallel_size": 2}, "2 pipeline stages"),
     ({}, {}, "without model weights"),
 ])
-def test_saves_the_way_back_cannot_read_end_in_one_line(model, args, expected, tmp_path):
+def test_saves_the_export_cannot_read_end_in_one_line(model, args, expected, tmp_path):
     megatron_lm_save(tmp_path / "save" / "iter_0000007", model, "module.", **args)
     (tmp_path / "save" / TRACKER_FILE).write_text("7")
     done = run_cli("mcore-to-hf", "--load-dir", tmp_path / "save", "--save-dir", tmp_path / "out")

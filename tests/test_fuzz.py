@@ -32,13 +32,13 @@ def test_each_reader_keeps_the_contract_on_mutated_seeds(tmp_path):
     assert len(lines) == len(fuzz_readers().TARGETS) and all("exit 0" in line and "number_of_executed_units: 250" in line for line in lines), done.stdout
 
 
-def test_the_judge_lets_any_other_exception_through():
+def test_the_check_lets_any_other_exception_through():
     """A reader failing otherwise than in a ConversionError is a crash the fuzzer reports."""
     fuzz = fuzz_readers()
 
     def refuses(data):
         raise ConversionError("bad input, said in one line")
 
-    fuzz.judge(refuses, b"")
+    fuzz.check(refuses, b"")
     with pytest.raises(KeyError):
-        fuzz.judge(lambda data: {}[data], b"")
+        fuzz.check(lambda data: {}[data], b"")

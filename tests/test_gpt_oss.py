@@ -1,8 +1,8 @@
-"""gpt-oss converted to torch_dist and judged by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU ranks) at
+"""gpt-oss converted to torch_dist and checked by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU ranks) at
 TP 2 x EP 2 (ETP 1: megatron-core takes biased experts only there) and PP 2: attention with biases and a learned
 sink per head, a window on every other layer, YaRN that does not round its correction range, a router with a
 bias, experts with biases and a clamped, offset quick-GELU gate. The prompts are longer than the window, the sinks
-large enough to move the softmax. Planted faults (sinks zeroed, the window on the other layer, gate and up not
+large enough to move the softmax. Injected faults (sinks zeroed, the window on the other layer, gate and up not
 de-interleaved) each move megatron-core's logits away from transformers'; the conversion back is bit-exact."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def megatron_logits(ckpt, parallelism: Parallelism) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_megatron_core_gives_transformers_logits_and_the_way_back_is_bit_exact(layout, hf, tmp_path):
+def test_megatron_core_gives_transformers_logits_and_the_export_is_bit_exact(layout, hf, tmp_path):
     parallelism = LAYOUTS[layout]
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
     torch.testing.assert_close(megatron_logits(tmp_path / "mcore", parallelism), hf_logits(hf), rtol=1e-4, atol=1e-4)
@@ -82,7 +82,7 @@ def test_megatron_core_gives_transformers_logits_and_the_way_back_is_bit_exact(l
 
 def test_the_prompts_exercise_the_sinks_and_the_window(hf, tmp_path):
     """Without either, transformers' own logits move: the prompts are such that a conversion that lost them would
-    show (the same faults in the conversion: test_a_planted_fault_moves_megatrons_logits)."""
+    show (the same faults in the conversion: test_an_injected_fault_moves_megatrons_logits)."""
     reference = hf_logits(hf)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -105,7 +105,7 @@ class Zeroed(Rename):
         return [self.to_mcore(tensors, spec)]
 
 
-def planted(attention=None, experts=None):
+def family_with(attention=None, experts=None):
     """The gpt-oss family with its attention or experts entries replaced."""
     table = dataclasses.replace(
         gpt_oss.TABLE, attention=attention or gpt_oss.TABLE.attention, fused_experts=experts or gpt_oss.TABLE.fused_experts
@@ -128,13 +128,13 @@ STORED_ARGS_FAULTS = {
 
 
 @pytest.mark.parametrize("fault", ["sinks zeroed", *STORED_ARGS_FAULTS, "gate and up not de-interleaved"])
-def test_a_planted_fault_moves_megatrons_logits(fault, hf, tmp_path, monkeypatch):
+def test_an_injected_fault_moves_megatrons_logits(fault, hf, tmp_path, monkeypatch):
     if fault == "sinks zeroed":
         attention = tuple(Zeroed(e.mcore, e.hf, split=e.split) if e.mcore.endswith("softmax_offset") else e for e in gpt_oss.TABLE.attention)
-        monkeypatch.setitem(mappings.FAMILIES, "gpt_oss", planted(attention=attention))
+        monkeypatch.setitem(mappings.FAMILIES, "gpt_oss", family_with(attention=attention))
     elif fault == "gate and up not de-interleaved":
         experts = tuple(Transpose(e.mcore, e.hf, split=e.split) if e.mcore == "linear_fc1.weight" else e for e in gpt_oss.TABLE.fused_experts)
-        monkeypatch.setitem(mappings.FAMILIES, "gpt_oss", planted(experts=experts))
+        monkeypatch.setitem(mappings.FAMILIES, "gpt_oss", family_with(experts=experts))
     parallelism = LAYOUTS["tp2-ep2-etp1"]
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
     if fault in STORED_ARGS_FAULTS:
@@ -157,7 +157,7 @@ def test_the_printed_verify_command_runs_as_printed_and_a_wrong_etp_is_one_line(
 def test_mxfp4_hub_weights_convert_as_transformers_dequantizes_them(hf, tmp_path):
     """gpt-oss as released: each layer's experts stored as MXFP4 (`gate_up_proj_blocks` [E, 2I, H/32, 16] bytes of two
     4-bit floats, `gate_up_proj_scales` [E, 2I, H/32] exponents; `down_proj` alike), `quant_method: mxfp4`. They
-    convert as the bf16 weights transformers' own dequantization makes of them; the way back writes those, without
+    convert as the bf16 weights transformers' own dequantization makes of them; mcore-to-hf writes those, without
     the quantization_config, and says so."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -192,8 +192,8 @@ def test_mxfp4_hub_weights_convert_as_transformers_dequantizes_them(hf, tmp_path
     assert back.keys() == plain.keys() and all(torch.equal(back[k], plain[k]) for k in plain)
     assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
     # verify runs transformers on its own dequantization of the blocks (running them as MXFP4 needs kernels and a GPU)
-    judged = run_cli("verify", "--hf", tmp_path / "mxfp4", "--mcore", tmp_path / "mxfp4-mcore", "--tp", "2", "--ep", "2", "--etp", "1", "--device", "cpu")
-    assert judged.returncode == 0 and judged.stdout.strip().endswith("PASS"), judged.stdout + judged.stderr
+    checked = run_cli("verify", "--hf", tmp_path / "mxfp4", "--mcore", tmp_path / "mxfp4-mcore", "--tp", "2", "--ep", "2", "--etp", "1", "--device", "cpu")
+    assert checked.returncode == 0 and checked.stdout.strip().endswith("PASS"), checked.stdout + checked.stderr
 
 
 def test_random_mxfp4_checkpoints_are_the_hubs_layout(tmp_path):

@@ -1,6 +1,6 @@
 """HybridModel checkpoints (`hf-to-mcore --model-class hybrid`): the layout megatron-core's HybridModel keys (each
 GPT layer's attention and MLP layers of their own, decoder.final_norm, the MTP layers' own stacks), read back bit
-for bit; what cannot be written or read, in one line. Megatron-LM's judgement of them: tests/megatron_lm/test_hybrid.py."""
+for bit; what cannot be written or read, in one line. Megatron-LM's checks of them: tests/megatron_lm/test_hybrid.py."""
 
 from __future__ import annotations
 

@@ -123,13 +123,13 @@ def scale_per_row():
 
 
 @pytest.mark.parametrize("fault", [nibbles_swapped, scale_per_row])
-def test_a_planted_fault_breaks_the_bit_for_bit_agreement(fault, made, tmp_path, monkeypatch):
+def test_an_injected_fault_breaks_the_bit_for_bit_agreement(fault, made, tmp_path, monkeypatch):
     """What the test above is for: a reader that takes a byte's nibbles in the other order, or applies a row's first
     scale to all its groups, converts the experts to other values than compressed-tensors' (every expert tensor
     differs), and nothing else."""
     int4, dequantized = made["kimi-k2-thinking"]
-    name, planted = fault()
-    monkeypatch.setattr(quantized if name == "INT4_PAIRS" else hf_checkpoint, name, planted)
+    name, faulty = fault()
+    monkeypatch.setattr(quantized if name == "INT4_PAIRS" else hf_checkpoint, name, faulty)
     for out, source in (("int4", int4), ("plain", dequantized)):
         convert_hf_to_mcore(source, tmp_path / out, parallelism=Parallelism(tp=2, ep=2), dtype=torch.float32)
     from_int4, from_plain = stored(tmp_path / "int4"), stored(tmp_path / "plain")
@@ -137,22 +137,22 @@ def test_a_planted_fault_breaks_the_bit_for_bit_agreement(fault, made, tmp_path,
     assert different == ["decoder.layers.1.mlp.experts.experts.linear_fc1.weight", "decoder.layers.1.mlp.experts.experts.linear_fc2.weight"]
 
 
-@pytest.mark.parametrize("judge", ["dequantized", "int4"])
+@pytest.mark.parametrize("reference", ["dequantized", "int4"])
 @pytest.mark.parametrize("model", MODELS)
-def test_megatron_core_gives_the_logits_transformers_gives_from_the_dequantized_model(model, judge, made, tmp_path):
+def test_megatron_core_gives_the_logits_transformers_gives_from_the_dequantized_model(model, reference, made, tmp_path):
     """`mconvert verify` runs megatron-core (gloo CPU ranks, TP 2, EP 2) on the conversion of the INT4 checkpoint, and
     transformers on compressed-tensors' dequantization of it, or on the INT4 checkpoint itself, which transformers
     dequantizes through compressed-tensors as it loads (Kimi-K2.5: its language model, which transformers builds from
     its text_config)."""
     int4, dequantized = made[model]
     assert run_cli("hf-to-mcore", "--load-dir", int4, "--save-dir", tmp_path / "mcore", "--tp", "2", "--ep", "2").returncode == 0
-    hf = int4 if judge == "int4" else dequantized
+    hf = int4 if reference == "int4" else dequantized
     passed = run_cli("verify", "--hf", hf, "--mcore", tmp_path / "mcore", "--tp", "2", "--ep", "2", "--device", "cpu")
     assert passed.returncode == 0 and passed.stdout.strip().endswith("PASS"), passed.stdout + passed.stderr
     assert "UNEXPECTED" not in passed.stderr  # Kimi-K2.5's vision tower is not the language model's: no load report of it
 
 
-def test_the_judge_tells_the_int4_model_from_the_one_before_quantization(made, tmp_path):
+def test_the_reference_tells_the_int4_model_from_the_one_before_quantization(made, tmp_path):
     """The control of the test above: the same weights before quantization (a bf16 Kimi-K2.5, vision tower included)
     are another model than the INT4 one, and verify says so."""
     int4, _ = made["kimi-k2.5"]
@@ -161,7 +161,7 @@ def test_the_judge_tells_the_int4_model_from_the_one_before_quantization(made, t
     assert failed.returncode == 1 and "FAIL" in failed.stdout, failed.stdout + failed.stderr
 
 
-def test_kimi_k25_leaves_out_its_vision_tower_and_the_way_back_copies_it_unquantizing_the_rest(made, tmp_path):
+def test_kimi_k25_leaves_out_its_vision_tower_and_the_export_copies_it_unquantizing_the_rest(made, tmp_path):
     """hf-to-mcore says what it leaves out; mcore-to-hf with the original as --hf-config writes Kimi-K2.5 back: the
     vision tower and projector copied bit for bit, the language model in bf16 bit for bit compressed-tensors'
     dequantization, config.json Kimi's own (kimi_k25 around kimi_k2) without the quantization_config."""

@@ -1,6 +1,6 @@
 """The package's layers, as docs/design.md's table draws them, hold: no module imports from a layer above its
 own or beside it (function-level imports included), no import cycle, no module over 400 lines. The checks run
-on the package as it is, and on small planted packages that break each rule once."""
+on the package as it is, and on small packages written to break each rule once."""
 
 from __future__ import annotations
 
@@ -121,7 +121,7 @@ def test_no_import_cycles_and_no_long_modules():
     assert long_modules(REPO / "mconvert") == []
 
 
-def _plant(root: Path, files: dict[str, str]) -> Path:
+def _write_package(root: Path, files: dict[str, str]) -> Path:
     package = root / "mconvert"
     for name, code in files.items():
         path = package / name
@@ -132,9 +132,9 @@ def _plant(root: Path, files: dict[str, str]) -> Path:
     return package
 
 
-def test_a_planted_upward_import_a_cycle_and_a_long_module_are_caught(tmp_path):
+def test_an_injected_upward_import_a_cycle_and_a_long_module_are_caught(tmp_path):
     layers = read_layers()
-    package = _plant(tmp_path, {
+    package = _write_package(tmp_path, {
         "errors.py": "",
         "mappings/spec.py": "from mconvert.errors import ConversionError\n",
         # A file format that knows of a model family, and a family that reaches into the conversion.

@@ -1,4 +1,4 @@
-"""The way back: torch_dist (ours) -> HF gives the original tensors bit for bit, an equivalent config, and a
+"""mcore-to-hf: torch_dist (ours) -> HF gives the original tensors bit for bit, an equivalent config, and a
 model transformers loads with the original logits; and the pieces it is made of."""
 
 from __future__ import annotations
@@ -283,7 +283,7 @@ def dcp_modules_imported_by(argv: list[str], package: str = "torch.distributed.c
     return done.stdout.strip().splitlines()[-1]
 
 
-def test_the_way_back_reads_dcp_metadata_without_torchs_dcp_package(hf_model_factory, tmp_path):
+def test_the_export_reads_dcp_metadata_without_torchs_dcp_package(hf_model_factory, tmp_path):
     """`.metadata` is read into plain records (importing torch.distributed.checkpoint is a third of the start):
     the whole conversion runs without that package, and the records say what torch's own classes say."""
     hf = hf_model_factory("qwen3-30b-a3b", layers=2)
@@ -306,10 +306,10 @@ def test_the_way_back_reads_dcp_metadata_without_torchs_dcp_package(hf_model_fac
 
 
 @pytest.mark.parametrize("family", ["qwen3-30b-a3b", "deepseek-v3", "qwen3-next-80b-a3b-instruct"])
-def test_the_way_in_never_imports_torch(hf_model_factory, tmp_path, family):
+def test_hf_to_mcore_never_imports_torch(hf_model_factory, tmp_path, family):
     """hf-to-mcore never imports torch (its import is most of a small model's conversion: 1.0-1.5 s on the 2-core
     box, 3-5 s on the GPU hosts): numpy arrays, torch.save's records and `.metadata` written by hand. torch's own
-    readers read the result, tensor for tensor as the HF files hold them (the way back reads them through torch)."""
+    readers read the result, tensor for tensor as the HF files hold them (mcore-to-hf reads them through torch)."""
     hf = hf_model_factory(family, layers=2)
     argv = ["hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(tmp_path / "mcore"), "--tp", "2", "--ep", "2", "--workers", "2"]
     assert dcp_modules_imported_by(argv, "torch") == "[]"
@@ -434,7 +434,7 @@ def test_a_checkpoint_without_the_mtp_layers_its_config_names_converts_without_t
 
 def test_a_save_without_megatron_lms_args_takes_the_model_from_hf_config_and_its_mtp_layers_from_its_keys(tmp_path, capsys):
     """Other tools' torch_dist saves: ms-swift stores its own training arguments where Megatron-LM's are (no model in
-    them), Megatron-Bridge none. Given --hf-config, the way back is bit-exact with the MTP layers the save holds, whether
+    them), Megatron-Bridge none. Given --hf-config, the export is bit-exact with the MTP layers the save holds, whether
     or not the HF config names them; without it, one line."""
     hf = add_mtp_layers(make_hf_checkpoint(shrink(real_config("deepseek-v3")), tmp_path / "hf"))
     for name, flags in (("mtp", []), ("no-mtp", ["--no-mtp"])):

@@ -1,6 +1,6 @@
 """The Megatron-LM flags mconvert prints: values in the form Megatron-LM's parser takes, everything the model
 needs, the same text on the console and in megatron_args.sh, and which args `--use-checkpoint-args` would miss.
-(Megatron-LM's own parser judges the flags in tests/megatron_lm/, in the Python 3.12 environment.)"""
+(Megatron-LM's own parser checks the flags in tests/megatron_lm/, in the Python 3.12 environment.)"""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_args_that_use_checkpoint_args_misses_are_named(config_name, overrides, 
 
 def test_an_uneven_pipeline_split_is_in_the_flags_and_the_verify_command(hf_model_factory, tmp_path):
     """3 layers over 2 stages: the split's flag goes into MODEL_ARGS and into the printed verify command, which
-    passes as printed (on CPU); the way back does not depend on the split."""
+    passes as printed (on CPU); the export does not depend on the split."""
     hf = hf_model_factory("qwen3-8b", layers=3)
     out = tmp_path / "mcore"
     done = subprocess.run(

@@ -1,8 +1,8 @@
-"""MiniMax-M2 converted to torch_dist and judged by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU ranks) at
+"""MiniMax-M2 converted to torch_dist and checked by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU ranks) at
 TP 2 x EP 2 and PP 2: q and k each RMS-normalised over all heads of the layer (mconvert's layer spec, split across
 TP ranks with the heads), rope on half of each head, experts in every layer routed by sigmoid scores with a routing
 bias that only chooses them. The routing biases are random (transformers initialises them to zero), so that they
-change which experts run. Planted faults are caught: the routing bias zeroed moves megatron-core's logits, and so do
+change which experts run. Injected faults are caught: the routing bias zeroed moves megatron-core's logits, and so do
 mconvert's q/k norms at TP 2 without their forward sum over the ranks (each rank's heads normalised alone); q/k norms
 per head, or over each TP rank's heads alone, would move transformers' own logits far beyond the comparison's
 tolerance; the norm's gradient without its backward sum over the ranks differs from one rank's."""
@@ -28,7 +28,7 @@ from mconvert.verify.distributed import run_ranks
 from tests.cli_runner import assert_nothing_left, assert_one_line_error, run_cli
 from tests.test_gpt_oss import Zeroed
 from tests.test_moe_megatron import megatron_view
-from tests.test_remote_code import PLANTED
+from tests.test_remote_code import MARKER_CODE
 
 TOKENS = torch.randint(0, 1000, (2, 40), generator=torch.Generator().manual_seed(0))
 LAYOUTS = {"tp2-ep2": Parallelism(tp=2, ep=2), "pp2": Parallelism(pp=2)}
@@ -38,7 +38,7 @@ SPEC_FLAG = "--spec mconvert.megatron_lm.layer_specs gpt_layers_with_qk_norm_acr
 @pytest.fixture(scope="module")
 def hf(tmp_path_factory):
     """MiniMax-M2.7's config.json shrunk (auto_map kept), weights at std 0.1, random routing biases of about the
-    sigmoid scores' spread, and the checkpoint's own code planted beside them."""
+    sigmoid scores' spread, and the checkpoint's own code placed beside them."""
     config = shrink(real_config("minimax-m2.7"), layers=2)
     hf = make_hf_checkpoint(config, tmp_path_factory.mktemp("minimax") / "hf", weight_std=0.1)
     tensors = load_file(hf / "model.safetensors")
@@ -47,7 +47,7 @@ def hf(tmp_path_factory):
         tensors[name] = 0.2 * torch.randn(tensors[name].shape, generator=generator)
     save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
     for module in ("configuration_minimax_m2.py", "modeling_minimax_m2.py"):
-        (hf / module).write_text(PLANTED)
+        (hf / module).write_text(MARKER_CODE)
     return hf
 
 
@@ -66,7 +66,7 @@ def megatron_logits(ckpt, parallelism: Parallelism) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_megatron_core_gives_transformers_logits_and_the_way_back_is_bit_exact(layout, hf, tmp_path):
+def test_megatron_core_gives_transformers_logits_and_the_export_is_bit_exact(layout, hf, tmp_path):
     parallelism = LAYOUTS[layout]
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
     torch.testing.assert_close(megatron_logits(tmp_path / "mcore", parallelism), hf_logits(hf), rtol=1e-4, atol=1e-4)
@@ -123,7 +123,7 @@ def test_a_zeroed_routing_bias_moves_megatrons_logits(hf, tmp_path, monkeypatch)
 
 def norm_gradients(inputs: torch.Tensor, summed_backward: bool):
     """In each of two TP ranks: the norm across heads of its half of `inputs`' heads, and its input gradient of a loss
-    that weighs every output, gathered. With `summed_backward` False, the planted fault: the sum of squares
+    that weighs every output, gathered. With `summed_backward` False, the injected fault: the sum of squares
     all-reduced as a plain tensor (summed in the forward pass only)."""
     import torch.distributed as dist
     from megatron.core import parallel_state

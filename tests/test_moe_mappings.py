@@ -1,5 +1,5 @@
 """MoE config reading and writing: the fields each family uses, both config styles, dense layers mixed in,
-missing fields, and write_config as the exact inverse of read_config. transformers is the judge of what a
+missing fields, and write_config as the exact inverse of read_config. transformers is the reference for what a
 config means."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""MoE families converted to torch_dist, judged by megatron-core: its GPTModel (local spec, SequentialMLP
+"""MoE families converted to torch_dist, checked by megatron-core: its GPTModel (local spec, SequentialMLP
 experts, gloo CPU ranks) loads the checkpoint at EP=2, at TP=2 with expert TP, and at TP=2 with EP=2 and ETP=1;
 every parameter equals what the HF weights imply (written out here independently of the mapping tables),
 every key megatron asks for (tensors and `_extra_state` objects) is in the checkpoint, and its forward gives

@@ -2,7 +2,7 @@
 one block an HF layer, which only HybridModel holds. Converted at TP 2 x EP 2 into the keys megatron-core 0.19.2's
 MambaMixer stores (in_proj's z, x, B, C, dt and the convolution's x, B, C under keys of their own), and back bit for
 bit with a config.json transformers builds the same model from; what megatron-core fixes and a config varies, and
-the GPT model class, refused in one line. megatron-core's and Megatron-LM's judgement: tests/megatron_lm/test_nemotron_h.py."""
+the GPT model class, refused in one line. megatron-core's and Megatron-LM's checks: tests/megatron_lm/test_nemotron_h.py."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def test_super_has_megatron_cores_latent_moe_and_mtp_keys_and_converts_back_bit_
 
 def test_a_save_without_megatron_lms_args_is_read_as_a_hybrid_model(hf, tmp_path):
     """ms-swift saves Nemotron-H as a HybridModel with its own training arguments in place of Megatron-LM's (no model in
-    them; found beside the peers on the GPU host): given --hf-config, the way back takes it as HybridModel, the only
+    them; found beside the peers on the GPU host): given --hf-config, mcore-to-hf takes it as HybridModel, the only
     model that holds Nemotron-H's layers, bit for bit; taken as GPTModel it was refused."""
     import argparse
 

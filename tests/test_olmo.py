@@ -1,10 +1,10 @@
-"""OLMo 2 and OLMo 3 converted to torch_dist and judged by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU
+"""OLMo 2 and OLMo 3 converted to torch_dist and checked by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU
 ranks) at TP 2 and PP 2: no norm before the attention or the MLP, an RMSNorm on each one's output before the residual
 add, and q and k each normalised over all heads of the layer (mconvert's layer spec, which Megatron-LM loads by
 `--spec`); OLMo 3's windows on three layers in four, the prompts three windows long. The norm weights are far from
-ones (make_hf_checkpoint), the matrices at std 0.1. Planted faults are caught: the same checkpoint in layers whose norms
+ones (make_hf_checkpoint), the matrices at std 0.1. Injected faults are caught: the same checkpoint in layers whose norms
 come before their sublayers, and OLMo 3's window on the other layers, move megatron-core's logits; q/k norms per head
-would move transformers' own far beyond the comparison's tolerance. The way back is bit-exact from the stored args. In
+would move transformers' own far beyond the comparison's tolerance. The export is bit-exact from the stored args. In
 bf16, the q/k norms give transformers' bits (the weight applied in fp32, before the cast back)."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def megatron_logits(ckpt, parallelism: Parallelism, view=megatron_view) -> torch
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_megatron_core_gives_transformers_logits_and_the_way_back_is_bit_exact(name, made, tmp_path):
+def test_megatron_core_gives_transformers_logits_and_the_export_is_bit_exact(name, made, tmp_path):
     hf, parallelism = made(name), MODELS[name][2]
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
     torch.testing.assert_close(megatron_logits(tmp_path / "mcore", parallelism), hf_logits(hf), rtol=1e-4, atol=1e-4)
@@ -78,7 +78,7 @@ def test_megatron_core_gives_transformers_logits_and_the_way_back_is_bit_exact(n
 
 
 def megatron_view_with_norms_before_the_sublayers(ckpt_dirs: dict[str, str], tokens: torch.Tensor):
-    """In each rank: megatron_view with mconvert's layer spec planted wrong: the same norms, loaded from the same
+    """In each rank: megatron_view with mconvert's layer spec made wrong: the same norms, loaded from the same
     checkpoint keys, before the attention and the MLP (megatron-core's own places) instead of after them."""
     from megatron.core.models.backends import LocalSpecProvider
 
@@ -101,7 +101,7 @@ def megatron_view_with_norms_before_the_sublayers(ckpt_dirs: dict[str, str], tok
 
 
 @pytest.mark.parametrize("fault", ["norms before the sublayers", "window on the other layers"])
-def test_a_planted_fault_moves_megatrons_logits(fault, made, tmp_path):
+def test_an_injected_fault_moves_megatrons_logits(fault, made, tmp_path):
     name = "olmo2-tp2" if fault == "norms before the sublayers" else "olmo3-pp2"
     hf, parallelism = made(name), MODELS[name][2]
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)

@@ -1,7 +1,7 @@
-"""OLMoE converted to torch_dist and judged by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU ranks) at
+"""OLMoE converted to torch_dist and checked by megatron-core 0.16.1 (its GPTModel, local spec, gloo CPU ranks) at
 TP 2 x EP 2 through `mconvert verify`: q and k each RMS-normalised over all heads of the layer (mconvert's layer spec,
 split across TP ranks with the heads), experts in every layer routed by a softmax over all of them without
-renormalising the top-k (norm_topk_prob false). Planted faults are caught: norm_topk_prob misread (the top-k
+renormalising the top-k (norm_topk_prob false). Injected faults are caught: norm_topk_prob misread (the top-k
 renormalised) moves megatron-core's logits; q/k norms per head would move transformers' own logits far beyond the
 comparison's tolerance. What megatron-core cannot build (clip_qkv, a window, a head_dim of its own) is refused."""
 
@@ -40,7 +40,7 @@ def hf_model(hf_dir) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
 
 
-def test_verify_passes_at_tp2_ep2_and_the_way_back_is_bit_exact(hf, tmp_path, capsys):
+def test_verify_passes_at_tp2_ep2_and_the_export_is_bit_exact(hf, tmp_path, capsys):
     mcore, back = tmp_path / "mcore", tmp_path / "back"
     assert main(["hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(mcore), "--tp", "2", "--ep", "2"]) == 0
     script = (mcore / "megatron_args.sh").read_text()
@@ -50,7 +50,7 @@ def test_verify_passes_at_tp2_ep2_and_the_way_back_is_bit_exact(hf, tmp_path, ca
     capsys.readouterr()
     assert main(["verify", "--hf", str(hf), "--mcore", str(mcore), "--device", "cpu", "--tp", "2", "--ep", "2"]) == 0
     assert capsys.readouterr().out.strip().endswith("PASS")
-    # The way back from the stored args alone.
+    # The export from the stored args alone.
     assert main(["mcore-to-hf", "--load-dir", str(mcore), "--save-dir", str(back), "--quiet"]) == 0
     original = load_file(hf / "model.safetensors")
     exported = {k: v for path in back.glob("*.safetensors") for k, v in load_file(path).items()}

@@ -29,7 +29,7 @@ sys.meta_path.insert(0, _NotInstalled())
 
 
 @pytest.fixture(scope="module")
-def without_judges(tmp_path_factory):
+def conversion_only(tmp_path_factory):
     directory = tmp_path_factory.mktemp("blocker")
     (directory / "sitecustomize.py").write_text(BLOCKER)
     return (directory,)
@@ -51,18 +51,18 @@ def models(hf_model_factory, tmp_path_factory):
     return hf, mcore
 
 
-def test_a_conversion_only_install_converts_both_ways(without_judges, models, tmp_path):
+def test_a_conversion_only_install_converts_both_ways(conversion_only, models, tmp_path):
     hf, _ = models
-    there = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "mcore", "--tp", "2", python_path=without_judges)
+    there = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "mcore", "--tp", "2", python_path=conversion_only)
     assert there.returncode == 0, there.stderr
-    back = run_cli("mcore-to-hf", "--load-dir", tmp_path / "mcore", "--save-dir", tmp_path / "hf", python_path=without_judges)
+    back = run_cli("mcore-to-hf", "--load-dir", tmp_path / "mcore", "--save-dir", tmp_path / "hf", python_path=conversion_only)
     assert back.returncode == 0, back.stderr
     assert (tmp_path / "hf" / "config.json").exists()
 
 
-def test_verify_without_megatron_core_and_transformers(without_judges, models, tmp_path):
+def test_verify_without_megatron_core_and_transformers(conversion_only, models, tmp_path):
     hf, mcore = models
-    result = run_cli("verify", "--hf", hf, "--mcore", mcore, "--device", "cpu", "--json", tmp_path / "r.json", python_path=without_judges)
+    result = run_cli("verify", "--hf", hf, "--mcore", mcore, "--device", "cpu", "--json", tmp_path / "r.json", python_path=conversion_only)
     assert_one_line_error(
         result, "mconvert verify", "megatron-core>=0.13 (not installed)", "transformers>=4.56 (not installed)",
         VERIFY_INSTALL, code=2,

@@ -1,9 +1,9 @@
-"""Qwen3-Next, Qwen3.5 (image-text, dense) and Qwen3.5-MoE converted to torch_dist and judged by megatron-core
+"""Qwen3-Next, Qwen3.5 (image-text, dense) and Qwen3.5-MoE converted to torch_dist and checked by megatron-core
 0.16.1's own GPTModel on gloo CPU ranks at TP 2 with EP 2 or PP 2: three gated delta-net layers, then one of
 full attention with an output gate, q/k norms and partial rope, zero-centred norms, MoE with a gated shared
 expert. megatron-core builds gated delta-net only under Transformer Engine; on CPU ranks its own GatedDeltaNet
 runs with local linears and its PyTorch delta rule (mconvert.verify.cpu_shims). The prompts are 160
-tokens, three chunks of the delta rule's 64. Planted faults (Qwen3-Next's per-key-head sections read flat, the
+tokens, three chunks of the delta rule's 64. Injected faults (Qwen3-Next's per-key-head sections read flat, the
 delta-net's output norm not shifted to zero-centred, the norms not zero-centred at all) each move megatron-core's logits away from transformers';
 the conversion back is bit-exact, the vision tower copied from the original."""
 
@@ -63,7 +63,7 @@ def hf_tensors(directory) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_megatron_core_gives_transformers_logits_and_the_way_back_is_bit_exact(case, made, tmp_path):
+def test_megatron_core_gives_transformers_logits_and_the_export_is_bit_exact(case, made, tmp_path):
     name, parallelism, _ = CASES[case]
     hf = made(name)
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
@@ -109,7 +109,7 @@ def without_zero_centred_norms(ckpt):
 
 
 @pytest.mark.parametrize("fault", ["sections read flat", "output norm not zero-centred", "no --apply-layernorm-1p"])
-def test_a_planted_fault_moves_megatrons_logits(fault, made, tmp_path, monkeypatch):
+def test_an_injected_fault_moves_megatrons_logits(fault, made, tmp_path, monkeypatch):
     entries = []
     for entry in qwen3_next.TABLE.linear_attention:
         if fault == "sections read flat" and isinstance(entry, Section) and "in_proj_qkvz" in entry.hf:
@@ -147,7 +147,7 @@ def test_multimodal_rope_for_text_is_the_rope_the_flags_build(made, monkeypatch)
     torch.testing.assert_close(sin[0], angles.sin(), rtol=1e-5, atol=1e-5)
 
 
-def test_the_vision_tower_is_left_out_and_said_so_and_the_way_back_needs_the_original(made, tmp_path):
+def test_the_vision_tower_is_left_out_and_said_so_and_the_export_needs_the_original(made, tmp_path):
     hf = made("qwen3.5-0.8b")
     out = run_cli("hf-to-mcore", "--load-dir", hf, "--save-dir", tmp_path / "mcore", "--tp", "2")
     assert out.returncode == 0, out.stderr
@@ -199,7 +199,7 @@ def test_local_transformer_impl_is_refused_in_one_line(made, tmp_path):
 
 def test_qwen35_moe_experts_saved_one_by_one_convert_as_the_hubs_fused_ones_and_go_back_fused(made, tmp_path):
     """Qwen3.5-MoE's hub checkpoints hold each layer's experts fused; transformers' save_pretrained writes them one by
-    one. Both layouts of the same weights make the same torch_dist checkpoint, and the way back writes the hub's."""
+    one. Both layouts of the same weights make the same torch_dist checkpoint, and the export writes the hub's."""
     fused = made("qwen3.5-35b-a3b")
     one_by_one = make_hf_checkpoint(shrink(real_config("qwen3.5-35b-a3b"), layers=4), tmp_path / "hf-one-by-one", weight_std=0.1)
     assert "model.language_model.layers.0.mlp.experts.0.gate_proj.weight" in hf_tensors(one_by_one)

@@ -19,7 +19,7 @@ from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 from tests.cli_runner import assert_nothing_left, assert_one_line_error, run_cli
 
 # Importing either file of the checkpoint's own code leaves this file behind it.
-PLANTED = "from pathlib import Path\nPath(__file__).with_name('CODE_WAS_RUN').write_text(__name__)\n"
+MARKER_CODE = "from pathlib import Path\nPath(__file__).with_name('CODE_WAS_RUN').write_text(__name__)\n"
 
 
 def with_config(hf: Path, out: Path, **changes) -> Path:
@@ -35,12 +35,12 @@ def with_config(hf: Path, out: Path, **changes) -> Path:
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory) -> Path:
     """A Kimi-K2 as released, shrunk: its config.json (kimi_k2, auto_map, YaRN betas 1 and 1), random weights
-    at a scale whose attention is not near uniform, and its own code planted beside them."""
+    at a scale whose attention is not near uniform, and its own code placed beside them."""
     config = shrink(real_config("kimi-k2-instruct"), layers=2)
     hf = make_hf_checkpoint(config, tmp_path_factory.mktemp("kimi") / "hf")
     assert json.loads((hf / "config.json").read_text())["model_type"] == "kimi_k2"
     for module in ("configuration_deepseek.py", "modeling_deepseek.py"):
-        (hf / module).write_text(PLANTED)
+        (hf / module).write_text(MARKER_CODE)
     return hf
 
 

@@ -1,5 +1,5 @@
 """The settings table (mconvert.megatron_lm.settings) both ways: every family's ModelSpec, written as Megatron-LM args
-and read back, is the same model; every arg written is a row of the table. (Megatron-LM's parser judges the rows in
+and read back, is the same model; every arg written is a row of the table. (Megatron-LM's parser checks the rows in
 tests/megatron_lm/test_settings.py.)"""
 
 from __future__ import annotations

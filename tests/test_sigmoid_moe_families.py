@@ -6,10 +6,10 @@ std 0.1 with the expert biases random:
 - dots.llm1 (`dots1`, the glm4_moe family): Qwen3's attention, an 8-token window on the layers from
   `max_window_layers` on though `use_sliding_window` says false, as transformers reads it;
 - Hy3 (`hy_v3`): GLM-4.5's features under its own tensor names, its MTP layer.
-`mconvert verify` judges the same models at the same layout (tests/test_verify.py: megatron-core's GPTModel on CPU
+`mconvert verify` checks the same models at the same layout (tests/test_verify.py: megatron-core's GPTModel on CPU
 ranks against transformers, prompts up to 64 tokens, top-2 of 8 experts), within a window where the model has one.
 Here: dots.llm1's windows over prompts five times as long; the MTP layers, which transformers drops, hold the HF
-tensors this test names by hand; the way back is bit for bit, its config.json that of the family it came from."""
+tensors this test names by hand; the export is bit for bit, its config.json that of the family it came from."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ MTP_LAYERS = {
     },
 }
 
-# config.json fields the way back must write as the original has them.
+# config.json fields the export must write as the original has them.
 FIELDS = {
     "glm4_moe_lite": ("model_type", "architectures", "mlp_layer_types", "n_routed_experts", "routed_scaling_factor", "q_lora_rank",
                       "qk_rope_head_dim", "rope_interleave", "num_nextn_predict_layers"),
@@ -99,7 +99,7 @@ def test_the_mtp_layer_holds_the_hf_tensors_megatron_core_names(name, converted)
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_the_way_back_is_bit_exact(name, converted, tmp_path):
+def test_the_export_is_bit_exact(name, converted, tmp_path):
     hf, mcore = converted(name)
     convert_mcore_to_hf(mcore, tmp_path / "back", hf_config_dir=hf)
     original, back = hf_tensors(hf), hf_tensors(tmp_path / "back")

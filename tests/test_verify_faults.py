@@ -3,7 +3,7 @@ conversion could make, fail it in fp32 and in bf16 at the thresholds it ships (m
 
 One Qwen3-MoE (GQA, q/k norms, experts; weights at std 0.1) converted at TP 1, a copy of the checkpoint per fault
 with the fault written over the stored bytes, and one set of CPU ranks that loads every copy as verify does
-(`megatron_outputs`) in fp32 and in bf16; verify's `judge` decides each, against the HF model's fp32 logits (and in
+(`megatron_outputs`) in fp32 and in bf16; verify's `compare` decides each, against the HF model's fp32 logits (and in
 bf16 its own bf16 run), on verify's built-in prompts. The faithful checkpoint passes both in the same run."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from mconvert.mcore.checkpoint import iteration_dir
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.verify.distributed import run_ranks
 from mconvert.verify.hf_side import hf_outputs
-from mconvert.verify.run import DTYPES, builtin_prompts, judge, megatron_outputs
+from mconvert.verify.run import DTYPES, builtin_prompts, compare, megatron_outputs
 
 HEADS, GROUPS, HEAD_DIM = 4, 2, 32  # the shrunk Qwen3-30B-A3B's
 QKV = "decoder.layers.self_attention.linear_qkv.weight"  # [layers, groups x (heads/groups + 2) x head_dim, hidden]
@@ -127,7 +127,7 @@ def test_each_subtle_fault_fails_verify_in_fp32_and_in_bf16(model, tmp_path):
     reference, hf_bf16 = hf_outputs(hf, prompts, torch.float32, "cpu"), hf_outputs(hf, prompts, torch.bfloat16, "cpu")
     outputs = run_ranks(each_checkpoint_in_each_dtype, ckpts, prompts, 1000)
     reports = {
-        (name, dtype): judge(reference, hf_bf16 if dtype == "bf16" else None, outputs[name, dtype], dtype, {}, "local", [])
+        (name, dtype): compare(reference, hf_bf16 if dtype == "bf16" else None, outputs[name, dtype], dtype, {}, "local", [])
         for name in ckpts
         for dtype in DTYPES
     }

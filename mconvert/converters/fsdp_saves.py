@@ -1,4 +1,4 @@
-"""Megatron-LM's FSDP saves, read as the global regions the way back reads.
+"""Megatron-LM's FSDP saves, read as the global regions mcore-to-hf reads.
 
 Megatron-LM 0.19 saves a run under Megatron-FSDP (`--use-megatron-fsdp`) in its `fsdp_dtensor` format and one
 under PyTorch's FSDP2 (`--use-torch-fsdp2`) in `torch_dcp`: both are plain DCP folders (a `.metadata`, no

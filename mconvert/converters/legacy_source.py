@@ -1,5 +1,5 @@
 """The model weights of a Megatron-LM legacy `torch` checkpoint (mconvert.formats.legacy_torch) as the global
-regions the way back reads.
+regions mcore-to-hf reads.
 
 Names are the model's, local to the rank (mconvert.converters.model_keyed): layers counted within the pipeline
 stage, experts within the expert-parallel rank; tensor-parallel tensors hold their rank's slice (fc1 holds

@@ -1,4 +1,4 @@
-"""The Megatron checkpoints the way back reads, behind one protocol: a torch_dist directory (through its DCP
+"""The Megatron checkpoints mcore-to-hf reads, behind one protocol: a torch_dist directory (through its DCP
 metadata), Megatron-LM's legacy per-rank `torch` files (mconvert.converters.legacy_source), its FSDP saves
 (fsdp_dtensor and torch_dcp: mconvert.converters.fsdp_saves), or a global state dict in memory; the one function
 that tells which kind a directory holds and opens its reader (open_megatron_checkpoint); and where a plan piece

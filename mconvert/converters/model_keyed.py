@@ -1,5 +1,5 @@
 """Checkpoints keyed by the model's own parameter names (what a module's `state_dict()` calls them), read as the
-global regions of torch_dist's keys that the way back reads: Megatron-LM's legacy `torch` format
+global regions of torch_dist's keys that mcore-to-hf reads: Megatron-LM's legacy `torch` format
 (mconvert.converters.legacy_source) and its FSDP formats (mconvert.converters.fsdp_saves), the first of which
 mconvert also writes under these names.
 

@@ -109,7 +109,7 @@ class _LayoutUnpickler(pickle.Unpickler):
 
 
 def saved_tensor_layout(pickled: bytes) -> tuple | None:
-    import torch  # the way back's reader, which holds torch tensors; writing never comes here
+    import torch  # mcore-to-hf's reader, which holds torch tensors; writing never comes here
 
     try:
         with warnings.catch_warnings():

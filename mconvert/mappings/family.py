@@ -79,7 +79,7 @@ class Table:
     experts: tuple[Entry, ...] = ()
     fused_experts: tuple[Entry, ...] = ()
     fused_moe_mlp: tuple[Entry, ...] | None = None
-    # Whether the family's hub checkpoints store their experts fused, as the way back then writes them (both
+    # Whether the family's hub checkpoints store their experts fused, as mcore-to-hf then writes them (both
     # layouts are read).
     hub_experts_fused: bool = False
     layer_prefix: str = "model.layers.{layer}."
@@ -114,7 +114,7 @@ class Table:
     # HF tensors that a Megatron language-model checkpoint does not hold, by name prefix, with what they are (an
     # image-text checkpoint's vision tower): not converted, and the conversion's summary says so.
     left_out: tuple[tuple[str, str], ...] = ()
-    # Prefixes of left-out tensors that the way back copies unchanged from the original checkpoint that
+    # Prefixes of left-out tensors that mcore-to-hf copies unchanged from the original checkpoint that
     # `--hf-config` names (the vision tower, which the Megatron checkpoint has none of to give).
     copied_back: tuple[str, ...] = ()
 

@@ -1,7 +1,7 @@
 """Kimi-K2.5 (`kimi_k25`): an image-text model whose language model is Kimi-K2's, a DeepSeek-V3 (text_config, model_type
 `kimi_k2`, read as DeepseekV3ForCausalLM as Kimi-K2 is), stored under `language_model.` (`language_model.model.layers.`,
 `language_model.lm_head.weight`), beside its vision tower (MoonViT, `vision_tower.`) and the projector into the language
-model (`mm_projector.`), which a Megatron GPT checkpoint does not hold: left out, and copied back on the way back. Its
+model (`mm_projector.`), which a Megatron GPT checkpoint does not hold: left out, and copied back by mcore-to-hf. Its
 config and code are its own (auto_map); transformers has no class of it, and mconvert runs none of its code. The names
 are the release's as vLLM's kimi_k25.py and mlx-lm's kimi_k25.py load them."""
 
@@ -29,7 +29,7 @@ TABLE = dataclasses.replace(
 
 
 def read_config(config: dict[str, Any], source: str = "config.json") -> ModelSpec:
-    """The language model (text_config); the outer config is kept for the way back."""
+    """The language model (text_config); the outer config is kept for the export."""
     text = config.get("text_config")
     if not isinstance(text, dict):
         raise ConversionError(f"{source}: model_type '{config.get('model_type')}' has no text_config object")

@@ -43,9 +43,9 @@ ROUTING_BIAS = Rename("mlp.router.expert_bias", "block_sparse_moe.e_score_correc
 
 # MiniMax's published checkpoints (M2 to M2.7) hold no weights for the modules their configs name
 # (`num_mtp_modules: 3`; MiniMax-AI/MiniMax-M2.7 issue 16 counts 0 `mtp.*` keys of 1,369), and transformers' model has
-# none to load any into: nothing defines their names or judges a conversion of them.
+# none to load any into: nothing defines their names or checks a conversion of them.
 MTP_LEFT_OUT = ("MiniMax publishes no weights for them, and transformers' MiniMax-M2 has no multi-token prediction "
-                "modules to judge a conversion of them by")
+                "modules to check a conversion of them against")
 
 TABLE = Table(
     model=llama.MODEL,

@@ -67,7 +67,7 @@ def read_text_config(config: dict[str, Any], source: str = "config.json") -> Mod
 
 
 def read_config(config: dict[str, Any], source: str = "config.json") -> ModelSpec:
-    """An image-text checkpoint's language model (`text_config`); the outer config is kept for the way back."""
+    """An image-text checkpoint's language model (`text_config`); the outer config is kept for the export."""
     text = config.get("text_config")
     if not isinstance(text, dict):
         raise ConversionError(f"{source}: model_type '{config.get('model_type')}' has no text_config object")

@@ -193,7 +193,7 @@ class ModelSpec:
     # What megatron-core computes differently from transformers for this model, where no setting reconciles them
     # (each conversion says so; the verifier measures it).
     computed_differently: tuple[str, ...] = field(default=(), compare=False)
-    # The config.json the spec was read from, kept so the way back can restore fields Megatron has no use for.
+    # The config.json the spec was read from, kept so mcore-to-hf can restore fields Megatron has no use for.
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property

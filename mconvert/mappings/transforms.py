@@ -11,7 +11,7 @@ writer cutting it into chunks along dim 0 (fc1's gate and up halves) need not co
 configs have, the output layer of an untied model). `split` declares the Megatron tensor's shape and how tensor
 parallelism splits it (mconvert.mappings.splits: column, row, replicated, gated, sectioned, the vocabulary).
 
-Tensors are numpy arrays (the converters') or torch tensors (in memory, on any device: weight sync, the way back):
+Tensors are numpy arrays (the converters') or torch tensors (in memory, on any device: weight sync, mcore-to-hf):
 the few operations that the two spell differently are below.
 """
 

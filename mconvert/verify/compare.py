@@ -110,10 +110,10 @@ class Report:
             f"{'prompt':>6} {'tokens':>6} {'max|d|':>10} {'mean|d|':>10} {'cosine':>10} {'KL':>10} {'top1':>6} {'top5':>6}  result"
         ]
         for index, (m, limits) in enumerate(zip(self.prompts, self.thresholds)):
-            verdict = "pass" if m.passes(limits) else "FAIL"
+            result = "pass" if m.passes(limits) else "FAIL"
             lines.append(
                 f"{index:>6} {m.tokens:>6} {m.max_abs_diff:>10.3g} {m.mean_abs_diff:>10.3g} {m.cosine:>10.7f} "
-                f"{m.kl:>10.3g} {m.top1_agreement:>6.3f} {m.top5_overlap:>6.3f}  {verdict}"
+                f"{m.kl:>10.3g} {m.top1_agreement:>6.3f} {m.top5_overlap:>6.3f}  {result}"
             )
         if self.hf_bf16_error is None:
             t = self.thresholds[0]

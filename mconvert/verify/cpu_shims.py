@@ -343,7 +343,7 @@ def local_sparse_attention_layer(mla_attention_layer: object, config: object, no
 def norm_under_sequence_parallelism() -> type:
     """megatron-core's torch norm (RMSNorm or LayerNorm, as the config it is given says), built where the model runs
     with sequence parallelism, which that module refuses: under it, a norm's weight gradient must be summed over the
-    TP ranks, which the forward passes of the CPU judges never take."""
+    TP ranks, which the forward passes of the CPU checks never take."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     class TorchNorm:

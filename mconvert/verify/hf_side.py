@@ -59,12 +59,12 @@ def load_hf_model(hf_dir: str | Path, dtype: torch.dtype):
                 model = model_class.from_pretrained(hf_dir, config=hf_config, **options)
         except (RuntimeError, ValueError) as error:  # e.g. its FP8 dequantization of blocks cut at a tensor's edge
             raise ConversionError(
-                f"{Path(hf_dir)}: transformers {transformers.__version__} cannot load it as the judge: {load_failure(held, error)}"
+                f"{Path(hf_dir)}: transformers {transformers.__version__} cannot load it as the reference: {load_failure(held, error)}"
             ) from error
     for text in held:  # a load that went through: its report as transformers would have printed it
         print(text, file=sys.stderr)
     # transformers before 5.24 keeps dequantized MXFP4 experts in bf16 whatever dtype the model is loaded in (their
-    # values are exact in either): an fp32 judgement would run them in bf16.
+    # values are exact in either): an fp32 comparison would run them in bf16.
     return model.to(dtype) if "quantization_config" in options else model
 
 

@@ -1,5 +1,5 @@
 """megatron-core's HybridModel (0.19 and later) on CPU ranks: its stack spec made from the local modules GPTModel's
-CPU judges use, since megatron-core builds HybridModel's default stack (hybrid_stack_spec) from Transformer Engine
+CPU checks use, since megatron-core builds HybridModel's default stack (hybrid_stack_spec) from Transformer Engine
 modules only. Each hybrid layer is the matching half of a local GPT layer, keyed as the Transformer Engine stack
 keys it: the attention layers (`*`, `+`, `G`, `D`) keep the GPT layer's attention and its input norm, the MLP
 layers (`-`, `E`) its MLP and the norm before it; the Mamba layers (`M`) are megatron-core's own MambaLayer with
@@ -137,7 +137,7 @@ def build_hybrid_model(
     args: argparse.Namespace, params_dtype: torch.dtype, pre_process: bool, post_process: bool, transformer_impl: str,
     perform_initialization: bool = True,
 ) -> object:
-    """This rank's HybridModel from a hybrid checkpoint's args with megatron-core alone (verify's judge), its stages
+    """This rank's HybridModel from a hybrid checkpoint's args with megatron-core alone (verify's reference), its stages
     as `args.hybrid_layer_pattern`'s `|` place them: the Transformer Engine stack its `--spec` names, or the local
     stack on CPU ranks."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel

@@ -1,4 +1,4 @@
-"""Megatron-LM itself as the judge (`megatron.training`, shipped with megatron-core >= 0.19 on Python >= 3.12):
+"""Megatron-LM itself as the reference (`megatron.training`, shipped with megatron-core >= 0.19 on Python >= 3.12):
 its argument parser and validation, the model its `pretrain_gpt.py` builds from those args, and its own
 `load_checkpoint`, run on CPU gloo ranks (`mconvert.verify.distributed.run_ranks`).
 

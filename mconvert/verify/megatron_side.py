@@ -1,4 +1,4 @@
-"""megatron-core as the judge of a torch_dist checkpoint: load it, run it, read it back.
+"""megatron-core as the reference for a torch_dist checkpoint: load it, run it, read it back.
 
 Every function here runs inside a rank set up by `mconvert.verify.distributed.run_ranks` (or any
 megatron-core process with `parallel_state` initialized) and must be called by all ranks together.

@@ -250,10 +250,10 @@ def verify(request: VerifyRequest) -> Report:
         tp=par.tp, pp=par.pp, ep=par.ep, etp=par.etp, device=request.device, timeout_s=request.timeout_s,
     )
     seconds["megatron"] = time.perf_counter() - started
-    return judge(reference, hf_bf16, candidate, request.dtype, seconds, spec, notes)
+    return compare(reference, hf_bf16, candidate, request.dtype, seconds, spec, notes)
 
 
-def judge(
+def compare(
     reference: Outputs, hf_bf16: Outputs | None, candidate: Outputs, dtype: str, seconds: dict[str, float], spec: str,
     notes: list[str],
 ) -> Report:

@@ -1,4 +1,4 @@
-"""The way in's dequantization rate on one thread: HFCheckpoint.read of Kimi-K2's expert projections (2048 x 7168
+"""hf-to-mcore's dequantization rate on one thread: HFCheckpoint.read of Kimi-K2's expert projections (2048 x 7168
 and 7168 x 2048, alternating), stored as compressed-tensors' pack-quantized INT4 as Kimi-K2-Thinking stores them (bf16
 scales per 32 columns, Kimi-K2.5's quantization_config) and as block-quantized FP8 as DeepSeek-V3 stores them (fp32
 scales per 128 x 128, its quantization_config), about GB of source each, page cache warm; each tensor ends in bf16, as

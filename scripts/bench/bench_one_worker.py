@@ -1,4 +1,4 @@
-"""What holds hf-to-mcore on a many-core host where it is slower than `cp -r` (docs/history.md, "The way in
+"""What holds hf-to-mcore on a many-core host where it is slower than `cp -r` (docs/history.md, "hf-to-mcore
 at one worker on a 16-core host"). Three measurements, page cache warm, each a command:
 
   variants  hf-to-mcore of MODEL launched in several ways (as shipped; --allow-nonfinite; without hashing;

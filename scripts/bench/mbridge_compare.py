@@ -309,7 +309,7 @@ def folded(keys: list[str]) -> dict[str, int]:
 
 def summarize(compare: dict) -> dict:
     """The per-rank rows folded: how many (rank, tensor) pairs are equal, and every one that is not."""
-    rows = [(rank, key, verdict) for rank, table in enumerate(compare["ranks"]) for key, verdict in table.items()]
+    rows = [(rank, key, result) for rank, table in enumerate(compare["ranks"]) for key, result in table.items()]
     only = [k for k in compare["checkpoint_only"] if not k.endswith("_extra_state")]
     return {"tensors_equal": sum(v.startswith("equal") for _, _, v in rows), "tensors": len(rows),
             "not_equal_or_dtype": [f"rank {r}: {k}: {v}" for r, k, v in rows if v != "equal"],

@@ -46,7 +46,7 @@ TARGETS = ("safetensors-header", "safetensors-index", "config", "hf-sources", "d
 FSDP_SAVE = REPO / "tests" / "fixtures" / "fsdp" / "torch_dcp-llama" / "save" / "iter_0000002"
 
 
-def judge(read, data: bytes) -> None:
+def check(read, data: bytes) -> None:
     """Reads `data` with `read`: a ConversionError is the contract kept; any other exception propagates (a crash)."""
     from mconvert.errors import ConversionError
 
@@ -187,7 +187,7 @@ def fuzz_one(target: str, out: Path, libfuzzer_flags: list[str]) -> None:
     inputs = [flag for flag in libfuzzer_flags if not flag.startswith("-")]
     flags = [flag for flag in libfuzzer_flags if flag.startswith("-")]
     atheris.Setup([sys.argv[0], *flags, f"-artifact_prefix={out}/{target}-", *(inputs or [str(corpus), str(seeds / target)])],
-                  lambda data: judge(read, data))
+                  lambda data: check(read, data))
     atheris.Fuzz()
 
 

@@ -1,7 +1,7 @@
 """mconvert beside the peers on one GPU host (issue: side by side with Megatron-Bridge, ms-swift, mbridge): the same
 random-init HF checkpoint converted by each, every process timed whole from start to exit with its peak host memory
 (RSS) and the GPU's peak memory in use, `cp -r` of the same files as the yardstick; then tensor for tensor, every
-key of each peer's torch_dist against mconvert's (read back by torch's own DCP loader), and the way back: each peer's
+key of each peer's torch_dist against mconvert's (read back by torch's own DCP loader), and the export: each peer's
 HF export and mconvert's `mcore-to-hf` of the same checkpoints against the original HF files.
 
     python scripts/gpu/gpu_peers.py --work /tmp/peers-work --out OUT qwen2.5-0.5b qwen3-30b-a3b@2 'deepseek-v3.2@2#swift'
@@ -125,7 +125,7 @@ def peer_env(peer: str) -> dict[str, str]:
 
 
 def hf_to_mcore_step(peer: str, hf: Path, mcore: Path, back: Path, model_type: str) -> tuple[str, list[str]]:
-    """(step name, command) of a peer's way in (and, for mbridge, its way back in the same process)."""
+    """(step name, command) of a peer's import (and, for mbridge, its export in the same process)."""
     run = [sys.executable, str(REPO / "scripts/gpu/peer_run.py")]
     if peer in ("mconvert", "again"):
         return "hf-to-mcore", [sys.executable, "-m", "mconvert.cli", "hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(mcore),
@@ -149,7 +149,7 @@ def mcore_to_hf_step(peer: str, hf: Path, mcore: Path, back: Path) -> tuple[str,
     if peer == "swift":
         return "mcore-to-hf", [sys.executable, "-m", "swift.cli._megatron.export", "--mcore_model", str(mcore), "--to_hf", "true",
                                "--torch_dtype", "bfloat16", "--output_dir", str(back)]
-    return None  # mbridge: in its way-in process
+    return None  # mbridge: in its import process
 
 
 def torch_dist_tensors(directory: Path) -> dict:
@@ -320,11 +320,11 @@ def main() -> int:
             record({"model": model, "peer": peer, "step": name, **step(command, env)})
             if any(mcore.rglob(".metadata")):
                 checkpoints[peer] = mcore
-                way_back = mcore_to_hf_step(peer, hf, mcore, back)
-                if way_back and left() >= 20:
-                    record({"model": model, "peer": peer, "step": way_back[0], **step(way_back[1], env)})
-                elif way_back:
-                    record({"model": model, "peer": peer, "step": way_back[0], "skipped": "deadline"})
+                export_step = mcore_to_hf_step(peer, hf, mcore, back)
+                if export_step and left() >= 20:
+                    record({"model": model, "peer": peer, "step": export_step[0], **step(export_step[1], env)})
+                elif export_step:
+                    record({"model": model, "peer": peer, "step": export_step[0], "skipped": "deadline"})
                     complete = False
             exported(model, peer, reference, back)
         if "mconvert" in checkpoints:
@@ -340,7 +340,7 @@ def main() -> int:
                     record({"model": model, "peer": f"mconvert from {peer}'s", "skipped": "deadline"})
                     complete = False
                     continue
-                # mconvert's way back from the peer's checkpoint.
+                # mconvert's export of the peer's checkpoint.
                 back = work / f"mconvert-from-{peer}"
                 result = step([sys.executable, "-m", "mconvert.cli", "mcore-to-hf", "--load-dir", str(mcore), "--save-dir", str(back),
                                "--hf-config", str(hf), "--quiet"], peer_env("mconvert"))

@@ -54,7 +54,7 @@
 #               and from random init saving fsdp_dtensor and torch_dcp) of test-sized models (dense, MoE, MLA with
 #               MTP); their HF configs, tokens, losses and --lr 0 saves come back as fixtures
 #   fsdp-in     on one GPU: Megatron-FSDP trained from hf-to-mcore --format fsdp_dtensor (dense, MoE, MLA with MTP),
-#               beside DDP from torch_dist and a planted fault (the conversion without its Adam step counts)
+#               beside DDP from torch_dist and an injected fault (the conversion without its Adam step counts)
 #   fsdp-in-launch  on one GPU: the train.sh of such a conversion, as a user runs it
 #   fsdp2-dcp-in  on one GPU: FSDP2 saving torch_dcp from torch_dist conversions (--auto-detect-ckpt-format)
 #   fsdp-dp2    on two GPUs: the FSDP saves at data-parallel size 2 kept as fixtures, and FSDP2 at data-parallel size 2
@@ -355,7 +355,7 @@ for stage in "$@"; do
     # On one GPU: Megatron-FSDP (bf16) trained from hf-to-mcore --format fsdp_dtensor: Llama converted for TP 2,
     # Qwen3-MoE for EP 2, DeepSeek-V3 with MTP for TP 2 x EP 2, each run at TP 1, EP 1 (its --lr 0 save exported, its
     # step losses, its --lr 1e-4 losses). Beside them, DDP in bf16 from the torch_dist conversions of the same Llama and
-    # Qwen3-MoE, whose losses Megatron-FSDP's must give from its first step on; a planted fault, the Llama conversion
+    # Qwen3-MoE, whose losses Megatron-FSDP's must give from its first step on; an injected fault, the Llama conversion
     # with its Adam step counts taken out (Megatron-FSDP's loading step leaves them at 1: its first update is then
     # smaller); the Llama in fp32, where Megatron-LM's own load stops (its SwiGLU split: AttributeError); and Qwen2.5's
     # tied embeddings.
@@ -413,7 +413,7 @@ for stage in "$@"; do
   fsdp-dp2-train)
     # On two GPUs: what fsdp-dp2 left. FSDP2 at data-parallel size 2 from the Llama conversion at TP 2 with its lr 1e-4
     # run (the loss falls); Megatron-FSDP at EP 2 (DeepSeek-V3's architecture with MTP, bf16, random init: the dense
-    # weights sharded over the two data-parallel ranks, each rank's experts its own), its save judged by transformers'
+    # weights sharded over the two data-parallel ranks, each rank's experts its own), its save checked by transformers'
     # loss on the export and kept (fsdp-dp2-saves.tar.gz).
     two_gpu_fsdp_runs "$stage" "--fsdp torch ${AT_ONE[*]}|$LLAMA_TINY:tp2" "$MEGATRON_FSDP_EP2"
     ;;
@@ -470,7 +470,7 @@ for stage in "$@"; do
     ;;
   hybrid-pp2)
     # On two GPUs: a Megatron-LM HybridModel training save made at PP 2 (MLA with a dense first layer, MoE and MTP: the
-    # pattern's stages and its MTP part) from mconvert's hybrid checkpoint written so; the judge exports the --lr 0
+    # pattern's stages and its MTP part) from mconvert's hybrid checkpoint written so; the check exports the --lr 0
     # save and holds it to the HF input bit for bit.
     python3 scripts/gpu/gpu_train.py --nproc 2 --model-class hybrid --mtp --steps 0 --keep-saves "$WORK/hybrid-saves" \
       --work "$WORK/train" --out "$OUT" --deadline-s "$(left)" --done-dir "$STATE" "$DEEPSEEK_TINY:pp2" >> "$OUT/$stage.log" 2>&1

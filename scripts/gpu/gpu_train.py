@@ -1,4 +1,4 @@
-"""Megatron-LM training steps from converted checkpoints, on GPUs, judged against transformers.
+"""Megatron-LM training steps from converted checkpoints, on GPUs, checked against transformers.
 
     python scripts/gpu/gpu_train.py --work /tmp/gt --out results/ qwen2.5-0.5b:tp2 qwen2.5-0.5b:pp2 qwen3-30b-a3b@2:ep2
 
@@ -16,7 +16,7 @@ megatron_args.sh's HYBRID_ARGS, which train the GPT checkpoint as a HybridModel;
 --fsdp megatron, both run Megatron-FSDP (--use-megatron-fsdp), with --fsdp torch PyTorch's FSDP2
 (--use-torch-fsdp2), saving as --ckpt-format says; --from-scratch: see its help; with --format fsdp_dtensor, the
 conversion is Megatron-FSDP's format and the runs load it with its LOAD_ARGS, as every run does);
-then scripts/training/megatron_train_check.py judges. Without Transformer Engine (it does not import) MODEL_ARGS'
+then scripts/training/megatron_train_check.py checks them. Without Transformer Engine (it does not import) MODEL_ARGS'
 `--transformer-impl transformer_engine` cannot run; the local spec is added then, with what Megatron-LM's
 defaults take from TE turned off, and the result says so. Dropout is off (--hidden-dropout 0
 --attention-dropout 0; Megatron-LM defaults both to 0.1, the HF models to 0) so that the training forward is
@@ -62,7 +62,7 @@ FSDP = {
 WITHOUT_TE = ["--transformer-impl", "local", "--no-rope-fusion", "--no-persist-layer-norm", "--no-gradient-accumulation-fusion"]
 
 
-# Under --deterministic-mode Megatron-LM runs megatron-core's PyTorch gated delta rule; the judge's transformers then
+# Under --deterministic-mode Megatron-LM runs megatron-core's PyTorch gated delta rule; the check's transformers then
 # runs its own PyTorch one (flash-linear-attention hidden from it) rather than fla's Triton kernels, whose fp32 differs
 # from PyTorch's by a KL of about 5e-4 on either side (scripts/gpu/gdn_kernels.py).
 PYTORCH_DELTA_RULE = ["-c", "import runpy, sys; sys.modules['fla'] = None; sys.argv = sys.argv[1:]; "
@@ -178,7 +178,7 @@ def main() -> int:
     parser.add_argument("--format", choices=("torch_dist", "fsdp_dtensor"), default="torch_dist",
                         help="hf-to-mcore's --format: fsdp_dtensor for a Megatron-FSDP run (with --fsdp megatron)")
     parser.add_argument("--without-keys", metavar="REGEX",
-                        help="a planted fault: the conversion's DCP keys matching REGEX taken out of its .metadata")
+                        help="an injected fault: the conversion's DCP keys matching REGEX taken out of its .metadata")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                         help="the conversion's (and so the run's) dtype; Megatron-FSDP loads a SwiGLU model only in bf16")
     parser.add_argument("--from-scratch", action="store_true",
@@ -291,28 +291,28 @@ def main() -> int:
             result.update(lr0_exit=code0, trained_exit=code1)
             reference = hf
             if options.from_scratch and code0 == 0:
-                # The run's own weights, as the way back reads them from its save: transformers' loss is theirs.
+                # The run's own weights, as mcore-to-hf reads them from its save: transformers' loss is theirs.
                 reference = work / "exported"
                 code, result["export_s"] = run(
                     [sys.executable, "-m", "mconvert.cli", "mcore-to-hf", "--load-dir", str(work / "save0"), "--save-dir",
                      str(reference), "--hf-config", str(hf), "--dtype", "fp32"], left(), work / "export.log")
                 result["export_exit"] = code
-            judge = [sys.executable, *(PYTORCH_DELTA_RULE if "--deterministic-mode" in options.megatron_flag else []),
-                     "scripts/training/megatron_train_check.py", "judge", "--hf", str(reference), "--tokens",
-                     str(work / "tokens.npy"), "--out", str(work / "judge.json")]
+            check = [sys.executable, *(PYTORCH_DELTA_RULE if "--deterministic-mode" in options.megatron_flag else []),
+                     "scripts/training/megatron_train_check.py", "check", "--hf", str(reference), "--tokens",
+                     str(work / "tokens.npy"), "--out", str(work / "check.json")]
             if (work / "log0").exists():
-                judge += ["--lr0-log", str(work / "log0")]
+                check += ["--lr0-log", str(work / "log0")]
             if code0 == 0 and not options.from_scratch:
-                judge += ["--lr0-save", str(work / "save0")]
+                check += ["--lr0-save", str(work / "save0")]
             if (work / "log1").exists():
-                judge += ["--trained-log", str(work / "log1")]
-            code, result["judge_s"] = run(judge, max(left(), 60), work / "judge.log")
-            if (work / "judge.json").exists():
-                result["judge"] = json.loads((work / "judge.json").read_text())
+                check += ["--trained-log", str(work / "log1")]
+            code, result["check_s"] = run(check, max(left(), 60), work / "check.log")
+            if (work / "check.json").exists():
+                result["check"] = json.loads((work / "check.json").read_text())
             result["passed"] = code == 0 and code0 == 0 and (code1 == 0 or not options.steps)
             if not result["passed"]:
                 result.update(lr0_log=tail(work / "lr0.log"), trained_log=tail(work / "trained.log"),
-                              judge_log=tail(work / "judge.log"), export_log=tail(work / "export.log"))
+                              check_log=tail(work / "check.log"), export_log=tail(work / "export.log"))
         print(json.dumps({k: v for k, v in result.items() if not k.endswith("_log")}, indent=1), flush=True)
         with open(options.out / "train.jsonl", "a") as f:
             f.write(json.dumps(result) + "\n")
@@ -321,7 +321,7 @@ def main() -> int:
             shutil.rmtree(kept, ignore_errors=True)
             shutil.copytree(hf, kept / "hf")
             shutil.copytree(work / "save0", kept / "save")
-            for kept_file in ("tokens.npy", "weights.pt", "weights.pt.error", "judge.json"):
+            for kept_file in ("tokens.npy", "weights.pt", "weights.pt.error", "check.json"):
                 if (work / kept_file).exists():
                     shutil.copy(work / kept_file, kept / kept_file)
             shutil.copytree(work / "log0", kept / "log0", dirs_exist_ok=True)

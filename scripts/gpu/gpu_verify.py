@@ -8,7 +8,7 @@ deepseek-v3@2+first_k_dense_replace=1 for its first dense and first MoE layer), 
 tp2pp2, tp2ep2etp1, or WRITTEN>LOADED (tp2ep2>tp1: converted at TP 2 and EP 2, verified at TP 1, as torch_dist
 reshards on loading), DTYPE fp32 (default) or bf16. --spec te|local is passed to verify, --model-class to hf-to-mcore. For each job it writes the HF model once (bf16, tensor by tensor; with --quantized, the weights the hub
 quantizes as its config's quantization_config says: FP8 blocks, MXFP4), converts it with `mconvert hf-to-mcore` in
-DTYPE (a bf16 checkpoint holds some zero-centred norms only rounded, which an fp32 judgement would count against
+DTYPE (a bf16 checkpoint holds some zero-centred norms only rounded, which an fp32 comparison would count against
 it) and runs `mconvert verify --device cuda`, timing both; each result is appended to OUT/results.jsonl as it comes,
 so a run stopped at its time limit keeps what it finished. Jobs not started before --deadline-s are skipped.
 Jobs of one model should be adjacent: the HF model is deleted after its last adjacent job, each checkpoint

@@ -9,7 +9,7 @@ Megatron-Bridge: AutoBridge.import_ckpt's own steps (from_hf_pretrained, to_mega
 save_megatron_model), with gradient_accumulation_fusion off: with Transformer Engine importable its provider turns
 that on, which needs APEX (absent on the GPU machine), and import_ckpt has no setting for it. Its export_ckpt reads
 only its own checkpoints (run_config.yaml). mbridge keeps the model in memory only: its torch_dist is megatron-core's
-dist_checkpointing.save of the model's sharded state dict, the way back its save_weights.
+dist_checkpointing.save of the model's sharded state dict, and its export its save_weights.
 """
 
 from __future__ import annotations

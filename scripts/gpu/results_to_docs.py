@@ -69,7 +69,7 @@ def cell(result: dict | None, limit: str | None = None) -> str:
     return text if result["pass"] else f"**{text}**"
 
 
-def verdict(results: list[dict | None]) -> str:
+def row_result(results: list[dict | None]) -> str:
     found = [r for r in results if r is not None]
     if any(not r["pass"] for r in found):
         return "**FAIL**"
@@ -106,7 +106,7 @@ def layouts_table(results: list[dict]) -> list[str]:
         metrics = [ours.get("megatron_lm_max_abs_logit_diff"), theirs.get("verify_kl"), theirs.get("verify_cosine"), theirs.get("verify_top1")]
         lines.append(
             f"| {case[0]} | {case[1]} | {cell(metrics[0], '<=')} | {cell(metrics[1], '<=')} | {cell(metrics[2], '>=')} "
-            f"| {cell(metrics[3], '>=')} | {verdict(metrics)} |"
+            f"| {cell(metrics[3], '>=')} | {row_result(metrics)} |"
         )
     return lines
 
@@ -125,7 +125,7 @@ def training_table(results: list[dict]) -> list[str]:
         lines.append(
             f"| {family} | {number(list(megatron.values())) if megatron else '-'} | {number(details.get('transformers'))} "
             f"| {cell(step, '<=')} | {cell(learning)} | {cell(export)}{f' of {tensors}' if tensors else ''} "
-            f"| {verdict([step, learning, export])} |"
+            f"| {row_result([step, learning, export])} |"
         )
     return lines
 
@@ -141,8 +141,8 @@ LAYOUTS_TEXT = (
 )
 TRAINING_TEXT = (
     "Each family's model (as above) trained by Megatron-LM's `pretrain` on one GPU from its fp32 conversion "
-    "(scripts/gpu/gpu_train.py, judged by scripts/training/megatron_train_check.py; one global batch): the step losses "
-    "at lr 0 against transformers' fp32 loss on the same tokens, within the limit shown, the lr-0 run's "
+    "(scripts/gpu/gpu_train.py, checked by scripts/training/megatron_train_check.py; one global batch): the step "
+    "losses at lr 0 against transformers' fp32 loss on the same tokens, within the limit shown, the lr-0 run's "
     "training save exported (`mconvert mcore-to-hf`) bit for bit, and at lr 1e-4 the loss falling at every step."
 )
 # name: (the test file, its tests, what they do, the table of their results)

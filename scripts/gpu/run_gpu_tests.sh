@@ -13,7 +13,7 @@
 # back to back (files in /tmp there last while the machine is kept). A later call on the same machine finds the
 # install done.
 #
-# Results and logs in $OUT (default ./gpu-out), four files: gpu_results.jsonl (a JSON line a judged metric),
+# Results and logs in $OUT (default ./gpu-out), four files: gpu_results.jsonl (a JSON line a checked metric),
 # verification.md (docs/verification.md with its GPU tables made from them: scripts/gpu/results_to_docs.py),
 # gpu_tests.log (the install and pytest), gpu_logs.tar.gz (the torchruns', jobs' and training runs' logs).
 # RUN_BUDGET_S (default 580): the whole command's seconds; no job starts in its last 100, pytest stops 20 s before it.

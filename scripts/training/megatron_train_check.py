@@ -1,14 +1,14 @@
-"""Judge what scripts/training/megatron_train.py did, against transformers and the HF checkpoint it started from.
+"""Check what scripts/training/megatron_train.py did, against transformers and the HF checkpoint it started from.
 
     python scripts/training/megatron_train_check.py tokens --hf HF --rows 8 --seq-length 256 --out tokens.npy
-    python scripts/training/megatron_train_check.py judge --hf HF --tokens tokens.npy --lr0-log L0 --lr0-save S0 \
+    python scripts/training/megatron_train_check.py check --hf HF --tokens tokens.npy --lr0-log L0 --lr0-save S0 \
         --trained-log L1 --out result.json
 
 `tokens` writes seeded pseudo-random token ids below the HF vocabulary, shape [rows, seq_length + 1]; with
 rows = --global-batch-size every training step sees the same batch (the whole file), so its loss is comparable
 with transformers' on the file and falls step after step when the model learns.
 
-`judge` writes one JSON verdict (and prints it):
+`check` writes one JSON result (and prints it):
 - loss: Megatron-LM's loss at every step of the --lr 0 run against transformers' fp32 loss on the same tokens
   (the weights do not move at lr 0, so every step must match), with the logits of Megatron's vocabulary padding
   (zero rows, so zero logits, inside Megatron's softmax) added to transformers'; the loss without them is
@@ -16,7 +16,7 @@ with transformers' on the file and falls step after step when the model learns.
   cross entropy logsumexp(z) - z_label moves by at most 2 max|dz| when the logits move by dz, and fp32 logits of
   the converted models agree with transformers' within about 1.3e-5 (docs/verification.md), so 1e-4 leaves a
   margin of about 4 for summation order. Needs TF32 off on GPUs (NVIDIA_TF32_OVERRIDE=0): TF32 GEMMs alone move
-  logits by 1e-3 of their scale. A bf16 run is reported, not judged.
+  logits by 1e-3 of their scale. A bf16 run is reported, not checked.
 - export: `mconvert mcore-to-hf` of the --lr 0 run's training save (optimizer state, nested args, iter dir)
   against the HF input: same tensor names, and every tensor equal bit for bit (compared in the exported dtype;
   widening bf16 to fp32 is exact, so a weight that moved by any amount fails).
@@ -128,7 +128,7 @@ def compare_export(hf_dir: Path, save_dir: Path) -> dict:
         }
 
 
-def judge(options: argparse.Namespace) -> dict:
+def check(options: argparse.Namespace) -> dict:
     tokens = np.load(options.tokens)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     result: dict = {"hf": str(options.hf), "rows": int(tokens.shape[0]), "seq_length": int(tokens.shape[1] - 1)}
@@ -155,8 +155,8 @@ def judge(options: argparse.Namespace) -> dict:
             **info,
             "passed": len(values) > 1 and all(b < a for a, b in zip(values, values[1:])),
         }
-    verdicts = [part["passed"] for part in result.values() if isinstance(part, dict) and "passed" in part]
-    result["passed"] = bool(verdicts) and all(v is not False for v in verdicts)
+    passes = [part["passed"] for part in result.values() if isinstance(part, dict) and "passed" in part]
+    result["passed"] = bool(passes) and all(v is not False for v in passes)
     return result
 
 
@@ -168,18 +168,18 @@ def main() -> int:
     make.add_argument("--rows", type=int, required=True)
     make.add_argument("--seq-length", type=int, required=True)
     make.add_argument("--out", type=Path, required=True)
-    check = commands.add_parser("judge")
-    check.add_argument("--hf", type=Path, required=True)
-    check.add_argument("--tokens", type=Path, required=True)
-    check.add_argument("--lr0-log", type=Path, help="loss log of the --lr 0 run")
-    check.add_argument("--lr0-save", type=Path, help="--save folder of the --lr 0 run")
-    check.add_argument("--trained-log", type=Path, help="loss log of the run with a real learning rate")
-    check.add_argument("--out", type=Path, required=True)
+    check_command = commands.add_parser("check")
+    check_command.add_argument("--hf", type=Path, required=True)
+    check_command.add_argument("--tokens", type=Path, required=True)
+    check_command.add_argument("--lr0-log", type=Path, help="loss log of the --lr 0 run")
+    check_command.add_argument("--lr0-save", type=Path, help="--save folder of the --lr 0 run")
+    check_command.add_argument("--trained-log", type=Path, help="loss log of the run with a real learning rate")
+    check_command.add_argument("--out", type=Path, required=True)
     options = parser.parse_args()
     if options.command == "tokens":
         write_tokens(options.hf, options.rows, options.seq_length, options.out)
         return 0
-    result = judge(options)
+    result = check(options)
     options.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return 0 if result["passed"] else 1

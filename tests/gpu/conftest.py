@@ -3,7 +3,7 @@
     pytest -m gpu tests/gpu -k gpt_oss        # one family's evidence (bash scripts/gpu/run_gpu_tests.sh on a GPU box)
 
 Marks: `gpu` (needs CUDA GPUs) and `gpus(n)` (needs n of them): skipped, with the count, where fewer are visible.
-The CPU suite collects these tests and skips them without importing torch. Every judged metric is appended as one
+The CPU suite collects these tests and skips them without importing torch. Every checked metric is appended as one
 JSON line to MCONVERT_GPU_RESULTS (default: gpu_results.jsonl in pytest's temporary folder):
 family, layout, test, metric, value, threshold, pass, device, versions, date (and details); scripts/gpu/results_to_docs.py
 makes docs/verification.md's tables of them.

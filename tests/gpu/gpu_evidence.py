@@ -1,4 +1,4 @@
-"""The work behind the GPU tests, done once a session for the cases pytest selected, then judged case by case.
+"""The work behind the GPU tests, done once a session for the cases pytest selected, then checked case by case.
 
 Device time is scarce and a torchrun with Megatron-LM and Transformer Engine imported costs 20-40 s before its first
 job, so the work is batched: on the CPU, one HF model a family (mconvert.synthetic) and its conversions at the
@@ -8,7 +8,7 @@ selected layouts (`mconvert hf-to-mcore`, several at once); then, side by side,
   the jobs left, the job it died in failed with its error);
 - the training cases, one scripts/gpu/gpu_train.py a family on one GPU, up to TRAINING_PER_GPU at a time a GPU;
 - transformers' fp32 logits of each family on the CPU (tests/gpu/hf_reference.py), the reference.
-Everything lands in files under the session's folder; a test waits for its own case's and judges it.
+Everything lands in files under the session's folder; a test waits for its own case's and checks it.
 
 Environment: MCONVERT_GPU_TESTS_DEVICE=cpu rehearses the layout cases on CPU gloo ranks (local spec, as the CPU tests
 run Megatron-LM; the training cases skip: Megatron-LM's pretrain needs CUDA). MCONVERT_GPU_DEADLINE_S: seconds

@@ -6,7 +6,7 @@ Writes DIR/NAME.pt for each model: the logits [prompts, tokens, vocab] of the pr
 the model's failure, and goes on with the next). On the CPU with
 PyTorch's own kernels: flash-linear-attention, which the GPU runs install for megatron-core's gated delta-net, is
 hidden from transformers (it would take its Triton kernels, which need CUDA tensors), as
-scripts/gpu/gpu_train.py's judge hides it.
+scripts/gpu/gpu_train.py's check hides it.
 """
 
 from __future__ import annotations

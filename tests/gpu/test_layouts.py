@@ -1,6 +1,6 @@
 """Each family at the four-GPU layouts, as a user trains it: the conversion at the layout, loaded by Megatron-LM's own
 model builder and `load_checkpoint` under Transformer Engine, gives transformers' logits; `mconvert verify` at the
-layout passes. The work is done once for all selected cases (gpu_evidence.py); each test judges its case's files.
+layout passes. The work is done once for all selected cases (gpu_evidence.py); each test checks its case's files.
 """
 
 from __future__ import annotations

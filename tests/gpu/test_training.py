@@ -1,7 +1,7 @@
 """Each family trained by Megatron-LM's own pretrain from its conversion, on one GPU (scripts/gpu/gpu_train.py and the
-judge it runs, scripts/training/megatron_train_check.py): at lr 0 the step losses are transformers' loss on the same
+check it runs, scripts/training/megatron_train_check.py): at lr 0 the step losses are transformers' loss on the same
 tokens, the run's --lr 0 save exports to the HF model bit for bit, and at a real learning rate the loss falls at every
-step. gpu_train.py runs the families side by side over the GPUs (gpu_evidence.py); each test judges its family's.
+step. gpu_train.py runs the families side by side over the GPUs (gpu_evidence.py); each test checks its family's.
 """
 
 from __future__ import annotations
@@ -30,23 +30,23 @@ def test_megatron_lm_trains_from_the_conversion(training_family, evidence, recor
         record("step_loss_abs_diff", None, FP32_LOSS_TOLERANCE, False, error=outcome.error[-2000:])
         pytest.fail(outcome.error, pytrace=False)
     result = json.loads(outcome.path.read_text().splitlines()[-1])
-    judge = result.get("judge", {})
-    logs = {key: result[key][-2000:] for key in ("convert_output", "lr0_log", "trained_log", "judge_log") if result.get(key)}
+    check = result.get("check", {})
+    logs = {key: result[key][-2000:] for key in ("convert_output", "lr0_log", "trained_log", "check_log") if result.get(key)}
     common = dict(megatron_flags=result.get("megatron_flags"), transformer_engine=result.get("transformer_engine"),
                   lr0_exit=result.get("lr0_exit"), trained_exit=result.get("trained_exit"), **logs)
 
-    loss = judge.get("loss") or {}
+    loss = check.get("loss") or {}
     step = loss.get("max_abs_diff")
     # fp32 runs only: the tolerance is for fp32 logits (megatron_train_check.py says why 1e-4).
     step_passed = step is not None and loss.get("dtype") == "float32" and step <= FP32_LOSS_TOLERANCE
     record("step_loss_abs_diff", step, FP32_LOSS_TOLERANCE, step_passed, megatron=loss.get("megatron"),
            transformers=loss.get("hf_fp32_with_padding_logits"), dtype=loss.get("dtype"), **common)
 
-    learning = list((judge.get("learning") or {}).get("megatron", {}).values())
+    learning = list((check.get("learning") or {}).get("megatron", {}).values())
     falls = len(learning) > 1 and all(later < earlier for earlier, later in zip(learning, learning[1:]))
     record("losses_at_lr_1e-4", learning, "each step below the one before", falls)
 
-    export = judge.get("export") or {}
+    export = check.get("export") or {}
     differing = len(export.get("differing", [])) + len(export.get("missing", [])) + len(export.get("extra", []))
     exported = bool(export.get("passed"))
     record("export_differing_tensors", differing if export else None, 0, exported, tensors=export.get("tensors"),

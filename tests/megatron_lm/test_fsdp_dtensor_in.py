@@ -1,4 +1,4 @@
-"""`hf-to-mcore --format fsdp_dtensor` judged by Megatron-LM 0.19.2 on CPU: its parser takes MODEL_ARGS and LOAD_ARGS
+"""`hf-to-mcore --format fsdp_dtensor` checked by Megatron-LM 0.19.2 on CPU: its parser takes MODEL_ARGS and LOAD_ARGS
 as a Megatron-FSDP resumption, its check_checkpoint_args (which that resumption runs) accepts the stored args, and
 every tensor of the model its builder makes (its own module names, under the local spec that runs on CPU) is in
 the checkpoint under the name Megatron-FSDP reads (`model.module.<name>`, a SwiGLU fc1 as `_w` then `_v` halves),
@@ -51,7 +51,7 @@ def test_megatron_lm_resumes_from_it_with_its_flags_and_stored_args(hf_model_fac
     checkpointing.set_checkpoint_version(3.0)
     stored = DCPCheckpoint(tmp_path / "fsdp" / "iter_0000000").read_object("args")
     checkpointing.check_checkpoint_args(stored)
-    stored.hidden_size += 1  # planted: the check a resumption makes catches a model of another width
+    stored.hidden_size += 1  # injected: the check a resumption makes catches a model of another width
     with pytest.raises(AssertionError, match="hidden_size"):
         checkpointing.check_checkpoint_args(stored)
 

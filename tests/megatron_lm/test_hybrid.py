@@ -1,4 +1,4 @@
-"""Megatron-LM judges mconvert's HybridModel checkpoints (`hf-to-mcore --model-class hybrid`; Python 3.12,
+"""Megatron-LM checks mconvert's HybridModel checkpoints (`hf-to-mcore --model-class hybrid`; Python 3.12,
 megatron-core 0.19.2): its parser reads the printed flags as the stored model; pretrain_hybrid.py's config and
 builder (hybrid_config_from_args, HybridModelBuilder) with the local stack spec CPU ranks need
 (mconvert.verify.hybrid_model) and its own `load_checkpoint`, strict, give transformers' logits; its own
@@ -147,7 +147,7 @@ def test_a_gpt_checkpoint_loads_into_a_hybrid_run_with_hybrid_args(hf_model_fact
 
 
 def test_megatron_lm_refuses_a_hybrid_checkpoint_with_its_sub_blocks_swapped(converted, tmp_path, monkeypatch):
-    """The planted fault: each GPT layer's MLP written before its attention. Megatron-LM's strict load says so."""
+    """The injected fault: each GPT layer's MLP written before its attention. Megatron-LM's strict load says so."""
     hf, _ = converted("llama2-tp2")
     monkeypatch.setattr(hybrid, "sub_block", lambda name: 1 if name.startswith(hybrid.ATTENTION_SCOPES) else 0)
     convert_hf_to_mcore(hf, tmp_path / "swapped", parallelism=Parallelism(**HYBRID))
@@ -173,7 +173,7 @@ def test_thehybrid_shared_top_k_schedule_keeps_megatron_cores_layers():
             assert source_dsa_compute_layer(at, hybrid_offset, hybrid_freq) == 2 * source_dsa_compute_layer(layer, offset, freq) - 1
 
 
-def test_verify_judges_a_hybrid_checkpoint_at_another_layout(converted, tmp_path):
+def test_verify_checks_a_hybrid_checkpoint_at_another_layout(converted, tmp_path):
     """`mconvert verify` builds megatron-core's HybridModel from the checkpoint's args alone: written at TP 2 x EP 2 and
     run at EP 2 (the sparse-attention indexer without sequence parallelism, its 64-token prompt past the top-k 8), it
     passes; against an HF model with GPT layer 1's MLP changed, it fails there (the hybrid MLP layer 3 ends it)."""
@@ -184,13 +184,13 @@ def test_verify_judges_a_hybrid_checkpoint_at_another_layout(converted, tmp_path
     hf, ckpt = converted("deepseek-v3.2-tp2ep2")
     report = verify(VerifyRequest(hf, ckpt, Parallelism(ep=2)))
     assert report.passed and report.first_diverging_layer is None, report
-    planted = tmp_path / "hf"
-    planted.mkdir()
+    changed = tmp_path / "hf"
+    changed.mkdir()
     for path in hf.iterdir():
-        (planted / path.name).symlink_to(path)
+        (changed / path.name).symlink_to(path)
     weights = load_file(hf / "model.safetensors")
     weights["model.layers.1.mlp.shared_experts.down_proj.weight"] *= 1.5
-    (planted / "model.safetensors").unlink()
-    save_file(weights, planted / "model.safetensors", metadata={"format": "pt"})
-    report = verify(VerifyRequest(planted, ckpt, Parallelism(ep=2)))
+    (changed / "model.safetensors").unlink()
+    save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
+    report = verify(VerifyRequest(changed, ckpt, Parallelism(ep=2)))
     assert not report.passed and report.first_diverging_layer == 1

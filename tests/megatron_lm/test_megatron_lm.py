@@ -1,4 +1,4 @@
-"""Megatron-LM itself judges what mconvert writes (Python 3.12 environment, megatron-core 0.19.2, which ships
+"""Megatron-LM itself checks what mconvert writes (Python 3.12 environment, megatron-core 0.19.2, which ships
 `megatron.training`): its parser takes exactly the flags of megatron_args.sh and reads them as the model the
 checkpoint stores; its own `load_checkpoint`, into the model its pretrain_gpt.py builds, loads the checkpoint
 on CPU gloo ranks with transformers' logits; `--use-checkpoint-args` needs MODEL_ARGS beside it."""
@@ -368,7 +368,7 @@ def run_megatron_lm(name: str, argv: list[str]) -> torch.Tensor:
 
 
 # Not DeepSeek on CPU: Megatron-LM 0.19.2's local (non-TE) MLA passes its core attention arguments that
-# DotProductAttention does not take; megatron-core's judge (tests/test_deepseek_megatron.py) shims that.
+# DotProductAttention does not take; megatron-core's check (tests/test_deepseek_megatron.py) shims that.
 @pytest.mark.parametrize(
     "name", ["llama3.1-tp2", "mistral-window-tp2", "gpt-oss-tp2ep2etp1", "qwen3-pp2", "qwen2moe-ep2", "qwen3moe-dense-first-tp2ep2etp1", "glm4.5-air-pp2",
              "qwen3-pp2-first-stage-1", "llama3.1-pp2-embedding-counts", "qwen2.5-pp2-layout", "qwen3-next-tp2ep2", "qwen3.5-tp2pp2", "qwen3-next-tp4",

@@ -169,13 +169,13 @@ def test_driver_loss_equals_transformers(case, hf_model_factory, tmp_path, monke
     assert abs(total / count - reference) <= check.FP32_LOSS_TOLERANCE
     # Megatron's padding logits are in its loss: without them the two differ by far more than the tolerance.
     assert abs(total / count - check.hf_loss(hf, tokens, torch.float32, "cpu")) > 100 * check.FP32_LOSS_TOLERANCE
-    # The per-rank log the judge reads gives the same loss.
-    # (Here every rank runs the whole batch; the judge's token weighting makes that the same mean.)
+    # The per-rank log the check reads gives the same loss.
+    # (Here every rank runs the whole batch; the check's token weighting makes that the same mean.)
     assert abs(losses[1] - reference) <= check.FP32_LOSS_TOLERANCE
 
 
-def test_export_judge_is_bit_exact(hf_model_factory, tmp_path):
-    """The judge's export comparison passes for mconvert's own round trip and fails for one changed element."""
+def test_export_check_is_bit_exact(hf_model_factory, tmp_path):
+    """The check's export comparison passes for mconvert's own round trip and fails for one changed element."""
     from safetensors.torch import load_file, save_file
 
     hf = Path(hf_model_factory("qwen2.5-0.5b"))

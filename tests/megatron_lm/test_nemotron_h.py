@@ -1,9 +1,9 @@
-"""megatron-core 0.19.2 and Megatron-LM 0.19.2 judge mconvert's Nemotron-H checkpoints (Python 3.12; CPU gloo ranks,
+"""megatron-core 0.19.2 and Megatron-LM 0.19.2 check mconvert's Nemotron-H checkpoints (Python 3.12; CPU gloo ranks,
 fp32): megatron-core's HybridModel, built from the checkpoint's args alone (`mconvert verify`), strict-loads them at TP 1,
 TP 2 x EP 2 and PP 2 and gives transformers' logits, on a prompt of two of the Mamba scan's 128-token chunks too;
 Megatron-LM's parser reads the printed flags as the stored model, its pretrain_hybrid.py builder and own
 `load_checkpoint` give transformers' logits, and its own save exports to the HF weights bit for bit. On CPU ranks the
-Mamba mixer runs mamba_ssm's PyTorch references in place of its Triton kernels (mconvert.verify.mamba). Planted
+Mamba mixer runs mamba_ssm's PyTorch references in place of its Triton kernels (mconvert.verify.mamba). Injected
 faults (in_proj's z and x sections swapped, the convolution's B and C) each fail the comparison."""
 
 from __future__ import annotations
@@ -161,14 +161,14 @@ def test_latent_projections_each_read_from_the_other_fail_the_comparison(super_h
     """fc1_latent_proj [latent, hidden] and fc2_latent_proj [hidden, latent] written each as the other's transpose:
     every shape kept, the checkpoint loads; the logits fail from the first MoE layer on."""
     family = mappings.FAMILIES["nemotron_h"]
-    planted = tuple(
+    faulty = tuple(
         Transpose(e.mcore, e.hf_names[0].replace(*(("fc1", "fc2") if "fc1" in e.mcore else ("fc2", "fc1"))), when=e.when, split=e.split)
         if "latent_proj" in e.mcore else e
         for e in nemotron_h.MOE_MLP
     )
-    monkeypatch.setitem(mappings.FAMILIES, "nemotron_h", dataclasses.replace(family, table=dataclasses.replace(family.table, moe_mlp=planted)))
-    convert_hf_to_mcore(super_hf, tmp_path / "planted", parallelism=LAYOUTS["tp1"])
-    report = verify(VerifyRequest(super_hf, tmp_path / "planted", Parallelism()))
+    monkeypatch.setitem(mappings.FAMILIES, "nemotron_h", dataclasses.replace(family, table=dataclasses.replace(family.table, moe_mlp=faulty)))
+    convert_hf_to_mcore(super_hf, tmp_path / "faulty", parallelism=LAYOUTS["tp1"])
+    report = verify(VerifyRequest(super_hf, tmp_path / "faulty", Parallelism()))
     assert not report.passed and report.first_diverging_layer == 1, report.table()
 
 
@@ -181,12 +181,12 @@ def _swapped(entries: tuple, tensor: str, first: str, second: str) -> tuple:
 
 @pytest.mark.parametrize("tensor, first, second", [("mixer.in_proj.weight", "z", "x"), ("mixer.conv1d.weight", "B", "C")],
                          ids=["in_proj-z-x", "conv1d-B-C"])
-def test_a_planted_section_swap_fails_the_comparison(tensor, first, second, hf, tmp_path, monkeypatch):
+def test_an_injected_section_swap_fails_the_comparison(tensor, first, second, hf, tmp_path, monkeypatch):
     """z and x are both d_inner rows of in_proj, B and C both n_groups x state rows of the convolution: a swap keeps
     every shape and loads; only the logits tell, from the first layer on."""
     family = mappings.FAMILIES["nemotron_h"]
     table = dataclasses.replace(family.table, mamba=_swapped(nemotron_h.MAMBA, tensor, first, second))
     monkeypatch.setitem(mappings.FAMILIES, "nemotron_h", dataclasses.replace(family, table=table))
-    convert_hf_to_mcore(hf, tmp_path / "planted", parallelism=LAYOUTS["tp1"])
-    report = verify(VerifyRequest(hf, tmp_path / "planted", Parallelism()))
+    convert_hf_to_mcore(hf, tmp_path / "faulty", parallelism=LAYOUTS["tp1"])
+    report = verify(VerifyRequest(hf, tmp_path / "faulty", Parallelism()))
     assert not report.passed and report.first_diverging_layer == 0, report.table()

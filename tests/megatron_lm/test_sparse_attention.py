@@ -1,8 +1,8 @@
 """DeepSeek-V3.2 and GLM-5.1 (multi-latent attention with DeepSeek Sparse Attention's lightning indexer) converted to
-torch_dist and judged by megatron-core 0.19.2's own GPTModel on gloo CPU ranks: TP 2 with EP 2, TP 2 with PP 2.
+torch_dist and checked by megatron-core 0.19.2's own GPTModel on gloo CPU ranks: TP 2 with EP 2, TP 2 with PP 2.
 megatron-core builds the `dsa` variant only under Transformer Engine; on CPU ranks its own absorbed MLA,
 DSAttention and DSAIndexer run with local linears (mconvert.verify.cpu_shims.sparse_attention_block_without_te).
-The prompts are 160 tokens and the indexer keeps 32 of them, so it chooses; weights at std 0.1. Planted faults (the
+The prompts are 160 tokens and the indexer keeps 32 of them, so it chooses; weights at std 0.1. Injected faults (the
 indexer's weights zeroed, its rope layout flipped, its top-k as long as the prompts) each move megatron-core's logits
 away from transformers'; the conversion back is bit-exact."""
 
@@ -91,7 +91,7 @@ def positions_off(megatron_logits: torch.Tensor, reference: torch.Tensor, by: fl
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_megatron_core_gives_transformers_logits_and_the_way_back_is_bit_exact(case, made, tmp_path):
+def test_megatron_core_gives_transformers_logits_and_the_export_is_bit_exact(case, made, tmp_path):
     name, parallelism, overrides = CASES[case]
     hf = made(name, **overrides)
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
@@ -147,7 +147,7 @@ class Zeroed(Rename):
 
 @pytest.mark.parametrize("fault", ["indexer weights zeroed", "indexer rope layout flipped"])
 @pytest.mark.parametrize("name", ["deepseek-v3.2", "glm-5.1"])
-def test_a_planted_fault_moves_megatrons_logits(fault, name, made, tmp_path, monkeypatch):
+def test_an_injected_fault_moves_megatrons_logits(fault, name, made, tmp_path, monkeypatch):
     if fault == "indexer weights zeroed":
         indexer = tuple(Zeroed(entry.mcore, entry.hf, split=entry.split) if entry.mcore.endswith("linear_wq_b.weight") else entry for entry in deepseek_v32.INDEXER)
         table = dataclasses.replace(deepseek_v32.TABLE, indexer=indexer)
