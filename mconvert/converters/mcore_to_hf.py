@@ -21,6 +21,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from mconvert.converters.fp8_export import FP8Blocks, fp8_blocks
 from mconvert.converters.manifest import hashed_while_written
 from mconvert.converters.mcore_sources import MegatronTensors, open_megatron_checkpoint, piece_region, stored_key
 from mconvert.converters.output import atomic_directory, check_target
@@ -240,10 +241,11 @@ def write_hf_pieces(
     mine: list[int],
     sizes: list[int],
     progress: Progress,
+    fp8: FP8Blocks,
 ) -> None:
     """Read, transform and write the pieces `mine` (indices into the plan's, of `sizes` bytes) on `workers`
     threads; each region is read into a buffer reused once its HF tensors are written (at their places: no
-    order among the writers). `progress` counts these pieces' HF tensors and bytes."""
+    order among the writers), those of `fp8` quantized. `progress` counts these pieces' HF tensors and bytes."""
     # Each file's pieces in the plan's order: the order in which the HF files are laid out, and the order in
     # which hf-to-mcore writes the chunks, so that both the reads and the writes go through the files front
     # to back.
@@ -253,7 +255,8 @@ def write_hf_pieces(
     buffers = Buffers()
 
     def load(index: int) -> tuple[np.ndarray | None, list[tuple[HFRef, torch.Tensor | tuple[Path, int]]]]:
-        copies = file_copies(plan, pieces[index], source, shapes)
+        quantized = any(ref.name in fp8.names for ref in pieces[index].sources)
+        copies = file_copies(plan, pieces[index], source, shapes) if not quantized else None
         if copies is not None:
             return None, copies
         into = buffers.take(sizes[index])
@@ -263,7 +266,8 @@ def write_hf_pieces(
         into, tensors = loaded
         for ref, tensor in tensors:
             if isinstance(tensor, torch.Tensor):
-                writer.write(ref.name, tensor, ref.index)
+                for name, written in fp8.written(ref.name, tensor):
+                    writer.write(name, written, ref.index)
             else:
                 writer.copy(ref.name, ref.index, *tensor)
         if into is not None:
@@ -309,6 +313,8 @@ class HFExport:
     # Whether the --hf-config checkpoint's weights are quantized (its quantization_config, or its text_config's),
     # where these are written unquantized and config.json leaves it out.
     dequantized: bool = False
+    # The tensors written in FP8 blocks, as the --hf-config checkpoint stores them (`quantize`).
+    quantized: int = 0
 
 
 def convert_mcore_to_hf(
@@ -323,11 +329,13 @@ def convert_mcore_to_hf(
     overwrite: bool = False,
     workers: int = 1,
     progress: Progress = NoProgress(),
+    quantize: str | None = None,
 ) -> HFExport:
     """Convert the Megatron checkpoint in `load_dir` (torch_dist or legacy torch, any TP/PP/EP) into an HF
     model directory `save_dir`: sharded safetensors, their index and config.json, plus the generation config
     and tokenizer files of `hf_config_dir` when given. `model_size` (Megatron-LM's `--model-size` values, or a
-    family name) names the family; it must agree with the checkpoint's args (or `hf_config_dir`).
+    family name) names the family; it must agree with the checkpoint's args (or `hf_config_dir`). `quantize`
+    "as-source" writes the tensors that the `hf_config_dir` checkpoint stores in FP8 blocks so again (fp8_export).
 
     `workers` threads convert pieces at once. Started by torchrun, every rank runs this with the same
     arguments: each converts its share of the pieces into the files rank 0 laid out, and rank 0 finishes."""
@@ -339,14 +347,17 @@ def convert_mcore_to_hf(
     reference = read_hf_config(Path(hf_config_dir), "--hf-config") if hf_config_dir is not None else None
     plan, config = plan_export(source, reference, dtype, model_size)
     beside = copied_back(plan.family, hf_config_dir)
+    fp8 = fp8_blocks(quantize, hf_config_dir, reference, plan)
+    config = fp8.config(config)
 
     with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
         hf_shapes = plan.hf_shapes()
         dtypes = {ref.name: plan.dtype_of(piece) for piece in plan.pieces for ref in piece.sources}
         tensors = {name: (dtypes[name], shape) for name, shape in hf_shapes.items()}
         tensors.update({name: (stored.dtype, stored.shape) for name, stored in beside.items()})
+        tensors, together = fp8.layout(tensors, plan.hf_groups() + [[name] for name in beside])
         # No piece straddles two files: whole files are shared out among the ranks (file_owners).
-        writer = SafetensorsWriter(work, tensors, shard_bytes, create=ranks.is_first, together=plan.hf_groups() + [[name] for name in beside])
+        writer = SafetensorsWriter(work, tensors, shard_bytes, create=ranks.is_first, together=together)
         ranks.barrier()  # the files exist, at their full size, before any rank writes into them
         sizes = piece_bytes(plan, source)
         owners = file_owners(plan, writer, sizes, ranks.world)
@@ -355,7 +366,7 @@ def convert_mcore_to_hf(
                 hashing.enter_context(hashed_while_written(path, functools.partial(writer.written_prefix, path)))
             try:
                 mine = [index for index, owner in enumerate(owners) if owner == ranks.rank]
-                write_hf_pieces(plan, source, writer, workers, mine, sizes, progress)
+                write_hf_pieces(plan, source, writer, workers, mine, sizes, progress, fp8)
                 if ranks.is_first:
                     for name, stored in beside.items():
                         writer.copy(name, None, stored.file, stored.begin)
@@ -371,5 +382,5 @@ def convert_mcore_to_hf(
                     for path in sorted(Path(hf_config_dir).glob(pattern)):
                         shutil.copy2(path, work / path.name)
     files = tuple(sorted(p.name for p in save_dir.iterdir()))
-    dequantized = bool(quantization_config(plan.spec.hf_config))
-    return HFExport(plan, config, files, copied=len(beside), source_format=source.format, dequantized=dequantized)
+    dequantized = bool(quantization_config(plan.spec.hf_config)) and not fp8.names
+    return HFExport(plan, config, files, copied=len(beside), source_format=source.format, dequantized=dequantized, quantized=len(fp8.names))

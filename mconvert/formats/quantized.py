@@ -5,7 +5,8 @@ says `scale_fmt: ue8m0` (DeepSeek-V3.2), both read as their values. MXFP4 (gpt-o
 a weight `X` stored as `X_blocks`, two 4-bit floats a byte, and `X_scales`, one power of two per 32 values. And
 compressed-tensors' pack-quantized INT4 (Kimi-K2-Thinking's and Kimi-K2.5's experts): a linear layer `M` stored as
 `M.weight_packed`, eight 4-bit integers an int32, `M.weight_scale`, one factor per group of a row, `M.weight_shape`
-and, where asymmetric, `M.weight_zero_point`.
+and, where asymmetric, `M.weight_zero_point`. FP8 blocks are also written (`quantize_fp8_blocks`), for an export in
+the format of an FP8 source.
 
 (FP8's block size, whether a config names MXFP4, and the INT4 scheme are all read from config.json's
 quantization_config, or its text_config's where the config describes an image-text model.)"""
@@ -84,6 +85,30 @@ def dequantize_fp8_blocks(tensor: np.ndarray, scales: np.ndarray, block: tuple[i
     blocked = values.reshape(*values.shape[:-2], rows // block_rows, block_rows, cols // block_cols, block_cols)
     blocked *= factors[..., :, None, :, None]
     return values
+
+
+# The largest float8_e4m3fn value: a block's largest magnitude is quantized to it.
+FP8_MAX = np.float32(448.0)
+
+
+def quantize_fp8_blocks(values: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(float8_e4m3fn weight, fp32 scale per `block` of its last two axes): the inverse of `dequantize_fp8_blocks`,
+    computed as compressed-tensors' block FP8 (and DeepSeek-V3's own `act_quant`) computes it. Per block, in fp32:
+    scale = amax(|w|) / 448, each value w / scale clamped to +-448 and rounded to the nearest float8_e4m3fn (ties to
+    even); the scale is stored as `_scale_inv`, the factor that dequantizes (w = q * scale). A block of zeros gets
+    fp32's eps as its scale, as compressed-tensors gives it (no division by zero), and zero bytes. Partial blocks
+    at the edges take the amax of their own values."""
+    block_rows, block_cols = block
+    *lead, rows, cols = values.shape
+    grid = (-(-rows // block_rows), -(-cols // block_cols))
+    padded = np.zeros((*lead, grid[0] * block_rows, grid[1] * block_cols), dtype=np.float32)
+    padded[..., :rows, :cols] = values
+    blocked = padded.reshape(*lead, grid[0], block_rows, grid[1], block_cols)
+    amax = np.maximum(blocked.max(axis=(-3, -1)), -blocked.min(axis=(-3, -1)))
+    scales = np.where(amax > 0, amax / FP8_MAX, np.finfo(np.float32).eps)
+    blocked /= scales[..., :, None, :, None]
+    np.clip(blocked, -FP8_MAX, FP8_MAX, out=blocked)
+    return padded[..., :rows, :cols].astype(dtypes.float8_e4m3fn), scales
 
 
 COMPRESSED_TENSORS = "compressed-tensors"
