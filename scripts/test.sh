@@ -12,11 +12,14 @@ python312=$(bash scripts/install312.sh)
 # non-interactive shell ignores.
 beside=$(mktemp)
 trap 'rm -f "$beside"' EXIT
+# The readers' fuzzing (a minute on one core) goes beside them too, which finish that much sooner.
 (MCONVERT_REQUIRE_MEGATRON_LM=1 "$python312" -m pytest -q -p no:cacheprovider tests/megatron_lm \
-    && bash scripts/checks/mcore_versions.sh) > "$beside" 2>&1 &
+    && bash scripts/checks/mcore_versions.sh \
+    && "${VENV:-.venv}/bin/python" -m pytest -q -p no:cacheprovider tests/test_fuzz.py) > "$beside" 2>&1 &
 status=0
-MEGATRON_TRAINING_PYTHON="$python312" "${VENV:-.venv}/bin/python" -m pytest -q -p no:cacheprovider "$@" || status=$?
+MEGATRON_TRAINING_PYTHON="$python312" "${VENV:-.venv}/bin/python" -m pytest -q -p no:cacheprovider --ignore tests/test_fuzz.py "$@" \
+  || status=$?
 wait $! || status=$?
-echo "--- tests/megatron_lm (Python 3.12) and scripts/checks/mcore_versions.sh ---"
+echo "--- tests/megatron_lm (Python 3.12), scripts/checks/mcore_versions.sh, tests/test_fuzz.py ---"
 cat "$beside"
 exit $status
