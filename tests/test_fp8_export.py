@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from mconvert import dtypes
 from mconvert.cli import main
-from mconvert.converters import fp8_export
+from mconvert.converters import quantized_export
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
 from mconvert.formats.dcp import DCPCheckpoint
@@ -143,7 +143,7 @@ def test_each_fp8_tensor_is_the_reference_quantizers_output_bit_for_bit(work, dt
 def test_a_wrong_quantizer_is_caught(work, fault, tmp_path, monkeypatch):
     """Fault injection: a quantizer storing 448 / amax (the multiplier that quantizes, not the one that
     dequantizes), or taking one amax for the whole tensor, fails the reference check."""
-    right = fp8_export.quantize_fp8_blocks
+    right = quantized_export.quantize_fp8_blocks
 
     def wrong(values, block):
         if fault == "one scale a tensor":
@@ -152,7 +152,7 @@ def test_a_wrong_quantizer_is_caught(work, fault, tmp_path, monkeypatch):
         quantized, scales = right(values, block)
         return quantized, (1 / scales).astype(scales.dtype)
 
-    monkeypatch.setattr(fp8_export, "quantize_fp8_blocks", wrong)
+    monkeypatch.setattr(quantized_export, "quantize_fp8_blocks", wrong)
     convert_mcore_to_hf(work / "mcore", tmp_path / "fp8", hf_config_dir=work / "release", dtype=torch.float32, quantize="as-source")
     assert len(mismatches(tmp_path / "fp8", work / "plain-32")) > 20
 
@@ -217,10 +217,11 @@ def test_quantize_without_hf_config_is_one_line(work, tmp_path):
     assert_nothing_left(tmp_path / "out")
 
 
-@pytest.mark.parametrize("source", ["unquantized", "mxfp4", "int4", "ue8m0", "config only", "other value"])
+@pytest.mark.parametrize("source", ["unquantized", "mxfp4", "ue8m0", "config only", "other value"])
 def test_quantize_of_a_source_not_fp8_blocks_is_one_line(work, source, tmp_path, capsys):
-    """Only block-quantized FP8 with fp32 scales is written back: any other --hf-config original (or one without its
-    weights' headers, or another --quantize value) is refused in one line, nothing written."""
+    """Of FP8, only block-quantized FP8 with fp32 scales is written back; of the rest only pack-quantized INT4
+    (test_int4_export.py): any other --hf-config original (or one without its weights' headers, or another --quantize
+    value) is refused in one line, nothing written."""
     original = tmp_path / "original"
     shutil.copytree(work / "release", original)
     if source == "config only":
@@ -228,7 +229,7 @@ def test_quantize_of_a_source_not_fp8_blocks_is_one_line(work, source, tmp_path,
     config = json.loads((original / "config.json").read_text())
     quantization = {
         "unquantized": None, "mxfp4": real_config("gpt-oss-20b")["quantization_config"],
-        "int4": real_config("kimi-k2.5")["text_config"]["quantization_config"], "ue8m0": {**QUANTIZATION, "scale_fmt": "ue8m0"},
+        "ue8m0": {**QUANTIZATION, "scale_fmt": "ue8m0"},
         "config only": QUANTIZATION, "other value": QUANTIZATION,
     }[source]
     (original / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
@@ -236,7 +237,7 @@ def test_quantize_of_a_source_not_fp8_blocks_is_one_line(work, source, tmp_path,
     code = main(["mcore-to-hf", "--load-dir", str(work / "mcore"), "--save-dir", str(tmp_path / "out"), "--hf-config", str(original), "--quantize", flag])
     err = capsys.readouterr().err.strip()
     assert code == 1 and len(err.splitlines()) == 1 and err.startswith("mconvert: error: --quantize"), err
-    expected = {"unquantized": "not quantized", "mxfp4": "quant_method mxfp4", "int4": "quant_method compressed-tensors",
+    expected = {"unquantized": "not quantized", "mxfp4": "quant_method mxfp4",
                 "ue8m0": "scale_fmt ue8m0", "config only": "has no model.safetensors.index.json or model.safetensors",
                 "other value": "not one of as-source"}[source]
     assert expected in err and ("not supported yet" in err or source in ("config only", "other value")), err

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from mconvert.converters.fp8_export import FP8Blocks, fp8_blocks
+from mconvert.converters.quantized_export import Unquantized, quantized_export
 from mconvert.converters.manifest import hashed_while_written
 from mconvert.converters.mcore_sources import MegatronTensors, open_megatron_checkpoint, piece_region, stored_key
 from mconvert.converters.output import atomic_directory, check_target
@@ -210,12 +210,12 @@ def piece_bytes(plan: Plan, source: MegatronTensors) -> list[int]:
     return [math.prod(piece_region(piece, shapes[stored_key(piece, shapes)])[1]) * itemsize for piece in plan.pieces]
 
 
-def file_owners(plan: Plan, writer: SafetensorsWriter, sizes: list[int], world: int) -> list[int]:
+def file_owners(plan: Plan, writer: SafetensorsWriter, sizes: list[int], world: int, export: Unquantized = Unquantized()) -> list[int]:
     """The rank that converts each piece: the HF files are shared out whole among the ranks, balanced by bytes,
     and a piece goes to the owner of its first HF tensor's file. A file written by one rank alone is hashed by
     it as it fills; only a file that some piece's tensors straddle (a layout not made by `Plan.hf_groups`)
     would be left for rank 0 to hash at the end."""
-    file_of = [writer.places[piece.sources[0].name][0] for piece in plan.pieces]
+    file_of = [writer.places[export.held(piece.sources[0].name)][0] for piece in plan.pieces]
     files = list(writer.files)
     file_bytes = dict.fromkeys(files, 0)
     for path, size in zip(file_of, sizes):
@@ -224,12 +224,12 @@ def file_owners(plan: Plan, writer: SafetensorsWriter, sizes: list[int], world: 
     return [owner[path] for path in file_of]
 
 
-def files_written_only_by(rank: int, plan: Plan, writer: SafetensorsWriter, owners: list[int]) -> list[Path]:
+def files_written_only_by(rank: int, plan: Plan, writer: SafetensorsWriter, owners: list[int], export: Unquantized = Unquantized()) -> list[Path]:
     """The HF files whose tensors all come from pieces of `rank` (`owners`: each piece's rank)."""
     writing: dict[Path, set[int]] = {path: set() for path in writer.files}
     for piece, owner in zip(plan.pieces, owners):
         for ref in piece.sources:
-            writing[writer.places[ref.name][0]].add(owner)
+            writing[writer.places[export.held(ref.name)][0]].add(owner)
     return [path for path, ranks in writing.items() if ranks == {rank}]
 
 
@@ -241,21 +241,21 @@ def write_hf_pieces(
     mine: list[int],
     sizes: list[int],
     progress: Progress,
-    fp8: FP8Blocks,
+    export: Unquantized,
 ) -> None:
     """Read, transform and write the pieces `mine` (indices into the plan's, of `sizes` bytes) on `workers`
     threads; each region is read into a buffer reused once its HF tensors are written (at their places: no
-    order among the writers), those of `fp8` quantized. `progress` counts these pieces' HF tensors and bytes."""
+    order among the writers), those of `export.names` quantized. `progress` counts these pieces' HF tensors and bytes."""
     # Each file's pieces in the plan's order: the order in which the HF files are laid out, and the order in
     # which hf-to-mcore writes the chunks, so that both the reads and the writes go through the files front
     # to back.
     pieces = plan.pieces
     shapes = source.stored_shapes(plan)
-    progress.start(sum(len(pieces[i].sources) for i in mine), sum(writer.nbytes(ref.name, ref.index) for i in mine for ref in pieces[i].sources))
+    progress.start(sum(len(pieces[i].sources) for i in mine), sum(writer.nbytes(export.held(ref.name), ref.index) for i in mine for ref in pieces[i].sources))
     buffers = Buffers()
 
     def load(index: int) -> tuple[np.ndarray | None, list[tuple[HFRef, torch.Tensor | tuple[Path, int]]]]:
-        quantized = any(ref.name in fp8.names for ref in pieces[index].sources)
+        quantized = any(ref.name in export.names for ref in pieces[index].sources)
         copies = file_copies(plan, pieces[index], source, shapes) if not quantized else None
         if copies is not None:
             return None, copies
@@ -266,7 +266,7 @@ def write_hf_pieces(
         into, tensors = loaded
         for ref, tensor in tensors:
             if isinstance(tensor, torch.Tensor):
-                for name, written in fp8.written(ref.name, tensor):
+                for name, written in export.written(ref.name, tensor):
                     writer.write(name, written, ref.index)
             else:
                 writer.copy(ref.name, ref.index, *tensor)
@@ -274,11 +274,11 @@ def write_hf_pieces(
             buffers.give_back([into])
 
     def done(index: int) -> None:
-        progress.advance(len(pieces[index].sources), sum(writer.nbytes(ref.name, ref.index) for ref in pieces[index].sources))
+        progress.advance(len(pieces[index].sources), sum(writer.nbytes(export.held(ref.name), ref.index) for ref in pieces[index].sources))
 
     # Each HF file is hashed while it fills (one core's SHA-256 rate each): several workers fill several
     # files side by side.
-    files = [writer.weight_map[pieces[i].sources[0].name] for i in mine]
+    files = [writer.weight_map[export.held(pieces[i].sources[0].name)] for i in mine]
     run_pieces(mine, [sizes[i] for i in mine], load, store, workers, done, streams=files)
 
 
@@ -313,8 +313,9 @@ class HFExport:
     # Whether the --hf-config checkpoint's weights are quantized (its quantization_config, or its text_config's),
     # where these are written unquantized and config.json leaves it out.
     dequantized: bool = False
-    # The tensors written in FP8 blocks, as the --hf-config checkpoint stores them (`quantize`).
+    # The tensors written quantized, as the --hf-config checkpoint stores them (`quantize`), and how (Unquantized.what).
     quantized: int = 0
+    quantized_as: str = ""
 
 
 def convert_mcore_to_hf(
@@ -335,7 +336,7 @@ def convert_mcore_to_hf(
     model directory `save_dir`: sharded safetensors, their index and config.json, plus the generation config
     and tokenizer files of `hf_config_dir` when given. `model_size` (Megatron-LM's `--model-size` values, or a
     family name) names the family; it must agree with the checkpoint's args (or `hf_config_dir`). `quantize`
-    "as-source" writes the tensors that the `hf_config_dir` checkpoint stores in FP8 blocks so again (fp8_export).
+    "as-source" writes the tensors that the `hf_config_dir` checkpoint stores quantized (FP8 blocks, INT4) so again (quantized_export).
 
     `workers` threads convert pieces at once. Started by torchrun, every rank runs this with the same
     arguments: each converts its share of the pieces into the files rank 0 laid out, and rank 0 finishes."""
@@ -347,26 +348,26 @@ def convert_mcore_to_hf(
     reference = read_hf_config(Path(hf_config_dir), "--hf-config") if hf_config_dir is not None else None
     plan, config = plan_export(source, reference, dtype, model_size)
     beside = copied_back(plan.family, hf_config_dir)
-    fp8 = fp8_blocks(quantize, hf_config_dir, reference, plan)
-    config = fp8.config(config)
+    export = quantized_export(quantize, hf_config_dir, reference, plan)
+    config = export.config(config)
 
     with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
         hf_shapes = plan.hf_shapes()
         dtypes = {ref.name: plan.dtype_of(piece) for piece in plan.pieces for ref in piece.sources}
         tensors = {name: (dtypes[name], shape) for name, shape in hf_shapes.items()}
         tensors.update({name: (stored.dtype, stored.shape) for name, stored in beside.items()})
-        tensors, together = fp8.layout(tensors, plan.hf_groups() + [[name] for name in beside])
+        tensors, together = export.layout(tensors, plan.hf_groups() + [[name] for name in beside])
         # No piece straddles two files: whole files are shared out among the ranks (file_owners).
         writer = SafetensorsWriter(work, tensors, shard_bytes, create=ranks.is_first, together=together)
         ranks.barrier()  # the files exist, at their full size, before any rank writes into them
         sizes = piece_bytes(plan, source)
-        owners = file_owners(plan, writer, sizes, ranks.world)
+        owners = file_owners(plan, writer, sizes, ranks.world, export)
         with contextlib.ExitStack() as hashing:
-            for path in files_written_only_by(ranks.rank, plan, writer, owners):  # hashed as they fill
+            for path in files_written_only_by(ranks.rank, plan, writer, owners, export):  # hashed as they fill
                 hashing.enter_context(hashed_while_written(path, functools.partial(writer.written_prefix, path)))
             try:
                 mine = [index for index, owner in enumerate(owners) if owner == ranks.rank]
-                write_hf_pieces(plan, source, writer, workers, mine, sizes, progress, fp8)
+                write_hf_pieces(plan, source, writer, workers, mine, sizes, progress, export)
                 if ranks.is_first:
                     for name, stored in beside.items():
                         writer.copy(name, None, stored.file, stored.begin)
@@ -382,5 +383,7 @@ def convert_mcore_to_hf(
                     for path in sorted(Path(hf_config_dir).glob(pattern)):
                         shutil.copy2(path, work / path.name)
     files = tuple(sorted(p.name for p in save_dir.iterdir()))
-    dequantized = bool(quantization_config(plan.spec.hf_config)) and not fp8.names
-    return HFExport(plan, config, files, copied=len(beside), source_format=source.format, dequantized=dequantized, quantized=len(fp8.names))
+    dequantized = bool(quantization_config(plan.spec.hf_config)) and not export.names
+    return HFExport(
+        plan, config, files, copied=len(beside), source_format=source.format, dequantized=dequantized, quantized=len(export.names), quantized_as=export.what
+    )

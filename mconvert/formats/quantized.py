@@ -5,8 +5,8 @@ says `scale_fmt: ue8m0` (DeepSeek-V3.2), both read as their values. MXFP4 (gpt-o
 a weight `X` stored as `X_blocks`, two 4-bit floats a byte, and `X_scales`, one power of two per 32 values. And
 compressed-tensors' pack-quantized INT4 (Kimi-K2-Thinking's and Kimi-K2.5's experts): a linear layer `M` stored as
 `M.weight_packed`, eight 4-bit integers an int32, `M.weight_scale`, one factor per group of a row, `M.weight_shape`
-and, where asymmetric, `M.weight_zero_point`. FP8 blocks are also written (`quantize_fp8_blocks`), for an export in
-the format of an FP8 source.
+and, where asymmetric, `M.weight_zero_point`. FP8 blocks and symmetric INT4 are also written (`quantize_fp8_blocks`,
+`quantize_int4`), for an export in the format of its source.
 
 (FP8's block size, whether a config names MXFP4, and the INT4 scheme are all read from config.json's
 quantization_config, or its text_config's where the config describes an image-text model.)"""
@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from mconvert import dtypes
@@ -207,3 +208,31 @@ def dequantize_int4(packed: np.ndarray, scales: np.ndarray, columns: int, zero_p
         grouped -= unpack_int4(zero_points.T, rows).T[..., None]
     grouped *= scales.astype(np.float32)[..., None]
     return grouped.reshape(rows, columns).astype(scales.dtype)
+
+
+# A signed 4-bit integer's range. compressed-tensors' symmetric scale is a group's largest magnitude over half the
+# range's width (15 / 2): that magnitude lands on 7.5, which rounds to 8, kept as -8 for a negative value, clamped to 7.
+INT4_MIN, INT4_MAX = -8, 7
+INT4_HALF_WIDTH = np.float32((INT4_MAX - INT4_MIN) / 2)
+
+
+def quantize_int4(values: np.ndarray, group_size: int | None, scale_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(int32 [rows, ceil(columns / 8)] packed integers, [rows, groups] scales of `scale_dtype`): the symmetric
+    inverse of `dequantize_int4`, computed as compressed-tensors 0.20 computes it for a weight of `scale_dtype` (its
+    `calculate_qparams`, `quantize` and `pack_to_int32`). The values are cast to `scale_dtype` first, where a release's
+    weights were before it was quantized. Per group of `group_size` columns of a row (None: the whole row): scale =
+    amax(|w|) / 7.5, zero where amax is (then the dtype's eps, as compressed-tensors gives it); each integer is w /
+    scale, rounded to `scale_dtype` (torch's bf16 quotient is), then to the nearest integer (ties to even) and
+    clamped to [-8, 7]; packed plus 8, eight a word, the first in the low 4 bits (little-endian words)."""
+    rows, columns = values.shape
+    size = group_size or columns
+    grouped = values.astype(scale_dtype).astype(np.float32).reshape(rows, columns // size, size)
+    # torch computes a bf16 or fp16 quotient in fp32 and rounds it once, as the casts here do.
+    scales = (np.maximum(grouped.max(-1), -grouped.min(-1)) / INT4_HALF_WIDTH).astype(scale_dtype)
+    scales[scales == 0] = ml_dtypes.finfo(scale_dtype).eps
+    grouped /= scales.astype(np.float32)[..., None]
+    integers = np.clip(np.rint(grouped.astype(scale_dtype).astype(np.float32)), INT4_MIN, INT4_MAX).reshape(rows, columns)
+    nibbles = np.zeros((rows, -(-columns // 8) * 8), dtype=np.uint8)  # a partial last word: zero bits, as theirs
+    nibbles[:, :columns] = integers - INT4_MIN
+    packed = nibbles[:, 0::2] | nibbles[:, 1::2] << 4
+    return packed.view("<i4").astype(np.int32), scales

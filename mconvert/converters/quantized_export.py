@@ -1,0 +1,208 @@
+"""The export in a quantized source's own format (`mcore-to-hf --quantize as-source`): the tensors that the original
+checkpoint (`--hf-config`) stores quantized are written so again, and config.json keeps the original's
+quantization_config. Which tensors those are is read from the original's safetensors headers alone; each is quantized
+as it is written. Two formats: block-quantized FP8 (`FP8Blocks`: each weight in float8_e4m3fn with the original's
+block size and a `_scale_inv` beside it, `quantize_fp8_blocks`) and compressed-tensors' symmetric pack-quantized INT4
+(`PackedInt4`: each linear layer `M` as `M.weight_packed`, `M.weight_scale` and `M.weight_shape`, `quantize_int4`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mconvert import dtypes
+from mconvert.converters.plan import Plan
+from mconvert.errors import ConversionError
+from mconvert.formats.hf_checkpoint import HFCheckpoint
+from mconvert.formats.quantized import (
+    COMPRESSED_TENSORS,
+    PACKED,
+    SCALE,
+    SCALE_SUFFIX,
+    SHAPE,
+    fp8_block_size,
+    pack_quantized,
+    quantization_config,
+    quantize_fp8_blocks,
+    quantize_int4,
+)
+from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, Rows
+
+AS_SOURCE = "as-source"
+QUANTIZE_CHOICES = (AS_SOURCE,)
+
+Layout = dict[str, tuple[Any, tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class Unquantized:
+    """The export's HF tensors as the plan gives them, and config.json without a quantization_config. Its
+    subclasses write the tensors `names` quantized, with the original's `quantization` stated where the original's
+    config.json states it (its text_config, as Kimi-K2.5's)."""
+
+    names: frozenset[str] = frozenset()
+    quantization: dict[str, Any] = field(default_factory=dict)
+    in_text_config: bool = False
+    what = ""  # how the quantized tensors are written, as the CLI reports it
+
+    def stored(self, name: str, dtype: Any, shape: tuple[int, ...]) -> Layout:
+        """What HF tensor `name` is written as: itself, or its quantized tensors in their file order."""
+        return {name: (dtype, shape)}
+
+    def held(self, name: str) -> str:
+        """The first tensor written for HF tensor `name`: the writer's place of it (its file)."""
+        return name
+
+    def written(self, name: str, tensor: Any) -> list[tuple[str, Any]]:
+        """What the writer writes for HF tensor `name` (or a slice of its first axis): the tensor, or its quantized
+        tensors (`quantized`)."""
+        return self.quantized(name, dtypes.as_numpy(tensor)) if name in self.names else [(name, tensor)]
+
+    def quantized(self, name: str, values: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        raise NotImplementedError  # only the subclasses have `names`
+
+    def layout(self, tensors: Layout, groups: list[list[str]]) -> tuple[Layout, list[list[str]]]:
+        """The writer's tensors and file groups: each quantized tensor's parts together, in its file."""
+        laid_out: Layout = {}
+        for name, (dtype, shape) in tensors.items():
+            laid_out.update(self.stored(name, dtype, shape) if name in self.names else {name: (dtype, shape)})
+        together = [[n for name in group for n in (self.stored(name, *tensors[name]) if name in self.names else (name,))] for group in groups]
+        return laid_out, together
+
+    def config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """config.json with the original's quantization_config, where the export writes quantized tensors."""
+        if not self.names:
+            return config
+        if self.in_text_config:
+            return {**config, "text_config": {**config["text_config"], "quantization_config": self.quantization}}
+        return {**config, "quantization_config": self.quantization}
+
+
+@dataclass(frozen=True)
+class FP8Blocks(Unquantized):
+    """Block-quantized FP8: each tensor of `names` in float8_e4m3fn, its `_scale_inv` (fp32, one per `block`, partial
+    blocks at the edges counted) right after it."""
+
+    block: tuple[int, int] = (128, 128)
+    what = "in FP8 blocks with their _scale_inv"
+
+    def stored(self, name: str, dtype: Any, shape: tuple[int, ...]) -> Layout:
+        grid = tuple(-(-size // step) for size, step in zip(shape[-2:], self.block))
+        return {name: (dtypes.float8_e4m3fn, shape), name + SCALE_SUFFIX: (dtypes.float32, (*shape[:-2], *grid))}
+
+    def quantized(self, name: str, values: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        quantized, scales = quantize_fp8_blocks(values, self.block)
+        return [(name, quantized), (name + SCALE_SUFFIX, scales)]
+
+
+@dataclass(frozen=True)
+class PackedInt4(Unquantized):
+    """compressed-tensors' symmetric pack-quantized INT4: each weight `M.weight` of `names` as `M.weight_packed` (int32,
+    eight integers a word), `M.weight_scale` (one per `group_size` columns, None: one a row) and `M.weight_shape`, the
+    scales and the shape in the dtypes the original stores them in (`stored_dtypes`: by weight name)."""
+
+    group_size: int | None = None
+    stored_dtypes: dict[str, tuple[np.dtype, np.dtype]] = field(default_factory=dict)
+    what = "pack-quantized in INT4 with their weight_scale and weight_shape"
+
+    def stored(self, name: str, dtype: Any, shape: tuple[int, ...]) -> Layout:
+        module, (rows, columns) = name.removesuffix(".weight"), shape
+        scale, size = self.stored_dtypes[name]
+        groups = 1 if self.group_size is None else columns // self.group_size
+        return {f"{module}.{PACKED}": (np.dtype(np.int32), (rows, -(-columns // 8))), f"{module}.{SCALE}": (scale, (rows, groups)), f"{module}.{SHAPE}": (size, (2,))}
+
+    def held(self, name: str) -> str:
+        return f"{name.removesuffix('.weight')}.{PACKED}" if name in self.names else name
+
+    def quantized(self, name: str, values: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        module, (scale, size) = name.removesuffix(".weight"), self.stored_dtypes[name]
+        packed, scales = quantize_int4(values, self.group_size, scale)
+        return [(f"{module}.{PACKED}", packed), (f"{module}.{SCALE}", scales), (f"{module}.{SHAPE}", np.array(values.shape, dtype=size))]
+
+
+def quantized_export(quantize: str | None, hf_config_dir: str | os.PathLike | None, reference: dict[str, Any] | None, plan: Plan) -> Unquantized:
+    """How the export `plan` writes its tensors: with `quantize` "as-source", those that the original checkpoint in
+    `hf_config_dir` (whose config.json is `reference`) stores quantized so again; unquantized without it."""
+    if quantize is None:
+        return Unquantized()
+    if quantize not in QUANTIZE_CHOICES:
+        raise ConversionError(f"--quantize {quantize}: not one of {', '.join(QUANTIZE_CHOICES)}")
+    if hf_config_dir is None or reference is None:
+        raise ConversionError(f"--quantize {quantize} needs --hf-config: the original checkpoint, whose quantized tensors are written so again")
+    directory = Path(hf_config_dir)
+    quantization = quantization_config(reference)
+    method = quantization.get("quant_method")
+    if method not in ("fp8", COMPRESSED_TENSORS) or method == "fp8" and not quantization.get("weight_block_size"):
+        what = f"quant_method {method}" if method else "not quantized (no quantization_config)"
+        raise ConversionError(
+            f"--quantize {quantize}: --hf-config {directory} is {what}; only block-quantized FP8 (quant_method fp8 with a "
+            "weight_block_size) and compressed-tensors' pack-quantized INT4 are written back, other formats are not supported yet"
+        )
+    if not any((directory / name).exists() for name in (INDEX_FILE, SINGLE_FILE)):
+        raise ConversionError(
+            f"--quantize {quantize}: --hf-config {directory} has no {INDEX_FILE} or {SINGLE_FILE} telling which tensors "
+            "are quantized: name the original checkpoint's directory"
+        )
+    export = fp8_blocks(quantize, directory, reference, plan) if method == "fp8" else packed_int4(quantize, directory, reference, plan)
+    for piece in plan.pieces:
+        for ref in piece.sources:
+            # A tensor written in sections of rows (a fused projection Megatron stores in parts) is never whole in
+            # one place, and its blocks may straddle the sections; an INT4 weight's shape is written whole.
+            if ref.name in export.names and (isinstance(ref.index, Rows) or isinstance(export, PackedInt4) and ref.index is not None):
+                raise ConversionError(f"--quantize {quantize}: tensor '{ref.name}' is written in parts: quantizing it is not supported yet")
+    return export
+
+
+def fp8_blocks(quantize: str, directory: Path, reference: dict[str, Any], plan: Plan) -> FP8Blocks:
+    """The tensors of the export `plan` that the FP8 original in `directory` stores in blocks, with its block size."""
+    quantization = quantization_config(reference)
+    if quantization.get("scale_fmt") is not None:
+        raise ConversionError(
+            f"--quantize {quantize}: --hf-config {directory} has scale_fmt {quantization['scale_fmt']} (power-of-two "
+            "scales): not supported yet, only fp32 block scales are written back"
+        )
+    block = fp8_block_size(reference)
+    original = HFCheckpoint(directory, fp8_block=block, check_finite=False)  # headers only
+    shapes = plan.hf_shapes()
+    for name, (scale, _) in original.scales.items():
+        stored = original.tensors[name]
+        if (stored.dtype, scale.dtype) != (dtypes.float8_e4m3fn, dtypes.float32):
+            raise ConversionError(
+                f"--quantize {quantize}: {original.where(name)} is {stored.dtype.name} with {scale.dtype.name} block scales: "
+                "only float8_e4m3fn with fp32 scales is written back yet"
+            )
+        if name in shapes and tuple(stored.shape) != tuple(shapes[name]):
+            raise ConversionError(f"--quantize {quantize}: {original.where(name)} has shape {list(stored.shape)}, the export's {list(shapes[name])}")
+    names = frozenset(original.scales) & shapes.keys()
+    return FP8Blocks(names, quantization, "quantization_config" not in reference, block)
+
+
+def packed_int4(quantize: str, directory: Path, reference: dict[str, Any], plan: Plan) -> PackedInt4:
+    """The weights of the export `plan` that the INT4 original in `directory` stores packed (its `*.weight_packed`),
+    with its scheme, and the dtypes of their scales and shapes."""
+    scheme = pack_quantized(reference)  # an error for any scheme but 4-bit integer weights in groups or rows
+    if not scheme.symmetric:
+        raise ConversionError(
+            f"--quantize {quantize}: --hf-config {directory} is asymmetric pack-quantized INT4 (zero points): not supported "
+            "yet, only symmetric INT4 is written back"
+        )
+    original = HFCheckpoint(directory, check_finite=False)  # headers only: the packed tensors stand as stored
+    shapes, found = plan.hf_shapes(), {}
+    for module in [name.removesuffix("." + PACKED) for name in original.tensors if name.endswith("." + PACKED)]:
+        name, packed = f"{module}.weight", original.tensors[f"{module}.{PACKED}"]
+        scale, size = original.tensors.get(f"{module}.{SCALE}"), original.tensors.get(f"{module}.{SHAPE}")
+        if name not in shapes:
+            continue
+        rows, columns = shapes[name]
+        groups = 1 if scheme.group_size is None else columns // scheme.group_size
+        if scale is None or size is None or (packed.shape, scale.shape) != ((rows, -(-columns // 8)), (rows, groups)) or packed.dtype != np.int32:
+            raise ConversionError(
+                f"--quantize {quantize}: {original.where(f'{module}.{PACKED}')} is not the export's {name} {[rows, columns]} "
+                f"packed, with a {module}.{SCALE} of {groups} scales a row and a {module}.{SHAPE}"
+            )
+        found[name] = (scale.dtype, size.dtype)
+    return PackedInt4(frozenset(found), quantization_config(reference), "quantization_config" not in reference, scheme.group_size, found)
