@@ -13,7 +13,6 @@ import json
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
 
 from mconvert import mappings
 from mconvert.cli import main
@@ -24,6 +23,7 @@ from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 from mconvert.verify.distributed import run_ranks
 from tests.cli_runner import assert_nothing_left, assert_one_line_error, run_cli
+from tests.test_parallel import hf_tensors
 from tests.test_dense_megatron import TOKENS, megatron_view
 
 
@@ -45,8 +45,7 @@ def test_verify_passes_at_tp2_pp2_and_the_export_is_bit_exact(hf, tmp_path, caps
     assert capsys.readouterr().out.strip().endswith("PASS")
     # The export from the stored args alone.
     assert main(["mcore-to-hf", "--load-dir", str(mcore), "--save-dir", str(back), "--quiet"]) == 0
-    original = load_file(hf / "model.safetensors")
-    exported = {k: v for path in back.glob("*.safetensors") for k, v in load_file(path).items()}
+    original, exported = hf_tensors(hf), hf_tensors(back)
     assert original.keys() == exported.keys() and all(torch.equal(original[k], exported[k]) for k in original)
     written, read = (json.loads((d / "config.json").read_text()) for d in (back, hf))
     for field in ("model_type", "head_dim", "use_bias", "tie_word_embeddings", "num_key_value_heads", "rms_norm_eps"):

@@ -28,6 +28,7 @@ from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 from mconvert.verify.distributed import run_ranks
 from tests.cli_runner import assert_one_line_error, run_cli
+from tests.test_parallel import hf_tensors
 from tests.test_moe_megatron import megatron_view
 
 TOKENS = torch.randint(0, 1000, (2, 160), generator=torch.Generator().manual_seed(0))
@@ -56,10 +57,6 @@ def hf_logits(hf_dir) -> torch.Tensor:
 def megatron_logits(ckpt, parallelism: Parallelism) -> torch.Tensor:
     views = run_ranks(megatron_view, {"model": str(ckpt)}, TOKENS, tp=parallelism.tp, pp=parallelism.pp, ep=parallelism.ep, timeout_s=600)
     return views["model"][0][..., :1000]
-
-
-def hf_tensors(directory) -> dict[str, torch.Tensor]:
-    return {k: v for path in directory.glob("*.safetensors") for k, v in load_file(path).items()}
 
 
 @pytest.mark.parametrize("case", CASES)
