@@ -305,8 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--iteration", type=int, default=None, help="the iter_NNNNNNN to convert (default: the tracker file's)")
     to_hf.add_argument(
         "--hf-config", default=None, metavar="REF_DIR",
-        help="an HF model directory (or hub id) of this architecture: its config.json is the base of the written "
-        "one, its generation config and tokenizer files are copied (needed when the checkpoint stores no args)",
+        help="an HF model directory (or hub id) of this architecture: its config.json is the base of the written one, its "
+        "generation config and tokenizer files are copied (needed when the checkpoint stores no args), experts written as it stores them",
     )
     to_hf.add_argument("--revision", default=None, help="branch, tag or commit of a --hf-config hub id")
     to_hf.add_argument("--model-size", default=None, help="the family, as hf-to-mcore's --model-size names it; must agree with the checkpoint (default: told from its args)")

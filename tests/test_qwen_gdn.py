@@ -194,9 +194,10 @@ def test_local_transformer_impl_is_refused_in_one_line(made, tmp_path):
     assert not (tmp_path / "mcore").exists()
 
 
-def test_qwen35_moe_experts_saved_one_by_one_convert_as_the_hubs_fused_ones_and_go_back_fused(made, tmp_path):
+def test_qwen35_moe_experts_fused_or_one_by_one_convert_alike_and_go_back_as_the_original(made, tmp_path):
     """Qwen3.5-MoE's hub checkpoints hold each layer's experts fused; transformers' save_pretrained writes them one by
-    one. Both layouts of the same weights make the same torch_dist checkpoint, and the export writes the hub's."""
+    one. Both layouts of the same weights make the same torch_dist checkpoint; the export writes them as the checkpoint
+    `--hf-config` names stores them."""
     fused = made("qwen3.5-35b-a3b")
     one_by_one = make_hf_checkpoint(shrink(real_config("qwen3.5-35b-a3b"), layers=4), tmp_path / "hf-one-by-one", weight_std=0.1)
     assert "model.language_model.layers.0.mlp.experts.0.gate_proj.weight" in hf_tensors(one_by_one)
@@ -207,8 +208,11 @@ def test_qwen35_moe_experts_saved_one_by_one_convert_as_the_hubs_fused_ones_and_
     assert keys == sorted(stored["one-by-one"].shapes)
     region = lambda dcp, key: dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key])  # noqa: E731
     assert all(torch.equal(region(stored["fused"], key), region(stored["one-by-one"], key)) for key in keys)
-    convert_mcore_to_hf(tmp_path / "one-by-one", tmp_path / "back", hf_config_dir=fused)
-    assert hf_tensors(tmp_path / "back").keys() == hf_tensors(fused).keys()
+    for name, original in (("fused", fused), ("one-by-one", one_by_one)):
+        convert_mcore_to_hf(tmp_path / "one-by-one", tmp_path / f"back-{name}", hf_config_dir=original)
+        exported, expected = hf_tensors(tmp_path / f"back-{name}"), hf_tensors(original)
+        assert exported.keys() == expected.keys(), name
+        assert all(torch.equal(exported[key], expected[key]) for key in expected), name
 
 
 def test_output_norms_of_a_bf16_source_are_stored_exactly_in_fp32_and_said_to_round_in_bf16(made, tmp_path):

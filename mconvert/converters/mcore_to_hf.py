@@ -25,6 +25,7 @@ from mconvert.converters.quantized_export import Unquantized, quantized_export
 from mconvert.converters.manifest import hashed_while_written
 from mconvert.converters.mcore_sources import MegatronTensors, open_megatron_checkpoint, piece_region, stored_key
 from mconvert.converters.output import atomic_directory, check_target
+from mconvert.converters.hf_to_mcore import fused_expert_layers
 from mconvert.converters.parallel import Buffers, Ranks, assign, check_workers, run_pieces
 from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
 from mconvert.converters.progress import NoProgress, Progress
@@ -147,11 +148,17 @@ def plan_export(
     reference: dict[str, Any] | None = None,
     dtype: torch.dtype | None = None,
     model_size: str | None = None,
+    original: HFCheckpoint | None = None,
 ) -> tuple[Plan, dict[str, Any]]:
     """The plan of exporting `source` to HF, and the HF config.json it gets; checked against the stored
-    shapes before anything is read."""
+    shapes before anything is read. The experts are written fused or one by one as `original` (the checkpoint
+    `--hf-config` names, where it holds tensors) stores them, else as the family's hub checkpoints do."""
     args = model_args(source.args)
     family, spec = resolve_model(args, reference, source.location, model_size)
+
+    def experts_as(spec: ModelSpec) -> frozenset[int] | None:
+        return fused_expert_layers(family, spec, original) if original is not None else None
+
     stored = source.weights_dtype
     if stored is not None and str(stored).removeprefix("torch.") not in DTYPES:
         raise ConversionError(
@@ -163,12 +170,12 @@ def plan_export(
     # Without Megatron-LM's args (a peer's save), a model whose HF layers are single blocks (Nemotron-H) is a HybridModel:
     # GPTModel cannot hold it.
     parallelism = parallelism_from_args(args) if args is not None else Parallelism(model_class="hybrid" if spec.layer_blocks else "gpt")
-    plan = build_plan(family, spec, parallelism, spec.dtype)
+    plan = build_plan(family, spec, parallelism, spec.dtype, experts_as(spec))
     shapes = source.stored_shapes(plan)
     if args is None and family.table.mtp and mtp_layers_stored(shapes) != spec.mtp_layers:
         # Without args (a Megatron-Bridge save) the HF config names the MTP layers, which the checkpoint may not hold.
         spec = dataclasses.replace(spec, mtp_layers=mtp_layers_stored(shapes))
-        plan = build_plan(family, spec, parallelism, spec.dtype)
+        plan = build_plan(family, spec, parallelism, spec.dtype, experts_as(spec))
         shapes = source.stored_shapes(plan)
     config = write_hf_config(family, spec)
     check_stored(plan, shapes, source.location)
@@ -346,7 +353,8 @@ def convert_mcore_to_hf(
     check_target(save_dir, overwrite)
     source = open_megatron_checkpoint(load_dir, iteration)
     reference = read_hf_config(Path(hf_config_dir), "--hf-config") if hf_config_dir is not None else None
-    plan, config = plan_export(source, reference, dtype, model_size)
+    holds_tensors = hf_config_dir is not None and any(Path(hf_config_dir).glob("*.safetensors"))
+    plan, config = plan_export(source, reference, dtype, model_size, HFCheckpoint(hf_config_dir) if holds_tensors else None)
     beside = copied_back(plan.family, hf_config_dir)
     export = quantized_export(quantize, hf_config_dir, reference, plan)
     config = export.config(config)

@@ -32,7 +32,8 @@ LINEAR_ATTENTION = qwen3_next.DELTA_NET_REST + (
 )
 
 # Qwen3-Next's table with the delta-net's projections one by one; the experts are read fused (as the hub has them)
-# or one by one (as transformers' save_pretrained writes them), and written fused.
+# or one by one (as transformers' save_pretrained writes them), and written fused unless the checkpoint --hf-config
+# names holds them one by one.
 TEXT_TABLE = dataclasses.replace(
     qwen3_next.TABLE,
     linear_attention=LINEAR_ATTENTION,
