@@ -171,7 +171,7 @@ QUANTIZED_TEXT = (
     "32), shrunk, random weights at std 0.1, each converted to Megatron (fp32) and exported back twice, in bf16 and "
     "with `--quantize as-source` (tests/gpu/test_quantized_exports.py). transformers loads both exports on one GPU in "
     "bf16 (FP8 through its fine-grained FP8 integration with `dequantize=True`, since its FP8 matmul kernels come from "
-    "the Hub; INT4 through its compressed-tensors integration) and runs 2 x 96 tokens: the largest logit difference "
+    "the Hub; INT4 through its compressed-tensors integration, which decompresses the experts with compressed-tensors as they load) and runs 2 x 96 tokens: the largest logit difference "
     "relative to the largest logit and the top-1 agreement, within the format's error (the limits and how they are "
     "derived: the test's FORMAT_ERROR). The FP8 export loads to the release's weights, every one. Fault injection: the "
     "export with every scale doubled must exceed each limit."

@@ -8,8 +8,8 @@ Kimi-K2-Thinking's pack-quantized INT4 (compressed-tensors, groups of 32 of the 
 Each goes to Megatron (hf-to-mcore in fp32, which holds the dequantized values exactly) and back twice: unquantized in
 bf16, and in the release's format. transformers loads both exports on the device in bf16 (the FP8 one through its
 fine-grained FP8 integration, dequantized as it loads: see FP8_LOADING; the INT4 one through its compressed-tensors
-integration, which keeps the weights packed and decompresses them in the forward) and runs a prompt longer than the
-experts' top-k; the largest logit difference relative to the largest logit, and the top-1 agreement, are recorded and
+integration, whose DecompressExperts has compressed-tensors decompress the packed experts as they load) and runs a
+prompt longer than the experts' top-k; the largest logit difference relative to the largest logit, and the top-1 agreement, are recorded and
 held to the format's error (FORMAT_ERROR). Fault injection: the same export with every scale doubled must fail that
 check (the `scales x2` cases). transformers also loads the export as it loads the release (test below).
 
@@ -35,7 +35,7 @@ SCALES = {FP8: "_scale_inv", INT4: ".weight_scale"}
 # kernels-community/finegrained-fp8; DeepGEMM likewise), which a machine without network cannot fetch: the FP8
 # export is loaded with the release's quantization_config plus `dequantize=True`, transformers' own FP8
 # dequantization (its Fp8Dequantize: q * scale in fp32, then the model's dtype) at load. INT4 needs no such
-# setting: compressed-tensors' forward decompresses in torch.
+# setting: compressed-tensors decompresses in torch.
 FP8_LOADING = {"dequantize": True}
 # The largest logit difference relative to the largest logit, and the least top-1 agreement, of the quantized export
 # against the unquantized (bf16) export, which holds the same dequantized values: what running the format adds.
@@ -57,12 +57,12 @@ FP8_LOADING = {"dequantize": True}
 # 0.96 (FP8, top-1 0.17 to 0.24) and 0.70 to 0.85 (INT4, top-1 0.18 to 0.27): both fail both limits.
 FORMAT_ERROR = {FP8: 2**-5, INT4: 0.25}
 TOP1 = {FP8: 0.95, INT4: 0.7}
-PROMPT = (2, 96)  # sequences x tokens: longer than the experts' top-k (4 of 8, 8 of 8)
+PROMPT = (2, 96)  # sequences x tokens: more than the experts' top-k (DeepSeek-V3's 4 of 8, Kimi-K2's 2 of 8)
 
 
 @pytest.fixture(scope="session")
 def releases(tmp_path_factory):
-    """kind -> {'source', 'release', 'plain', 'quantized'}: made once a session, when first asked for."""
+    """kind -> {'release', 'plain', 'quantized'}: made once a session, when first asked for."""
     made: dict[str, dict[str, Path]] = {}
 
     def get(kind: str) -> dict[str, Path]:
@@ -74,7 +74,7 @@ def releases(tmp_path_factory):
 
 
 def make(kind: str, root: Path) -> dict[str, Path]:
-    """The release (from `source`, its weights before quantizing), its conversion to Megatron (fp32), and the two
+    """The release (quantized from `source`, random bf16 weights), its conversion to Megatron (fp32), and the two
     exports: `plain` (bf16) and `quantized` (--quantize as-source)."""
     import torch
     from safetensors.torch import load_file
@@ -108,7 +108,7 @@ def make(kind: str, root: Path) -> dict[str, Path]:
     convert_hf_to_mcore(root / "release", root / "mcore", parallelism=Parallelism(), dtype=torch.float32)
     convert_mcore_to_hf(root / "mcore", root / "plain", hf_config_dir=root / "release", dtype=torch.bfloat16)
     convert_mcore_to_hf(root / "mcore", root / "quantized", hf_config_dir=root / "release", dtype=torch.bfloat16, quantize="as-source")
-    return {"source": source, "release": root / "release", "plain": root / "plain", "quantized": root / "quantized"}
+    return {"release": root / "release", "plain": root / "plain", "quantized": root / "quantized"}
 
 
 def with_scales_doubled(kind: str, directory: Path, out: Path) -> Path:
