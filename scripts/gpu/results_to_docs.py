@@ -6,8 +6,8 @@ Each table lies between two marker lines of the document,
     <!-- gpu-tests:NAME begin ... -->
     <!-- gpu-tests:NAME end -->
 and everything between them is replaced (the rest of the document is left as it is): `layouts` (each family at the
-four-GPU layouts: Megatron-LM's load_checkpoint against transformers, mconvert verify) and `training` (each
-family's Megatron-LM training steps). Where a metric of a case appears more than once, the latest result stands.
+four-GPU layouts: Megatron-LM's load_checkpoint against transformers, mconvert verify), `training` (each
+family's Megatron-LM training steps) and `quantized` (transformers running each quantized export on one GPU). Where a metric of a case appears more than once, the latest result stands.
 Each table says the machine, versions and date of its results and the command that reruns them. Writes the
 document in place, or to --out.
 """
@@ -29,6 +29,8 @@ COMMAND = "bash scripts/gpu/run_gpu_tests.sh"
 LOGITS = "test_megatron_lm_load_checkpoint_gives_transformers_logits"
 VERIFY = "test_mconvert_verify_passes_at_the_layout"
 TRAINING = "test_megatron_lm_trains_from_the_conversion"
+QUANTIZED_RUNS = "test_transformers_runs_the_quantized_export_within_the_formats_error"
+QUANTIZED_LOADS = "test_transformers_loads_the_fp8_export_as_it_loads_the_release"
 
 
 def read_results(paths: list[Path]) -> list[dict]:
@@ -130,6 +132,25 @@ def training_table(results: list[dict]) -> list[str]:
     return lines
 
 
+def quantized_table(results: list[dict]) -> list[str]:
+    runs, loads = by_case(results, QUANTIZED_RUNS), by_case(results, QUANTIZED_LOADS)
+    lines = [
+        "| release | transformers loads | max abs logit diff / max logit, against the bf16 export | top-1 agreement | weights unlike the release's | result |",
+        "|---|---|---|---|---|---|",
+    ]
+    for case in dict.fromkeys([*runs, *loads]):
+        run, load = runs.get(case, {}), loads.get(case, {})
+        fault = "fault" in case[1]  # a fault injected: each limit must be exceeded
+        metrics = [run.get("max_rel_logit_diff"), run.get("top1_agreement")]
+        weights = load.get("weights_unlike_the_releases") if "FP8" in case[0] and not fault else None
+        checked = metrics + ([weights] if "FP8" in case[0] and not fault else [])
+        lines.append(
+            f"| {case[0]} | {case[1]} | {cell(metrics[0], '>' if fault else '<=')} | {cell(metrics[1], '<' if fault else '>=')} "
+            f"| {cell(weights) if len(checked) == 3 else '-'} | {row_result(checked)} |"
+        )
+    return lines
+
+
 LAYOUTS_TEXT = (
     "Each family's model (tests/gpu/gpu_cases.py: a real config shrunk to hidden 64, 4 heads, 8 experts, random weights "
     "at std 0.1) converted on the CPU at each layout, then on four GPUs: Megatron-LM parses the printed MODEL_ARGS and "
@@ -145,19 +166,32 @@ TRAINING_TEXT = (
     "losses at lr 0 against transformers' fp32 loss on the same tokens, within the limit shown, the lr-0 run's "
     "training save exported (`mconvert mcore-to-hf`) bit for bit, and at lr 1e-4 the loss falling at every step."
 )
-# name: (the test file, its tests, what they do, the table of their results)
+QUANTIZED_TEXT = (
+    "A block-FP8 DeepSeek-V3 release (128 x 128 blocks) and a pack-quantized INT4 Kimi-K2-Thinking release (groups of "
+    "32), shrunk, random weights at std 0.1, each converted to Megatron (fp32) and exported back twice, in bf16 and "
+    "with `--quantize as-source` (tests/gpu/test_quantized_exports.py). transformers loads both exports on one GPU in "
+    "bf16 (FP8 through its fine-grained FP8 integration with `dequantize=True`, since its FP8 matmul kernels come from "
+    "the Hub; INT4 through its compressed-tensors integration, which decompresses the experts with compressed-tensors as they load) and runs 2 x 96 tokens: the largest logit difference "
+    "relative to the largest logit and the top-1 agreement, within the format's error (the limits and how they are "
+    "derived: the test's FORMAT_ERROR). The FP8 export loads to the release's weights, every one. Fault injection: the "
+    "export with every scale doubled must exceed each limit."
+)
+# name: (the test file, its tests, what they do, the table of their results, the GPUs it needs, its -k)
 SECTIONS = {
-    "layouts": ("tests/gpu/test_layouts.py", (LOGITS, VERIFY), LAYOUTS_TEXT, layouts_table),
-    "training": ("tests/gpu/test_training.py", (TRAINING,), TRAINING_TEXT, training_table),
+    "layouts": ("tests/gpu/test_layouts.py", (LOGITS, VERIFY), LAYOUTS_TEXT, layouts_table, "four GPUs", "FAMILY"),
+    "training": ("tests/gpu/test_training.py", (TRAINING,), TRAINING_TEXT, training_table, "one GPU", "FAMILY"),
+    "quantized": ("tests/gpu/test_quantized_exports.py", (QUANTIZED_RUNS, QUANTIZED_LOADS), QUANTIZED_TEXT, quantized_table, "one GPU", "quantized_exports"),
 }
 
 
 def section(name: str, results: list[dict]) -> list[str]:
-    source, tests, text, table = SECTIONS[name]
+    source, tests, text, table, gpus, selection = SECTIONS[name]
     mine = [result for result in results if result["test"] in tests]
+    run = COMMAND if selection == "FAMILY" else f"{COMMAND} -k {selection}"
     if not mine:
-        return [*wrapped(text), "", f"No results yet: `{COMMAND}` on a machine with four GPUs runs {source}."]
-    command = f"Command: `{COMMAND}` ({source}; `{COMMAND} -k FAMILY` for one family)."
+        return [*wrapped(text), "", f"Not yet run: `{run}` on a machine with {gpus} runs {source}."]
+    one_family = f"; `{COMMAND} -k FAMILY` for one family" if selection == "FAMILY" else ""
+    command = f"Command: `{run}` ({source}{one_family})."
     return [*wrapped(text), "", *provenance(mine), command, "", *table(mine)]
 
 

@@ -11,7 +11,10 @@
 #   there:  bash scripts/gpu/run_gpu_tests.sh chunk N          # a call each chunk it names, carrying build/tepc/N
 #   there:  bash scripts/gpu/run_gpu_tests.sh [PYTEST_ARGS]    # carrying .tebuild, .whl and the last chunk
 # back to back (files in /tmp there last while the machine is kept). A later call on the same machine finds the
-# install done.
+# install done. Without .tebuild nothing of it is installed, and the tests that need Megatron-LM skip.
+# The quantized exports' tests (-k quantized_exports, one GPU) need compressed-tensors (and what it imports) and
+# accelerate: carry build/qload, their wheels (scripts/gpu/install_missing_wheels.py says how to make them), and
+# each is installed into $QLOAD_SITE (default /tmp/site-qload) where the machine lacks it or has an older one.
 #
 # Results and logs in $OUT (default ./gpu-out), four files: gpu_results.jsonl (a JSON line a checked metric),
 # verification.md (docs/verification.md with its GPU tables made from them: scripts/gpu/results_to_docs.py),
@@ -53,7 +56,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # Megatron-LM's rule for TP > 1 before Blackwell, read when CUDA starts: set before any process does.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export TE_SITE=${TE_SITE:-/tmp/site} KERNELS_SITE=${KERNELS_SITE:-/tmp/site-kernels}
-export PYTHONPATH=$TE_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
+# The quantized exports' packages (tests/gpu/test_quantized_exports.py): compressed-tensors, what it imports, and
+# accelerate, carried as wheels in build/qload and installed here where the machine lacks them.
+QLOAD_SITE=${QLOAD_SITE:-/tmp/site-qload}
+export PYTHONPATH=$TE_SITE:$QLOAD_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
 # The kernels' packages and mamba_ssm's stand-in for its CUDA extension, for the processes that run megatron-core's
 # layers only (tests/gpu/gpu_evidence.py adds them there).
 export MCONVERT_GPU_KERNELS_PATH=$KERNELS_SITE:$PWD/scripts/gpu/mamba_stand_in
@@ -71,6 +77,9 @@ if [ "$dry" = 1 ]; then
     note "chunks carried here: $(ls -d build/tepc/*/ 2>/dev/null | tr '\n' ' '); already there: $(ls /tmp/tepc 2>/dev/null | tr '\n' ' ')"
   else note "would find nothing to install from: run 'bash scripts/gpu/run_gpu_tests.sh prepare' where pip reaches the index"
   fi
+  if ls build/qload/*.whl > /dev/null 2>&1; then note "would install into $QLOAD_SITE what the machine lacks of: $(cd build/qload && ls *.whl | tr '\n' ' ')"
+  else note "no build/qload wheels: the quantized exports' tests run with what the machine has"
+  fi
   note "environment: PYTHONPATH=$PYTHONPATH MCONVERT_GPU_KERNELS_PATH=$MCONVERT_GPU_KERNELS_PATH NVIDIA_TF32_OVERRIDE=0"
   note "would run: timeout <budget left - 20> ${PYTEST[*]}, MCONVERT_GPU_DEADLINE_S=<budget left - 100>, MCONVERT_GPU_WORK=$work"
   "${PYTEST[@]}" --collect-only -q 2>&1 | tee -a "$log"
@@ -83,6 +92,8 @@ fi
 } >> "$log" 2>&1
 if installed; then
   note "Transformer Engine and Megatron-LM import: nothing to install"
+elif [ ! -f .tebuild/core_wheel_name ]; then
+  note "no .tebuild carried: Transformer Engine and Megatron-LM not installed (the tests that need them skip)"
 else
   note "install (scripts/gpu/gpu_te_setup.sh install)"
   MAX_JOBS=$(nproc) timeout "$(left)" bash scripts/gpu/gpu_te_setup.sh install >> "$log" 2>&1
@@ -92,6 +103,12 @@ else
   elif ! installed; then
     note "Transformer Engine does not import: the tests run the local spec, and say so in each result"
   fi
+fi
+
+if ls build/qload/*.whl > /dev/null 2>&1; then
+  note "install what the machine lacks of build/qload into $QLOAD_SITE"
+  "$PYTHON" scripts/gpu/install_missing_wheels.py build/qload "$QLOAD_SITE" >> "$log" 2>&1
+  note "install: exit $?"
 fi
 
 rm -rf "$work" && mkdir -p "$work"

@@ -118,7 +118,7 @@ def environment() -> dict:
             "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "transformers": version("transformers"), "megatron-core": version("megatron-core"),
             "transformer-engine": version("transformer_engine"), "flash-linear-attention": version("flash_linear_attention"),
-            "mamba_ssm": version("mamba_ssm"), "mconvert": version("mconvert"),
+            "mamba_ssm": version("mamba_ssm"), "compressed-tensors": version("compressed_tensors"), "mconvert": version("mconvert"),
             "commit": os.environ.get("MCONVERT_COMMIT") or commit.stdout.strip() or None,
         },
     }
@@ -128,7 +128,12 @@ def environment() -> dict:
 def record(request, environment, tmp_path_factory):
     """record(metric, value, threshold, passed, **details): one JSON line of this test's case to the results file."""
     params = request.node.callspec.params
-    family, layout = params["case"] if "case" in params else (params["training_family"], "tp1")
+    if "case" in params:
+        family, layout = params["case"]
+    elif "quantized" in params:  # test_quantized_exports.py: (release, export or fault)
+        family, layout = params["quantized"]
+    else:
+        family, layout = params["training_family"], "tp1"
     path = results_path(tmp_path_factory)
     path.parent.mkdir(parents=True, exist_ok=True)
 

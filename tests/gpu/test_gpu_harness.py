@@ -45,7 +45,8 @@ def test_without_gpus_the_gpu_tests_are_skipped_with_the_count_and_nothing_heavy
     run = run_pytest("-m", "gpu", "tests/gpu", "-q", "-rs")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     families, layouts = len(FAMILIES), len(layout_cases())
-    assert f"{2 * layouts + families} skipped" in run.stdout, run.stdout[-2000:]
+    quantized = 4 + 1  # test_quantized_exports.py: two releases, each as exported and with a fault; the FP8 weights
+    assert f"{2 * layouts + families + quantized} skipped" in run.stdout, run.stdout[-2000:]
     assert "needs 4 CUDA GPU(s), 0 visible" in run.stdout and "needs 1 CUDA GPU(s), 0 visible" in run.stdout
     assert "dense: no experts" in run.stdout  # the case table's reasons, where the GPU count does not come first
     assert "imported: []" in run.stdout
@@ -69,6 +70,7 @@ def result(family, layout, test, metric, value, threshold, passed, date="2026-11
 LOGITS = "test_megatron_lm_load_checkpoint_gives_transformers_logits"
 VERIFY = "test_mconvert_verify_passes_at_the_layout"
 TRAINING = "test_megatron_lm_trains_from_the_conversion"
+RUNS = "test_transformers_runs_the_quantized_export_within_the_formats_error"
 SAMPLE = [
     result("gpt_oss", "tp2pp2", LOGITS, "megatron_lm_max_abs_logit_diff", 3.1e-6, 4.2e-4, True),
     result("gpt_oss", "tp2pp2", VERIFY, "verify_kl", 2e-11, 1e-5, True),
@@ -82,6 +84,13 @@ SAMPLE = [
            megatron={"1": 6.9084, "2": 6.9084}, transformers=6.90839),
     result("gpt_oss", "tp1", TRAINING, "losses_at_lr_1e-4", [6.908, 6.52, 6.1, 5.7], "each step below the one before", True),
     result("gpt_oss", "tp1", TRAINING, "export_differing_tensors", 0, 0, True, tensors=37),
+    result("deepseek-v3 FP8 blocks", "export", RUNS, "max_rel_logit_diff", 0.0, 2**-5, True),
+    result("deepseek-v3 FP8 blocks", "export", RUNS, "top1_agreement", 1.0, 0.95, True),
+    result("deepseek-v3 FP8 blocks", "export", "test_transformers_loads_the_fp8_export_as_it_loads_the_release",
+           "weights_unlike_the_releases", 0, 0, True),
+    # A fault injected: the check passes where each metric is beyond its limit, and fails where one is not.
+    result("kimi-k2-thinking INT4", "scales x2 (fault injected)", RUNS, "max_rel_logit_diff", 0.71, 0.25, True),
+    result("kimi-k2-thinking INT4", "scales x2 (fault injected)", RUNS, "top1_agreement", 0.8, 0.7, False),
 ]
 DOC = """# Title
 
@@ -92,6 +101,9 @@ Prose before, kept.
 <!-- gpu-tests:layouts end -->
 
 Prose between, kept.
+
+<!-- gpu-tests:quantized begin -->
+<!-- gpu-tests:quantized end -->
 
 <!-- gpu-tests:training begin -->
 <!-- gpu-tests:training end -->
@@ -120,6 +132,9 @@ def test_the_generator_makes_the_tables_between_the_markers_and_keeps_the_prose(
     assert "| gpt_oss | 6.908, 6.908 | 6.908 | 7.2e-07 (<= 0.0001) | 6.908, 6.52, 6.1, 5.7 | 0 of 37 | PASS |" in lines
     assert "Measured 2026-11-27 to 2026-11-28 on 4 x NVIDIA H100 80GB HBM3; torch 2.11.0+cu130, transformer-engine 2.20.2, " \
            "megatron-core 0.19.2." in lines
+    assert "| deepseek-v3 FP8 blocks | export | 0 (<= 0.03125) | 1 (>= 0.95) | 0 | PASS |" in lines
+    assert "| kimi-k2-thinking INT4 | scales x2 (fault injected) | 0.71 (> 0.25) | **0.8 (< 0.7)** | - | **FAIL** |" in lines
+    assert "Command: `bash scripts/gpu/run_gpu_tests.sh -k quantized_exports` (tests/gpu/test_quantized_exports.py)." in lines
     # Made again from the same results, the document does not change.
     again = generate(tmp_path, made, SAMPLE)
     assert again.returncode == 0 and (tmp_path / "doc.md").read_text() == made
@@ -133,7 +148,7 @@ def test_the_generator_refuses_a_section_without_its_end_marker_in_one_line(tmp_
 
 def test_the_generator_changes_only_verification_mds_marked_sections(tmp_path):
     doc = (REPO / "docs" / "verification.md").read_text()
-    assert doc.count("<!-- gpu-tests:") == 4  # the two sections, begun and ended
+    assert doc.count("<!-- gpu-tests:") == 6  # the three sections, begun and ended
     run = generate(tmp_path, doc, SAMPLE)
     assert run.returncode == 0, run.stderr
     made = (tmp_path / "doc.md").read_text()
