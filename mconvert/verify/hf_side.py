@@ -27,6 +27,23 @@ class Outputs:
     hidden_states: list[list[torch.Tensor]]
 
 
+@contextlib.contextmanager
+def without_flash_linear_attention() -> Iterator[None]:
+    """transformers takes flash-linear-attention's gated delta rule where it imports (decided as the model's module is
+    imported): hidden, the reference runs its PyTorch rule in fp32, as megatron-core's side does (run_settings'
+    deterministic_mode). On the GPU the two sides' Triton kernels, called differently, part by enough to flip MoE
+    routing (Qwen3-Next, 4 x H200: KL 2.5e-3 over 64 tokens)."""
+    saved = sys.modules.get("fla", ...)
+    sys.modules["fla"] = None  # an import of it fails, find_spec finds none
+    try:
+        yield
+    finally:
+        if saved is ...:
+            del sys.modules["fla"]
+        else:
+            sys.modules["fla"] = saved
+
+
 def load_hf_model(hf_dir: str | Path, dtype: torch.dtype):
     """transformers' model of an HF directory, offline. A checkpoint that ships its own code (auto_map) under a
     model_type transformers does not know is built as the transformers class its `architectures` names, as
@@ -44,7 +61,7 @@ def load_hf_model(hf_dir: str | Path, dtype: torch.dtype):
         options["key_mapping"] = {f"^{re.escape(inside[2])}": ""}
     else:
         described = config
-    with transformers_log_held() as held:
+    with transformers_log_held() as held, without_flash_linear_attention():
         try:
             if taken is None:
                 model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **options)

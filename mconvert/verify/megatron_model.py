@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import importlib
 import importlib.util
+import os
 from typing import Any, Literal
 
 import megatron.core
@@ -191,6 +192,9 @@ def run_settings(
         # The dispatcher only moves tokens to their experts and back, it does not change the result; allgather is
         # the one that runs on gloo (CPU) as well as NCCL.
         moe_token_dispatcher_type="allgather",
+        # Gated delta-net's convolution and chunked delta rule in PyTorch, as the reference runs them (hf_side): on the
+        # GPU flash-linear-attention's Triton kernels part from them by enough to flip MoE routing.
+        deterministic_mode=get("experimental_attention_variant") == "gated_delta_net",
     )
 
 
@@ -306,6 +310,10 @@ def build_gpt_model(
     )
     yarn_settings(config, args)
     use_te = uses_transformer_engine(transformer_impl)
+    if config.deterministic_mode:
+        # Transformer Engine's attention refuses deterministic mode unless told to keep to deterministic algorithms,
+        # as Megatron-LM's --deterministic-mode tells it.
+        os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
     layer_spec = _layer_spec(config, args, use_te)
     mtp_block_spec = None
     if config.mtp_num_layers:
