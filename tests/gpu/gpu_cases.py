@@ -76,6 +76,10 @@ class Family:
     compiles_kernels: bool = False
     # Megatron-LM's logits may differ from transformers' by ATOL + logit_rtol x the largest logit (tests/gpu/test_layouts.py).
     logit_rtol: float = 1e-4
+    # Positions of the prompts whose logits may differ by more: where a top-k over token scores (sparse attention's
+    # indexer) meets a near-tie that another device's rounding breaks the other way, that position attends to another
+    # token.
+    selection_flips: int = 0
 
 
 # Gated delta-net: megatron-core's layers import flash-linear-attention (scripts/gpu/run_gpu_tests.sh installs it, and
@@ -111,7 +115,10 @@ FAMILIES = [
     # Kimi-K2.5's language model (its vision tower is left out, and copied back by the export).
     Family("kimi_k25", "kimi-k2.5", overrides=MLA_ROPE_FUSION),
     Family("glm4_moe", "glm-4.5-air"),
-    Family("deepseek_v32", "deepseek-v3.2"),
+    # Its indexer keeps 32 of up to 160 tokens: 1 position in 320 attended to another token on 4 x H200 (the same at every
+    # layout, top-1 0.997), and on CPU transformers' own logits change at 1 of 128 positions when the prompts are cut
+    # from 160 tokens to 64 (the indexer's scores computed in another shape); verify's KL 1.6e-13.
+    Family("deepseek_v32", "deepseek-v3.2", selection_flips=2),
     Family("gpt_oss", "gpt-oss-20b", overrides={"sliding_window": 32}, layouts=("tp2pp2etp1", "tp2ep4etp1", "ep4"),
            skipped={"tp2pp2": BIASED_EXPERTS + " (tp2pp2etp1 instead)", "tp2ep2": BIASED_EXPERTS + " (tp2ep4etp1 instead)"}),
     Family("qwen3_next", "qwen3-next-80b-a3b-instruct", layers=4, **DELTA_NET),
