@@ -11,11 +11,16 @@
 #   there:  bash scripts/gpu/run_gpu_tests.sh chunk N          # a call each chunk it names, carrying build/tepc/N
 #   there:  bash scripts/gpu/run_gpu_tests.sh [PYTEST_ARGS]    # carrying .tebuild, .whl and the last chunk
 # back to back (files in /tmp there last while the machine is kept). A later call on the same machine finds the
-# install done.
+# install done. vLLM (tests/gpu/test_vllm.py) travels the same way, by scripts/gpu/vllm_setup.sh: its chunks
+# (build/vllmpc/N, a call each, `bash scripts/gpu/vllm_setup.sh chunk N`), then this script, which installs it into
+# $VLLM_SITE (default /tmp/site-vllm, on the path of the vLLM processes only) where its chunks lie in /tmp/vllmpc or
+# build/vllmpc, e.g. `bash scripts/gpu/run_gpu_tests.sh -k vllm` carrying the last chunk. Without .tebuild carried (and
+# TE not installed) the TE install is not tried: the tests that need Megatron-LM skip.
 #
-# Results and logs in $OUT (default ./gpu-out), four files: gpu_results.jsonl (a JSON line a checked metric),
-# verification.md (docs/verification.md with its GPU tables made from them: scripts/gpu/results_to_docs.py),
-# gpu_tests.log (the install and pytest), gpu_logs.tar.gz (the torchruns', jobs' and training runs' logs).
+# Results and logs in $OUT (default ./gpu-out): gpu_results.jsonl (a JSON line a checked metric, written as each test
+# ends), verification.md (docs/verification.md with its GPU tables made from them: scripts/gpu/results_to_docs.py),
+# gpu_tests.log (the installs and pytest, as they go), gpu_logs.tar.gz (the torchruns', jobs' and training runs' logs),
+# vllm_serve.log and vllm_sync.log (the vLLM processes', as they go).
 # RUN_BUDGET_S (default 580): the whole command's seconds; no job starts in its last 100, pytest stops 20 s before it.
 # PYTHON (default python3): the interpreter, the GPU machine's (Python 3.12 with torch). MCONVERT_COMMIT: the commit each
 # result names where the tree has no .git (a lent machine's copy).
@@ -52,7 +57,9 @@ note() { echo "[run_gpu_tests +$(($(date +%s) - start))s] $*" | tee -a "$log"; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 NVIDIA_TF32_OVERRIDE=0
 # Megatron-LM's rule for TP > 1 before Blackwell, read when CUDA starts: set before any process does.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
-export TE_SITE=${TE_SITE:-/tmp/site} KERNELS_SITE=${KERNELS_SITE:-/tmp/site-kernels}
+export TE_SITE=${TE_SITE:-/tmp/site} KERNELS_SITE=${KERNELS_SITE:-/tmp/site-kernels} VLLM_SITE=${VLLM_SITE:-/tmp/site-vllm}
+# tests/gpu/test_vllm.py writes its vLLM processes' logs here too, as they go.
+export MCONVERT_VLLM_LOGS=$OUT
 export PYTHONPATH=$TE_SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
 # The kernels' packages and mamba_ssm's stand-in for its CUDA extension, for the processes that run megatron-core's
 # layers only (tests/gpu/gpu_evidence.py adds them there).
@@ -62,6 +69,7 @@ PYTHON=${PYTHON:-python3}
 PYTEST=("$PYTHON" -m pytest -p no:cacheprovider -ra -m gpu tests/gpu "$@")
 
 installed() { "$PYTHON" -c "import transformer_engine.pytorch, megatron.training" 2>/dev/null; }
+vllm_chunks() { ls /tmp/vllmpc/part_* build/vllmpc/*/part_* 2>/dev/null | head -1; }
 
 if [ "$dry" = 1 ]; then
   : > "$log"
@@ -70,6 +78,10 @@ if [ "$dry" = 1 ]; then
     note "would install (scripts/gpu/gpu_te_setup.sh install) from .tebuild ($(ls .tebuild | wc -l) files), .whl ($(ls .whl | tr '\n' ' '))"
     note "chunks carried here: $(ls -d build/tepc/*/ 2>/dev/null | tr '\n' ' '); already there: $(ls /tmp/tepc 2>/dev/null | tr '\n' ' ')"
   else note "would find nothing to install from: run 'bash scripts/gpu/run_gpu_tests.sh prepare' where pip reaches the index"
+  fi
+  if [ -f "$VLLM_SITE/vllm/__init__.py" ]; then note "vLLM installed already in $VLLM_SITE"
+  elif [ -n "$(vllm_chunks)" ]; then note "would install vLLM (scripts/gpu/vllm_setup.sh install) into $VLLM_SITE from $(vllm_chunks | xargs dirname)"
+  else note "no vLLM chunks (scripts/gpu/vllm_setup.sh prepare): the vLLM tests skip"
   fi
   note "environment: PYTHONPATH=$PYTHONPATH MCONVERT_GPU_KERNELS_PATH=$MCONVERT_GPU_KERNELS_PATH NVIDIA_TF32_OVERRIDE=0"
   note "would run: timeout <budget left - 20> ${PYTEST[*]}, MCONVERT_GPU_DEADLINE_S=<budget left - 100>, MCONVERT_GPU_WORK=$work"
@@ -83,6 +95,8 @@ fi
 } >> "$log" 2>&1
 if installed; then
   note "Transformer Engine and Megatron-LM import: nothing to install"
+elif [ ! -f .tebuild/core_wheel_name ]; then
+  note "Transformer Engine is not installed and .tebuild was not carried: not installed (the tests that need Megatron-LM skip)"
 else
   note "install (scripts/gpu/gpu_te_setup.sh install)"
   MAX_JOBS=$(nproc) timeout "$(left)" bash scripts/gpu/gpu_te_setup.sh install >> "$log" 2>&1
@@ -92,6 +106,12 @@ else
   elif ! installed; then
     note "Transformer Engine does not import: the tests run the local spec, and say so in each result"
   fi
+fi
+
+if [ ! -f "$VLLM_SITE/vllm/__init__.py" ] && [ -n "$(vllm_chunks)" ]; then
+  note "install vLLM (scripts/gpu/vllm_setup.sh install) into $VLLM_SITE"
+  timeout 240 bash -x scripts/gpu/vllm_setup.sh install >> "$log" 2>&1
+  note "vLLM install: exit $?"
 fi
 
 rm -rf "$work" && mkdir -p "$work"
