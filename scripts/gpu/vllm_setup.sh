@@ -34,10 +34,11 @@ VLLM=0.25.0
 MCORE=0.19.2
 MIB=$((1 << 20))
 # The packages vLLM's offline engine imports that the machine may lack (installed there only where absent), at the
-# versions vLLM's requirements allow (xgrammar 0.2.5.post1: the last to take apache-tvm-ffi 0.1.9, vLLM's pin;
-# fastapi < 0.137: later ones import opentelemetry). megatron-core for the weight-sync test.
+# versions vLLM's requirements allow (xgrammar 0.2.5.post1: the last to take apache-tvm-ffi 0.1.9, vLLM's pin; fastapi
+# < 0.137: later ones import opentelemetry); cloudpickle and six, which the machines have, for one that lacks them;
+# megatron-core for the weight-sync test.
 PACKAGES=(
-  annotated-doc==0.0.7 annotated-types==0.8.0 anyio==4.16.0 apache-tvm-ffi==0.1.9 cachetools==8.0.2 cbor2==6.3.0
+  annotated-doc==0.0.7 annotated-types==0.8.0 cloudpickle==3.1.3 six==1.17.0 anyio==4.16.0 apache-tvm-ffi==0.1.9 cachetools==8.0.2 cbor2==6.3.0
   compressed-tensors==0.17.0 distro==1.9.0 fastapi==0.136.3 h11==0.16.0 httpcore==1.0.9 httpx==0.28.1 httpx2==2.16.2
   jiter==0.13.0 llguidance==1.7.6 loguru==0.7.3 markdown-it-py==4.0.0 mdurl==0.1.2 msgspec==0.22.0 openai==3.57.0
   openai-harmony==0.0.8 partial-json-parser==0.2.1.1.post7 pybase64==1.5.1 pydantic==2.14.4 pydantic-core==2.50.5
