@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -44,6 +45,7 @@ PROMPT_LENGTHS, NEW_TOKENS = (12, 40, 70), 16  # past gpt-oss's shrunk window of
 GAP, LOGPROB = 0.25, 0.25
 OUTPUT_STD = 0.5
 QUANTIZED = ("fp8_block", "int4")
+# The vLLM processes' time, all together (each engine's own limit: vllm_worker.JOB_LIMIT_S).
 WORKER_LIMIT_S = 420
 
 
@@ -66,18 +68,30 @@ def worker_log(work: Path, name: str) -> Path:
     return Path(os.environ.get("MCONVERT_VLLM_LOGS") or work) / f"vllm_{name}.log"
 
 
-def run_worker(mode: str, spec, work: Path, name: str, limit: float) -> None:
+def start_worker(mode: str, spec, work: Path, name: str, gpus: str | None = None) -> subprocess.Popen:
+    """tests/gpu/vllm_worker.py on `spec`, in the background, its output in worker_log."""
     (work / f"{name}.json").write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(VLLM_SITE), str(REPO), os.environ.get("PYTHONPATH", "")) if p),
            "PYTHONUNBUFFERED": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "TOKENIZERS_PARALLELISM": "false"}
     if mode == "sync":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its model is reachable
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
     with open(worker_log(work, name), "w") as log:
+        return subprocess.Popen([sys.executable, str(HERE / "vllm_worker.py"), mode, str(work / f"{name}.json")], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+
+
+def wait(workers: dict[str, subprocess.Popen], work: Path, deadline: float) -> None:
+    """Each worker to its end, or stopped (its process group) at the deadline; its log says which."""
+    for name, worker in workers.items():
         try:
-            subprocess.run([sys.executable, str(HERE / "vllm_worker.py"), mode, str(work / f"{name}.json")], stdout=log,
-                           stderr=subprocess.STDOUT, env=env, cwd=REPO, timeout=max(30.0, limit), check=False)
+            worker.wait(timeout=max(1.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
-            log.write(f"\ntest_vllm: the worker ran past {limit:.0f} s and was stopped\n")
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+            with open(worker_log(work, name), "a") as log:
+                log.write("\ntest_vllm: the worker ran past the session's deadline and was stopped\n")
 
 
 def cli(*args: str, log: Path) -> None:
@@ -98,33 +112,38 @@ class Work:
         self.errors: dict[str, str] = {}
         generator = torch.Generator().manual_seed(0)
         self.prompts = [torch.randint(3, 1000, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+        # The three vLLM processes side by side on the GPU (each engine's KV cache fixed in size: no memory
+        # profiling that another process's allocations would upset), each started as soon as its models are made.
+        workers: dict[str, subprocess.Popen] = {}
+        gpus = torch.cuda.device_count()
         jobs = []
-        for family in families:
+        for family in sorted(families, key=lambda name: name != "qwen3"):  # Qwen3 first: the sync starts on it
             try:
                 self.model(family)
             except Exception as error:  # noqa: BLE001 (its cases fail with it)
                 self.errors[family] = str(error)
                 continue
-            jobs.append(self.job(f"{family}-tp1", self.export(family), attention_backend=None if family == "deepseek" else "FLASH_ATTN"))
+            backend = None if family == "deepseek" else "FLASH_ATTN"  # multi-latent attention: the backend vLLM picks
+            jobs.append(self.job(f"{family}-tp1", self.export(family), attention_backend=backend))
             if family in tp2:
-                jobs.append(self.job(f"{family}-tp2", self.export(family), tp=2, attention_backend=None if family == "deepseek" else "FLASH_ATTN"))
+                jobs.append(self.job(f"{family}-tp2", self.export(family), tp=2, attention_backend=backend))
+            if family == "qwen3" and sync:
+                spec = self.job("sync", self.export("qwen3"))
+                spec.update(mcore=str(root / "qwen3" / "mcore"), fault_tensor="model.layers.1.mlp.down_proj.weight")
+                workers["sync"] = start_worker("sync", spec, root, "sync", gpus=str(gpus - 1) if gpus > 1 else None)
+        if jobs:
+            workers["serve"] = start_worker("serve", jobs, root, "serve")
+        quantized_jobs = []
         for kind in quantized:
             try:
                 self.quantized(kind)
             except Exception as error:  # noqa: BLE001
                 self.errors[kind] = str(error)
                 continue
-            for which in ("release", "export", "fault"):
-                jobs.append(self.job(f"{kind}-{which}", root / kind / which, attention_backend="FLASH_ATTN"))
-        if jobs:
-            run_worker("serve", jobs, root, "serve", min(WORKER_LIMIT_S, self.left()))
-        if sync and "qwen3" not in self.errors and "qwen3" in families:
-            spec = self.job("sync", self.export("qwen3"))
-            spec.update(mcore=str(root / "qwen3" / "mcore"), fault_tensor="model.layers.1.mlp.down_proj.weight")
-            run_worker("sync", spec, root, "sync", min(300, self.left()))
-
-    def left(self) -> float:
-        return self.deadline - time.time()
+            quantized_jobs += [self.job(f"{kind}-{which}", root / kind / which, attention_backend="FLASH_ATTN") for which in ("release", "export", "fault")]
+        if quantized_jobs:
+            workers["serve_quantized"] = start_worker("serve", quantized_jobs, root, "serve_quantized")
+        wait(workers, root, min(self.deadline, time.time() + WORKER_LIMIT_S))
 
     def export(self, family: str) -> Path:
         return self.root / family / "export"
@@ -136,7 +155,7 @@ class Work:
     def result(self, name: str) -> dict:
         path = self.root / f"{name}.result.json"
         if not path.exists():
-            log = worker_log(self.root, "sync" if name == "sync" else "serve")
+            log = worker_log(self.root, "sync" if name == "sync" else "serve_quantized" if name.startswith(QUANTIZED) else "serve")
             pytest.fail(f"vLLM left no result for {name}; its log ends:\n{log.read_text()[-3000:] if log.exists() else '(none)'}")
         result = json.loads(path.read_text())
         if "error" in result:

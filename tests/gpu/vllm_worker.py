@@ -13,13 +13,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
 from pathlib import Path
 
-# A small engine: the test models are tiny, the prompts short; the GPU is shared with nothing else.
-ENGINE = dict(enforce_eager=True, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.3, seed=0)
+# A small engine: the test models are tiny, the prompts short. Up to three engines share a GPU (tests/gpu/test_vllm.py):
+# each KV cache is fixed at 1 GiB, which skips vLLM's memory profiling (another process's allocations would count as
+# this one's), and each may take a fifth of the GPU.
+ENGINE = dict(enforce_eager=True, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.2,
+              kv_cache_memory_bytes=1 << 30, seed=0)
+# An engine that has not served its job after this long is taken as hung.
+JOB_LIMIT_S = 150
 
 
 def engine(model: str, tp: int = 1, dtype: str = "bfloat16", attention_backend: str | None = None):
@@ -63,18 +69,31 @@ def shut(llm) -> None:
     torch.cuda.empty_cache()
 
 
+def hung(signum, frame):
+    raise TimeoutError(f"the job ran past {JOB_LIMIT_S} s")
+
+
 def serve(jobs: list[dict]) -> None:
+    signal.signal(signal.SIGALRM, hung)
     for job in jobs:
         started = time.time()
         print(f"vllm_worker: {job['name']}: {job['model']} at TP {job.get('tp', 1)}", flush=True)
+        llm = None
+        signal.alarm(JOB_LIMIT_S)
         try:
             llm = engine(job["model"], job.get("tp", 1), job.get("dtype", "bfloat16"), job.get("attention_backend"))
             result = greedy(llm, job["prompts"], job["tokens"])
-            shut(llm)
         except Exception:  # noqa: BLE001 (the job's test fails with it; the next job goes on)
             result = {"error": traceback.format_exc()[-4000:]}
+        finally:
+            signal.alarm(0)
         result["seconds"] = round(time.time() - started, 1)
         write(job["out"], result)
+        if llm is not None:
+            try:
+                shut(llm)
+            except Exception:  # noqa: BLE001 (the next engine may still start)
+                traceback.print_exc()
 
 
 def sync(job: dict) -> None:
