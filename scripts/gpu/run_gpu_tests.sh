@@ -20,7 +20,7 @@
 # Results and logs in $OUT (default ./gpu-out): gpu_results.jsonl (a JSON line a checked metric, written as each test
 # ends), verification.md (docs/verification.md with its GPU tables made from them: scripts/gpu/results_to_docs.py),
 # gpu_tests.log (the installs and pytest, as they go), gpu_logs.tar.gz (the torchruns', jobs' and training runs' logs),
-# vllm_serve.log and vllm_sync.log (the vLLM processes', as they go).
+# vllm_serve.log, vllm_serve_quantized.log and vllm_sync.log (the vLLM processes', as they go).
 # RUN_BUDGET_S (default 580): the whole command's seconds; no job starts in its last 100, pytest stops 20 s before it.
 # PYTHON (default python3): the interpreter, the GPU machine's (Python 3.12 with torch). MCONVERT_COMMIT: the commit each
 # result names where the tree has no .git (a lent machine's copy).
