@@ -7,7 +7,9 @@ Each table lies between two marker lines of the document,
     <!-- gpu-tests:NAME end -->
 and everything between them is replaced (the rest of the document is left as it is): `layouts` (each family at the
 four-GPU layouts: Megatron-LM's load_checkpoint against transformers, mconvert verify), `training` (each
-family's Megatron-LM training steps) and `quantized` (transformers running each quantized export on one GPU). Where a metric of a case appears more than once, the latest result stands.
+family's Megatron-LM training steps), `quantized` (transformers running each quantized export on one GPU) and `vllm`
+(vLLM serving the exports, and weight sync into its engine). Where a metric of a case appears more than once, the latest
+result stands.
 Each table says the machine, versions and date of its results and the command that reruns them. Writes the
 document in place, or to --out.
 """
@@ -31,6 +33,8 @@ VERIFY = "test_mconvert_verify_passes_at_the_layout"
 TRAINING = "test_megatron_lm_trains_from_the_conversion"
 QUANTIZED_RUNS = "test_transformers_runs_the_quantized_export_within_the_formats_error"
 QUANTIZED_LOADS = "test_transformers_loads_the_fp8_export_as_it_loads_the_release"
+VLLM_SERVES, VLLM_QUANTIZED, VLLM_SYNC = ("test_vllm_serves_the_export", "test_vllm_serves_the_quantized_export_as_the_release",
+                                          "test_vllm_weight_sync_into_a_live_engine")
 
 
 def read_results(paths: list[Path]) -> list[dict]:
@@ -153,6 +157,26 @@ def quantized_table(results: list[dict]) -> list[str]:
     return lines
 
 
+def vllm_table(results: list[dict]) -> list[str]:
+    lines = ["| case | layout | check | measured | fault injected | result |", "|---|---|---|---|---|---|"]
+    for (family, layout), metrics in by_case(results, VLLM_SERVES).items():
+        gap, difference, fault = (metrics.get(n) for n in ("max_logprob_gap", "max_logprob_difference", "fault_max_logprob_difference"))
+        lines.append(f"| {family} | {layout} | the export's greedy tokens against transformers' fp32: worst gap to its best; "
+                     f"worst logprob difference | {cell(gap, '<=')}; {cell(difference, '<=')} | {cell(fault, '>')} "
+                     f"| {row_result([gap, difference, fault])} |")
+    for (kind, layout), metrics in by_case(results, VLLM_QUANTIZED).items():
+        equal, difference, fault = (metrics.get(n) for n in ("greedy_tokens_equal", "max_logprob_difference", "fault_max_logprob_difference"))
+        lines.append(f"| {kind} | {layout} | the export's greedy tokens equal to the release's; worst logprob difference "
+                     f"| {cell(equal)}; {cell(difference, '<=')} | {cell(fault, '>')} | {row_result([equal, difference, fault])} |")
+    for (family, _), metrics in by_case(results, VLLM_SYNC).items():
+        perturbed, synced, fault = (metrics.get(n) for n in ("perturbed_max_logprob_difference", "synced_max_logprob_difference",
+                                                              "fault_max_logprob_difference"))
+        lines.append(f"| {family} | tp1 | weights perturbed, then synced from megatron-core by `gather_hf_weights`: worst "
+                     f"logprob difference to the export's, perturbed; synced | {cell(perturbed, '>')}; {cell(synced, '<=')} "
+                     f"| {cell(fault, '>')} | {row_result([perturbed, synced, fault])} |")
+    return lines
+
+
 LAYOUTS_TEXT = (
     "Each family's model (tests/gpu/gpu_cases.py: a real config shrunk to hidden 64, 4 heads, 8 experts, random weights "
     "at std 0.1) converted on the CPU at each layout, then on four GPUs: Megatron-LM parses the printed MODEL_ARGS and "
@@ -167,6 +191,14 @@ TRAINING_TEXT = (
     "(scripts/gpu/gpu_train.py, checked by scripts/training/megatron_train_check.py; one global batch): the step "
     "losses at lr 0 against transformers' fp32 loss on the same tokens, within the limit shown, the lr-0 run's "
     "training save exported (`mconvert mcore-to-hf`) bit for bit, and at lr 1e-4 the loss falling at every step."
+)
+VLLM_TEXT = (
+    "vLLM 0.25.0 (scripts/gpu/vllm_setup.sh) as the client of mconvert's exports, on one GPU (and two at TP 2), bf16, "
+    "FlashAttention 3: each family's model (as above, its output layer at std 0.5 for clear greedy choices) through "
+    "hf-to-mcore and mcore-to-hf, served by vLLM, its greedy tokens (16 after prompts of 12, 40 and 70 tokens) held to "
+    "transformers' fp32 run fed the same tokens; FP8 block and INT4 pack-quantized releases of a shrunk Qwen3 exported "
+    "with `--quantize as-source`, served beside the release; and mconvert's weight sync from a live megatron-core model "
+    "into vLLM's engine (tests/gpu/test_vllm.py). Each check with its fault injected must fail."
 )
 QUANTIZED_TEXT = (
     "A block-FP8 DeepSeek-V3 release (128 x 128 blocks) and a pack-quantized INT4 Kimi-K2-Thinking release (groups of "
@@ -183,6 +215,7 @@ SECTIONS = {
     "layouts": ("tests/gpu/test_layouts.py", (LOGITS, VERIFY), LAYOUTS_TEXT, layouts_table, "four GPUs", "FAMILY"),
     "training": ("tests/gpu/test_training.py", (TRAINING,), TRAINING_TEXT, training_table, "one GPU", "FAMILY"),
     "quantized": ("tests/gpu/test_quantized_exports.py", (QUANTIZED_RUNS, QUANTIZED_LOADS), QUANTIZED_TEXT, quantized_table, "one GPU", "quantized_exports"),
+    "vllm": ("tests/gpu/test_vllm.py", (VLLM_SERVES, VLLM_QUANTIZED, VLLM_SYNC), VLLM_TEXT, vllm_table, "one GPU (two for TP 2) and vLLM installed", "vllm"),
 }
 
 

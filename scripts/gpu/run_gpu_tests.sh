@@ -15,10 +15,15 @@
 # The quantized exports' tests (-k quantized_exports, one GPU) need compressed-tensors (and what it imports) and
 # accelerate: carry build/qload, their wheels (scripts/gpu/install_missing_wheels.py says how to make them), and
 # each is installed into $QLOAD_SITE (default /tmp/site-qload) where the machine lacks it or has an older one.
+# vLLM (tests/gpu/test_vllm.py) travels as Transformer Engine does, by scripts/gpu/vllm_setup.sh: its chunks
+# (build/vllmpc/N, a call each, `bash scripts/gpu/vllm_setup.sh chunk N`), then this script, which installs it into
+# $VLLM_SITE (default /tmp/site-vllm, on the path of the vLLM processes only) where its chunks lie in /tmp/vllmpc or
+# build/vllmpc, e.g. `bash scripts/gpu/run_gpu_tests.sh -k vllm` carrying the last chunk.
 #
-# Results and logs in $OUT (default ./gpu-out), four files: gpu_results.jsonl (a JSON line a checked metric),
-# verification.md (docs/verification.md with its GPU tables made from them: scripts/gpu/results_to_docs.py),
-# gpu_tests.log (the install and pytest), gpu_logs.tar.gz (the torchruns', jobs' and training runs' logs).
+# Results and logs in $OUT (default ./gpu-out): gpu_results.jsonl (a JSON line a checked metric, written as each test
+# ends), verification.md (docs/verification.md with its GPU tables made from them: scripts/gpu/results_to_docs.py),
+# gpu_tests.log (the installs and pytest, as they go), gpu_logs.tar.gz (the torchruns', jobs' and training runs' logs),
+# vllm_serve.log, vllm_serve_quantized.log and vllm_sync.log (the vLLM processes', as they go).
 # RUN_BUDGET_S (default 580): the whole command's seconds; no job starts in its last 100, pytest stops 20 s before it.
 # PYTHON (default python3): the interpreter, the GPU machine's (Python 3.12 with torch). MCONVERT_COMMIT: the commit each
 # result names where the tree has no .git (a lent machine's copy).
@@ -55,7 +60,9 @@ note() { echo "[run_gpu_tests +$(($(date +%s) - start))s] $*" | tee -a "$log"; }
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 NVIDIA_TF32_OVERRIDE=0
 # Megatron-LM's rule for TP > 1 before Blackwell, read when CUDA starts: set before any process does.
 export CUDA_DEVICE_MAX_CONNECTIONS=1
-export TE_SITE=${TE_SITE:-/tmp/site} KERNELS_SITE=${KERNELS_SITE:-/tmp/site-kernels}
+export TE_SITE=${TE_SITE:-/tmp/site} KERNELS_SITE=${KERNELS_SITE:-/tmp/site-kernels} VLLM_SITE=${VLLM_SITE:-/tmp/site-vllm}
+# tests/gpu/test_vllm.py writes its vLLM processes' logs here too, as they go.
+export MCONVERT_VLLM_LOGS=$OUT
 # The quantized exports' packages (tests/gpu/test_quantized_exports.py): compressed-tensors, what it imports, and
 # accelerate, carried as wheels in build/qload and installed here where the machine lacks them.
 QLOAD_SITE=${QLOAD_SITE:-/tmp/site-qload}
@@ -68,6 +75,7 @@ PYTHON=${PYTHON:-python3}
 PYTEST=("$PYTHON" -m pytest -p no:cacheprovider -ra -m gpu tests/gpu "$@")
 
 installed() { "$PYTHON" -c "import transformer_engine.pytorch, megatron.training" 2>/dev/null; }
+vllm_chunks() { ls /tmp/vllmpc/part_* build/vllmpc/*/part_* 2>/dev/null | head -1; }
 
 if [ "$dry" = 1 ]; then
   : > "$log"
@@ -79,6 +87,10 @@ if [ "$dry" = 1 ]; then
   fi
   if ls build/qload/*.whl > /dev/null 2>&1; then note "would install into $QLOAD_SITE what the machine lacks of: $(cd build/qload && ls *.whl | tr '\n' ' ')"
   else note "no build/qload wheels: the quantized exports' tests run with what the machine has"
+  fi
+  if [ -f "$VLLM_SITE/vllm/__init__.py" ]; then note "vLLM installed already in $VLLM_SITE"
+  elif [ -n "$(vllm_chunks)" ]; then note "would install vLLM (scripts/gpu/vllm_setup.sh install) into $VLLM_SITE from $(vllm_chunks | xargs dirname)"
+  else note "no vLLM chunks (scripts/gpu/vllm_setup.sh prepare): the vLLM tests skip"
   fi
   note "environment: PYTHONPATH=$PYTHONPATH MCONVERT_GPU_KERNELS_PATH=$MCONVERT_GPU_KERNELS_PATH NVIDIA_TF32_OVERRIDE=0"
   note "would run: timeout <budget left - 20> ${PYTEST[*]}, MCONVERT_GPU_DEADLINE_S=<budget left - 100>, MCONVERT_GPU_WORK=$work"
@@ -109,6 +121,11 @@ if ls build/qload/*.whl > /dev/null 2>&1; then
   note "install what the machine lacks of build/qload into $QLOAD_SITE"
   "$PYTHON" scripts/gpu/install_missing_wheels.py build/qload "$QLOAD_SITE" >> "$log" 2>&1
   note "install: exit $?"
+fi
+if [ ! -f "$VLLM_SITE/vllm/__init__.py" ] && [ -n "$(vllm_chunks)" ]; then
+  note "install vLLM (scripts/gpu/vllm_setup.sh install) into $VLLM_SITE"
+  timeout 240 bash -x scripts/gpu/vllm_setup.sh install >> "$log" 2>&1
+  note "vLLM install: exit $?"
 fi
 
 rm -rf "$work" && mkdir -p "$work"

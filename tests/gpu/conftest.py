@@ -99,7 +99,8 @@ def environment() -> dict:
     import torch
 
     # The kernels' packages are installed where only the Megatron runs look (gpu_evidence._environment).
-    path = sys.path + os.environ.get("MCONVERT_GPU_KERNELS_PATH", "").split(os.pathsep)
+    # vLLM's packages likewise, where only the vLLM processes look (tests/gpu/test_vllm.py).
+    path = sys.path + os.environ.get("MCONVERT_GPU_KERNELS_PATH", "").split(os.pathsep) + [os.environ.get("VLLM_SITE", "/tmp/site-vllm")]
 
     def version(name: str) -> str | None:
         return next((found.version for found in importlib.metadata.distributions(name=name, path=path)), None)
@@ -118,7 +119,8 @@ def environment() -> dict:
             "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "transformers": version("transformers"), "megatron-core": version("megatron-core"),
             "transformer-engine": version("transformer_engine"), "flash-linear-attention": version("flash_linear_attention"),
-            "mamba_ssm": version("mamba_ssm"), "compressed-tensors": version("compressed_tensors"), "mconvert": version("mconvert"),
+            "mamba_ssm": version("mamba_ssm"), "compressed-tensors": version("compressed_tensors"), "vllm": version("vllm"),
+            "mconvert": version("mconvert"),
             "commit": os.environ.get("MCONVERT_COMMIT") or commit.stdout.strip() or None,
         },
     }
@@ -128,12 +130,12 @@ def environment() -> dict:
 def record(request, environment, tmp_path_factory):
     """record(metric, value, threshold, passed, **details): one JSON line of this test's case to the results file."""
     params = request.node.callspec.params
-    if "case" in params:
-        family, layout = params["case"]
+    if "case" in params or "vllm_case" in params:  # (family, layout)
+        family, layout = params.get("case") or params["vllm_case"]
     elif "quantized" in params:  # test_quantized_exports.py: (release, export or fault)
         family, layout = params["quantized"]
-    else:
-        family, layout = params["training_family"], "tp1"
+    else:  # a training family, or a quantized release's kind (tests/gpu/test_vllm.py), on one GPU
+        family, layout = params.get("training_family") or params["quantized_kind"], "tp1"
     path = results_path(tmp_path_factory)
     path.parent.mkdir(parents=True, exist_ok=True)
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_vllm
 from gpu_cases import FAMILIES, LAYOUTS, SHOWN_LAYOUTS, layout_cases
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,7 +47,8 @@ def test_without_gpus_the_gpu_tests_are_skipped_with_the_count_and_nothing_heavy
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     families, layouts = len(FAMILIES), len(layout_cases())
     quantized = 4 + 1  # test_quantized_exports.py: two releases, each as exported and with a fault; the FP8 weights
-    assert f"{2 * layouts + families + quantized} skipped" in run.stdout, run.stdout[-2000:]
+    vllm = len(test_vllm.SERVED) + len(test_vllm.TP2) + len(test_vllm.QUANTIZED) + 1  # tests/gpu/test_vllm.py
+    assert f"{2 * layouts + families + quantized + vllm} skipped" in run.stdout, run.stdout[-2000:]
     assert "needs 4 CUDA GPU(s), 0 visible" in run.stdout and "needs 1 CUDA GPU(s), 0 visible" in run.stdout
     assert "dense: no experts" in run.stdout  # the case table's reasons, where the GPU count does not come first
     assert "imported: []" in run.stdout
@@ -56,8 +58,8 @@ def test_k_selects_one_familys_cases():
     run = run_pytest("-m", "gpu", "tests/gpu", "-k", "gpt_oss", "--collect-only", "-q")
     collected = [line for line in run.stdout.splitlines() if "::" in line]
     assert collected and all("gpt_oss" in line for line in collected), run.stdout
-    # Megatron-LM and verify at five layouts (two shown skipped), and the training test.
-    assert len(collected) == 2 * 5 + 1
+    # Megatron-LM and verify at five layouts (two shown skipped), the training test, and vLLM serving its export.
+    assert len(collected) == 2 * 5 + 1 + 1
 
 
 def result(family, layout, test, metric, value, threshold, passed, date="2026-11-27T10:00:00+00:00", **details):
@@ -140,6 +142,33 @@ def test_the_generator_makes_the_tables_between_the_markers_and_keeps_the_prose(
     assert again.returncode == 0 and (tmp_path / "doc.md").read_text() == made
 
 
+SERVES, QUANTIZED, SYNC = ("test_vllm_serves_the_export", "test_vllm_serves_the_quantized_export_as_the_release",
+                            "test_vllm_weight_sync_into_a_live_engine")
+VLLM_SAMPLE = [
+    result("qwen3", "tp1", SERVES, "max_logprob_gap", 0.031, 0.25, True),
+    result("qwen3", "tp1", SERVES, "max_logprob_difference", 0.02, 0.25, True),
+    result("qwen3", "tp1", SERVES, "fault_max_logprob_difference", 4.2, 0.25, True),
+    result("int4", "tp1", QUANTIZED, "greedy_tokens_equal", True, True, True),
+    result("int4", "tp1", QUANTIZED, "max_logprob_difference", 0.01, 0.25, True),
+    result("int4", "tp1", QUANTIZED, "fault_max_logprob_difference", 1.3, 0.25, True),
+    result("qwen3", "sync", SYNC, "perturbed_max_logprob_difference", 3.0, 1e-3, True),
+    result("qwen3", "sync", SYNC, "synced_max_logprob_difference", 0.0, 1e-3, True),
+    result("qwen3", "sync", SYNC, "fault_max_logprob_difference", 0.0, 1e-3, False),
+]
+
+
+def test_the_generator_makes_the_vllm_table(tmp_path):
+    run = generate(tmp_path, "<!-- gpu-tests:vllm begin -->\n<!-- gpu-tests:vllm end -->\n", VLLM_SAMPLE)
+    assert run.returncode == 0, run.stderr
+    lines = (tmp_path / "doc.md").read_text().splitlines()
+    assert any(line.startswith("| qwen3 | tp1 | the export's") and line.endswith("| 0.031 (<= 0.25); 0.02 (<= 0.25) | 4.2 (> 0.25) | PASS |")
+               for line in lines), lines
+    assert any(line.startswith("| int4 | tp1 |") and line.endswith("| True; 0.01 (<= 0.25) | 1.3 (> 0.25) | PASS |") for line in lines), lines
+    # The sync whose fault went unseen fails its row.
+    assert any(line.startswith("| qwen3 | tp1 | weights perturbed") and line.endswith("| 3 (> 0.001); 0 (<= 0.001) | **0 (> 0.001)** | **FAIL** |")
+               for line in lines), lines
+
+
 def test_the_generator_refuses_a_section_without_its_end_marker_in_one_line(tmp_path):
     run = generate(tmp_path, DOC.replace("<!-- gpu-tests:training end -->\n", ""), SAMPLE)
     assert run.returncode == 1 and run.stderr.strip() == f"results_to_docs: {tmp_path / 'doc.md'}: section training has no end marker"
@@ -148,7 +177,7 @@ def test_the_generator_refuses_a_section_without_its_end_marker_in_one_line(tmp_
 
 def test_the_generator_changes_only_verification_mds_marked_sections(tmp_path):
     doc = (REPO / "docs" / "verification.md").read_text()
-    assert doc.count("<!-- gpu-tests:") == 6  # the three sections, begun and ended
+    assert doc.count("<!-- gpu-tests:") == 8  # the four sections, begun and ended
     run = generate(tmp_path, doc, SAMPLE)
     assert run.returncode == 0, run.stderr
     made = (tmp_path / "doc.md").read_text()
@@ -175,5 +204,6 @@ def test_the_launchers_dry_run_shows_what_it_would_run_and_selects_by_k(tmp_path
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "would run: " in run.stdout and "-m gpu tests/gpu -k qwen3_moe" in run.stdout
     collected = [line for line in run.stdout.splitlines() if "::" in line]
-    assert len(collected) == 2 * 3 + 1 and all("qwen3_moe" in line for line in collected)
+    # Three layouts, training, and vLLM serving the export at TP 1 and TP 2.
+    assert len(collected) == 2 * 3 + 1 + 2 and all("qwen3_moe" in line for line in collected)
     assert (tmp_path / "gpu_tests.log").exists()

@@ -1,0 +1,310 @@
+"""vLLM 0.25.0 as the real client of mconvert's exports, on a GPU (issues 53 and 55):
+
+- every export serves: a family's model (gpu_cases: a real config shrunk, random weights at std 0.1, the output
+  layer at 0.5 so that greedy choices are clear) through `hf-to-mcore` and `mcore-to-hf`; vLLM loads the export and
+  generates greedily; transformers in fp32 on the same GPU, fed the prompt and vLLM's tokens, must rank each of vLLM's
+  tokens first (within GAP of its best) and give it vLLM's logprob (within LOGPROB). Fault injection: the same
+  comparison against transformers' model with layer 0's MLP weights negated must fail.
+- quantized exports serve: an FP8 block release (128 x 128 blocks, as DeepSeek-V3's and Qwen3-FP8's) and a
+  compressed-tensors pack-quantized INT4 release (groups of 32, as Kimi-K2-Thinking's) of a shrunk Qwen3, through
+  `hf-to-mcore` and `mcore-to-hf --hf-config RELEASE --quantize as-source`; vLLM serves the export and the release, and
+  their greedy tokens must be equal. Fault injection: the export with one quantized tensor's scales doubled must not.
+- weight sync into a live engine: vLLM serves the export; its weights are perturbed (generation changes); megatron-core's
+  GPTModel, loaded from the conversion in the same process, pushes its weights through mconvert's `gather_hf_weights`
+  into the engine's `model.load_weights`; the greedy tokens and logprobs must be the export's again. Fault injection:
+  the same sync with one tensor scaled by 1.5 must not give them.
+
+vLLM runs in tests/gpu/vllm_worker.py, a process with vLLM's packages on its path ($VLLM_SITE, default /tmp/site-vllm:
+scripts/gpu/vllm_setup.sh); every test skips where they are not installed. bf16 (vLLM's FlashAttention takes no fp32);
+transformers' reference in fp32 with TF32 off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpu_cases import FAMILY
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+VLLM_SITE = Path(os.environ.get("VLLM_SITE", "/tmp/site-vllm"))
+# Families vLLM 0.25.0 serves, the risky ones last (multi-latent attention picks its own backend; gpt-oss has sinks).
+SERVED = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek", "gpt_oss")
+TP2 = ("llama", "qwen3_moe")
+PROMPT_LENGTHS, NEW_TOKENS = (12, 40, 70), 16  # past gpt-oss's shrunk window of 32
+# bf16 in vLLM against fp32 in transformers, logits of about +-10: a token vLLM chose may trail transformers' best by at
+# most GAP (a near tie flipped by rounding), and its logprob differ by at most LOGPROB.
+GAP, LOGPROB = 0.25, 0.25
+OUTPUT_STD = 0.5
+QUANTIZED = ("fp8_block", "int4")
+# The vLLM processes' time, all together (each engine's own limit: vllm_worker.JOB_LIMIT_S).
+WORKER_LIMIT_S = 420
+
+
+def vllm_installed() -> bool:
+    return (VLLM_SITE / "vllm" / "__init__.py").exists()
+
+
+def cases() -> list:
+    out = [pytest.param((family, "tp1"), id=f"{family}-tp1") for family in SERVED]
+    out += [pytest.param((family, "tp2"), id=f"{family}-tp2", marks=pytest.mark.gpus(2)) for family in TP2]
+    return out
+
+
+needs_vllm = pytest.mark.skipif(not vllm_installed(), reason=f"vLLM is not installed in {VLLM_SITE} (scripts/gpu/vllm_setup.sh)")
+pytestmark = [pytest.mark.gpu, needs_vllm]
+
+
+def worker_log(work: Path, name: str) -> Path:
+    """Where a worker's output goes as it runs: MCONVERT_VLLM_LOGS (scripts/gpu/run_gpu_tests.sh's $OUT) or the work folder."""
+    return Path(os.environ.get("MCONVERT_VLLM_LOGS") or work) / f"vllm_{name}.log"
+
+
+def start_worker(mode: str, spec, work: Path, name: str, gpus: str | None = None) -> subprocess.Popen:
+    """tests/gpu/vllm_worker.py on `spec`, in the background, its output in worker_log."""
+    (work / f"{name}.json").write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(VLLM_SITE), str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+           "PYTHONUNBUFFERED": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "TOKENIZERS_PARALLELISM": "false",
+           # No network on the GPU machines: nothing asks the hub or sends usage statistics (and waits on it).
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if mode == "sync":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its model is reachable
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    with open(worker_log(work, name), "w") as log:
+        return subprocess.Popen([sys.executable, str(HERE / "vllm_worker.py"), mode, str(work / f"{name}.json")], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+
+
+def wait(workers: dict[str, subprocess.Popen], work: Path, deadline: float) -> None:
+    """Each worker to its end, or stopped (its process group) at the deadline; its log says which."""
+    for name, worker in workers.items():
+        try:
+            worker.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
+            with open(worker_log(work, name), "a") as log:
+                log.write("\ntest_vllm: the worker ran past the session's deadline and was stopped\n")
+
+
+def cli(*args: str, log: Path) -> None:
+    with open(log, "a") as out:
+        done = subprocess.run([sys.executable, "-m", "mconvert.cli", *args], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)})
+    if done.returncode:
+        raise RuntimeError(f"mconvert {args[0]} exit {done.returncode}:\n{log.read_text()[-3000:]}")
+
+
+class Work:
+    """The session's models, conversions and vLLM runs, made at the first test that asks and then read case by case."""
+
+    def __init__(self, root: Path, families: list[str], tp2: list[str], quantized: list[str], sync: bool, deadline: float):
+        import torch
+
+        self.root, self.deadline = root, deadline
+        self.errors: dict[str, str] = {}
+        generator = torch.Generator().manual_seed(0)
+        self.prompts = [torch.randint(3, 1000, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+        # The three vLLM processes side by side on the GPU (each engine's KV cache fixed in size: no memory
+        # profiling that another process's allocations would upset), each started as soon as its models are made.
+        workers: dict[str, subprocess.Popen] = {}
+        gpus = torch.cuda.device_count()
+        jobs = []
+        for family in sorted(families, key=lambda name: name != "qwen3"):  # Qwen3 first: the sync starts on it
+            try:
+                self.model(family)
+            except Exception as error:  # noqa: BLE001 (its cases fail with it)
+                self.errors[family] = str(error)
+                continue
+            backend = None if family == "deepseek" else "FLASH_ATTN"  # multi-latent attention: the backend vLLM picks
+            jobs.append(self.job(f"{family}-tp1", self.export(family), attention_backend=backend))
+            if family in tp2:
+                jobs.append(self.job(f"{family}-tp2", self.export(family), tp=2, attention_backend=backend))
+            if family == "qwen3" and sync:
+                spec = self.job("sync", self.export("qwen3"))
+                spec.update(mcore=str(root / "qwen3" / "mcore"), fault_tensor="model.layers.1.mlp.down_proj.weight")
+                workers["sync"] = start_worker("sync", spec, root, "sync", gpus=str(gpus - 1) if gpus > 1 else None)
+        if jobs:
+            workers["serve"] = start_worker("serve", jobs, root, "serve")
+        quantized_jobs = []
+        for kind in quantized:
+            try:
+                self.quantized(kind)
+            except Exception as error:  # noqa: BLE001
+                self.errors[kind] = str(error)
+                continue
+            quantized_jobs += [self.job(f"{kind}-{which}", root / kind / which, attention_backend="FLASH_ATTN") for which in ("release", "export", "fault")]
+        if quantized_jobs:
+            workers["serve_quantized"] = start_worker("serve", quantized_jobs, root, "serve_quantized")
+        wait(workers, root, min(self.deadline, time.time() + WORKER_LIMIT_S))
+
+    def export(self, family: str) -> Path:
+        return self.root / family / "export"
+
+    def job(self, name: str, model: Path, tp: int = 1, attention_backend: str | None = None) -> dict:
+        return {"name": name, "model": str(model), "tp": tp, "prompts": self.prompts, "tokens": NEW_TOKENS,
+                "attention_backend": attention_backend, "out": str(self.root / f"{name}.result.json")}
+
+    def result(self, name: str) -> dict:
+        path = self.root / f"{name}.result.json"
+        if not path.exists():
+            log = worker_log(self.root, "sync" if name == "sync" else "serve_quantized" if name.startswith(QUANTIZED) else "serve")
+            pytest.fail(f"vLLM left no result for {name}; its log ends:\n{log.read_text()[-3000:] if log.exists() else '(none)'}")
+        result = json.loads(path.read_text())
+        if "error" in result:
+            pytest.fail(f"vLLM failed on {name}:\n{result['error']}")
+        return result
+
+    def model(self, family: str) -> None:
+        """The family's HF model (its output layer at OUTPUT_STD), hf-to-mcore, mcore-to-hf."""
+        from safetensors.torch import load_file, save_file
+
+        from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
+
+        case, hf = FAMILY[family], self.root / family / "hf"
+        make_hf_checkpoint(shrink(real_config(case.config), layers=case.layers, **case.overrides), hf, weight_std=0.1)
+        for path in hf.glob("*.safetensors"):
+            tensors = load_file(path)
+            if "lm_head.weight" in tensors:
+                tensors["lm_head.weight"] *= OUTPUT_STD / 0.1
+                save_file(tensors, path, metadata={"format": "pt"})
+        log = self.root / family / "convert.log"
+        cli("hf-to-mcore", "--load-dir", str(hf), "--save-dir", str(self.root / family / "mcore"), "--overwrite",
+            "--model-class", case.model_class, log=log)
+        cli("mcore-to-hf", "--load-dir", str(self.root / family / "mcore"), "--save-dir", str(self.export(family)),
+            "--hf-config", str(hf), log=log)
+
+    def quantized(self, kind: str) -> None:
+        """A shrunk Qwen3 wide enough for vLLM's FP8 block and INT4 kernels (128 x 128 blocks, Marlin's 128-wide
+        inputs), quantized as a release stores it; hf-to-mcore; mcore-to-hf --quantize as-source; and the export with
+        one quantized tensor's scales doubled (the fault)."""
+        from vllm_releases import quantized_release, scales_doubled
+
+        root = self.root / kind
+        quantized_release(kind, root / "hf", root / "release")
+        log = root / "convert.log"
+        cli("hf-to-mcore", "--load-dir", str(root / "release"), "--save-dir", str(root / "mcore"), "--overwrite", log=log)
+        cli("mcore-to-hf", "--load-dir", str(root / "mcore"), "--save-dir", str(root / "export"), "--hf-config",
+            str(root / "release"), "--quantize", "as-source", "--dtype", "bf16", log=log)
+        scales_doubled(root / "export", root / "fault")
+
+
+def selected(items, name: str) -> list:
+    return [item.callspec.params[name] for item in items if name in getattr(getattr(item, "callspec", None), "params", {})
+            and item.get_closest_marker("skip") is None]
+
+
+@pytest.fixture(scope="session")
+def vllm_work(request, tmp_path_factory) -> Work:
+    items = request.session.items
+    served = selected(items, "vllm_case")
+    families = list(dict.fromkeys(family for family, _ in served))
+    tp2 = [family for family, layout in served if layout == "tp2"]
+    quantized = list(dict.fromkeys(selected(items, "quantized_kind")))
+    sync = any(item.originalname == "test_vllm_weight_sync_into_a_live_engine" for item in items if item.get_closest_marker("skip") is None)
+    if sync and "qwen3" not in families:
+        families.append("qwen3")
+    base = Path(os.environ["MCONVERT_GPU_WORK"]) if os.environ.get("MCONVERT_GPU_WORK") else tmp_path_factory.mktemp("vllm")
+    root = base / "vllm"
+    root.mkdir(parents=True, exist_ok=True)
+    deadline = time.time() + float(os.environ.get("MCONVERT_GPU_DEADLINE_S", "1200"))
+    return Work(root, families, tp2, quantized, sync, deadline)
+
+
+def transformers_logprobs(hf: Path, sequences: list[list[int]], fault: bool = False):
+    """Transformers' fp32 log-softmax at every position of each sequence, on the GPU (TF32 off); with `fault`, layer 0's
+    MLP weights negated (router included)."""
+    import torch
+    import transformers
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).cuda().eval()
+    if fault:
+        with torch.no_grad():
+            for parameter in model.model.layers[0].mlp.parameters():
+                parameter.neg_()
+    with torch.no_grad():
+        return [torch.log_softmax(model(torch.tensor([s], device="cuda")).logits[0].float(), -1).cpu() for s in sequences]
+
+
+def against_transformers(hf: Path, prompts: list[list[int]], served: dict, fault: bool = False) -> tuple[float, float]:
+    """(the largest gap between transformers' best logprob and that of vLLM's token, the largest difference between
+    the two engines' logprobs of vLLM's tokens) over every generated position."""
+    sequences = [prompt + tokens for prompt, tokens in zip(prompts, served["tokens"])]
+    gap = difference = 0.0
+    for logprobs, prompt, tokens, vllm_logprobs in zip(transformers_logprobs(hf, sequences, fault), prompts, served["tokens"], served["logprobs"]):
+        for step, (token, vllm_logprob) in enumerate(zip(tokens, vllm_logprobs)):
+            row = logprobs[len(prompt) - 1 + step]
+            gap = max(gap, float(row.max() - row[token]))
+            difference = max(difference, abs(float(row[token]) - vllm_logprob))
+    return gap, difference
+
+
+@pytest.mark.parametrize("vllm_case", cases())
+def test_vllm_serves_the_export(vllm_case, vllm_work, record):
+    family, layout = vllm_case
+    if family in vllm_work.errors:
+        pytest.fail(f"{family}'s model or conversion failed: {vllm_work.errors[family]}")
+    served = vllm_work.result(f"{family}-{layout}")
+    hf = vllm_work.root / family / "hf"
+    gap, difference = against_transformers(hf, vllm_work.prompts, served)
+    _, fault_difference = against_transformers(hf, vllm_work.prompts, served, fault=True)
+    record("max_logprob_gap", gap, GAP, gap <= GAP, seconds=served["seconds"], tokens=NEW_TOKENS, prompts=list(PROMPT_LENGTHS))
+    record("max_logprob_difference", difference, LOGPROB, difference <= LOGPROB)
+    record("fault_max_logprob_difference", fault_difference, LOGPROB, fault_difference > LOGPROB, fault="layer 0's MLP weights negated")
+    assert gap <= GAP and difference <= LOGPROB, (gap, difference)
+    assert fault_difference > LOGPROB, f"the check does not see layer 0's MLP weights negated ({fault_difference})"
+
+
+def compare(a: dict, b: dict) -> tuple[bool, float]:
+    """(whether two runs' greedy tokens are all equal, the largest difference of their chosen tokens' logprobs)."""
+    difference = max(abs(x - y) for r, e in zip(a["logprobs"], b["logprobs"]) for x, y in zip(r, e))
+    return a["tokens"] == b["tokens"], difference
+
+
+@pytest.mark.parametrize("quantized_kind", QUANTIZED)
+def test_vllm_serves_the_quantized_export_as_the_release(quantized_kind, vllm_work, record):
+    if quantized_kind in vllm_work.errors:
+        pytest.fail(f"the {quantized_kind} release or its conversion failed: {vllm_work.errors[quantized_kind]}")
+    release, export, fault = (vllm_work.result(f"{quantized_kind}-{which}") for which in ("release", "export", "fault"))
+    equal, difference = compare(release, export)
+    fault_equal, fault_difference = compare(release, fault)
+    record("greedy_tokens_equal", equal, True, equal, seconds=export["seconds"])
+    record("max_logprob_difference", difference, LOGPROB, difference <= LOGPROB)
+    record("fault_max_logprob_difference", fault_difference, LOGPROB, not fault_equal or fault_difference > LOGPROB,
+           fault="layer 0's down projection's scales doubled", tokens_equal=fault_equal)
+    assert equal and difference <= LOGPROB, (release, export)
+    assert not fault_equal or fault_difference > LOGPROB, "the export with doubled scales serves as the release"
+
+
+# The engine's own weights back: the same bf16 values the export's files give, so the same logprobs but for the order
+# of floating-point sums (none here: the same kernels on the same values).
+SYNCED = 1e-3
+
+
+@pytest.mark.parametrize("vllm_case", [pytest.param(("qwen3", "sync"), id="qwen3")])
+def test_vllm_weight_sync_into_a_live_engine(vllm_case, vllm_work, record):
+    if "qwen3" in vllm_work.errors:
+        pytest.fail(f"qwen3's model or conversion failed: {vllm_work.errors['qwen3']}")
+    result = vllm_work.result("sync")
+    export = result["export"]
+    _, perturbed = compare(export, result["perturbed"])
+    equal, synced = compare(export, result["synced"])
+    fault_equal, fault = compare(export, result["synced_with_fault"])
+    record("perturbed_max_logprob_difference", perturbed, SYNCED, perturbed > SYNCED)
+    record("synced_max_logprob_difference", synced, SYNCED, equal and synced <= SYNCED, tokens_equal=equal,
+           tensors_pushed=len(result["pushed"]), seconds=result["seconds"])
+    record("fault_max_logprob_difference", fault, SYNCED, fault > SYNCED, fault=f"{result['fault_tensor']} scaled by 1.5",
+           tokens_equal=fault_equal)
+    assert perturbed > SYNCED, "perturbing the engine's weights changed nothing: the test could not fail"
+    assert equal and synced <= SYNCED, (equal, synced)
+    assert fault > SYNCED, f"a sync with {result['fault_tensor']} scaled gives the export's logprobs"
