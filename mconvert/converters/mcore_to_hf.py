@@ -32,7 +32,7 @@ from mconvert.converters.progress import NoProgress, Progress
 from mconvert.dtypes import dtype_of, torch_dtype
 from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
-from mconvert.formats.quantized import quantization_config
+from mconvert.formats.quantized import fp8_block_size, quantization_config
 from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, Rows, SafetensorsWriter, StoredTensor, parse_size
 from mconvert.hub import HF_SIDE_FILES
 from mconvert.mappings import family_for_model_size, family_for_spec, get_mapping, write_hf_config
@@ -354,7 +354,7 @@ def convert_mcore_to_hf(
     source = open_megatron_checkpoint(load_dir, iteration)
     reference = read_hf_config(Path(hf_config_dir), "--hf-config") if hf_config_dir is not None else None
     holds_tensors = hf_config_dir is not None and any(Path(hf_config_dir).glob("*.safetensors"))
-    plan, config = plan_export(source, reference, dtype, model_size, HFCheckpoint(hf_config_dir) if holds_tensors else None)
+    plan, config = plan_export(source, reference, dtype, model_size, HFCheckpoint(hf_config_dir, fp8_block_size(reference)) if holds_tensors else None)
     beside = copied_back(plan.family, hf_config_dir)
     export = quantized_export(quantize, hf_config_dir, reference, plan)
     config = export.config(config)
