@@ -85,6 +85,7 @@ RUN_FIELDS = {
     "attention_backend", "transformer_impl", "moe_grouped_gemm", "bias_activation_fusion", "deallocate_pipeline_outputs",
     "cp_comm_type", "overlap_p2p_comm", "batch_p2p_comm", "tensor_parallel_num_weight_shards",
     "expert_tensor_parallel_num_weight_shards", "inference_sampling_seed",
+    "deterministic_mode",  # verify runs gated delta-net's PyTorch rule, which a run asks for by --deterministic-mode
 }
 
 
