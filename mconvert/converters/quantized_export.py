@@ -44,10 +44,14 @@ class Unquantized:
     subclasses write the tensors `names` quantized, with the original's `quantization` stated where the original's
     config.json states it (its text_config, as Kimi-K2.5's)."""
 
-    names: frozenset[str] = frozenset()
     quantization: dict[str, Any] = field(default_factory=dict)
     in_text_config: bool = False
     what = ""  # how the quantized tensors are written, as the CLI reports it
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The HF tensors written quantized: none here."""
+        return frozenset()
 
     def stored(self, name: str, dtype: Any, shape: tuple[int, ...]) -> Layout:
         """What HF tensor `name` is written as: itself, or its quantized tensors in their file order."""
@@ -87,6 +91,7 @@ class FP8Blocks(Unquantized):
     """Block-quantized FP8: each tensor of `names` in float8_e4m3fn, its `_scale_inv` (fp32, one per `block`, partial
     blocks at the edges counted) right after it."""
 
+    names: frozenset[str] = frozenset()
     block: tuple[int, int] = (128, 128)
     what = "in FP8 blocks with their _scale_inv"
 
@@ -108,6 +113,10 @@ class PackedInt4(Unquantized):
     group_size: int | None = None
     stored_dtypes: dict[str, tuple[np.dtype, np.dtype]] = field(default_factory=dict)
     what = "pack-quantized in INT4 with their weight_scale and weight_shape"
+
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self.stored_dtypes)
 
     def stored(self, name: str, dtype: Any, shape: tuple[int, ...]) -> Layout:
         module, (rows, columns) = name.removesuffix(".weight"), shape
@@ -178,7 +187,7 @@ def fp8_blocks(quantize: str, directory: Path, reference: dict[str, Any], plan: 
         if name in shapes and tuple(stored.shape) != tuple(shapes[name]):
             raise ConversionError(f"--quantize {quantize}: {original.where(name)} has shape {list(stored.shape)}, the export's {list(shapes[name])}")
     names = frozenset(original.scales) & shapes.keys()
-    return FP8Blocks(names, quantization, "quantization_config" not in reference, block)
+    return FP8Blocks(quantization, "quantization_config" not in reference, names, block)
 
 
 def packed_int4(quantize: str, directory: Path, reference: dict[str, Any], plan: Plan) -> PackedInt4:
@@ -205,4 +214,4 @@ def packed_int4(quantize: str, directory: Path, reference: dict[str, Any], plan:
                 f"packed, with a {module}.{SCALE} of {groups} scales a row and a {module}.{SHAPE}"
             )
         found[name] = (scale.dtype, size.dtype)
-    return PackedInt4(frozenset(found), quantization_config(reference), "quantization_config" not in reference, scheme.group_size, found)
+    return PackedInt4(quantization_config(reference), "quantization_config" not in reference, scheme.group_size, found)
