@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -30,7 +31,7 @@ from mconvert.cli import main
 from mconvert.converters import quantized_export
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
-from mconvert.formats.quantized import FP4_VALUES, quantize_mxfp4
+from mconvert.formats.quantized import FP4_VALUES, dequantize_mxfp4, quantize_mxfp4
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 from tests.cli_runner import assert_nothing_left
@@ -215,3 +216,21 @@ def test_an_original_not_matching_the_export_is_one_line(work, tmp_path, capsys)
         err = capsys.readouterr().err.strip()
         assert code == 1 and len(err.splitlines()) == 1 and err.startswith("mconvert: error: --quantize as-source") and expected in err, err
         assert_nothing_left(tmp_path / "out")
+
+
+def test_groups_come_back_at_every_exponent_from_1_to_252():
+    """dequantize_mxfp4 (the reader's, to bf16) then quantize_mxfp4 gives back random groups whose largest value is 4
+    or 6 at every exponent from 1 to 252: their values are exact in bf16 there. At 0 (values below 2^-125) amax / 6
+    is below fp32's normal numbers and rounds up to exponent 1, as the reference's bit arithmetic does; from 253 a
+    value of 6 passes bf16's largest."""
+    generator = np.random.default_rng(0)
+    blocks = generator.integers(0, 256, (253, 64, 4, 16), dtype=np.uint8)
+    blocks[:, :, :, 0] = blocks[:, :, :, 0] & 0xF8 | np.where(np.arange(64) < 32, 6, 7)[:, None].astype(np.uint8)  # 4 or 6
+    blocks[:, :32] -= np.where(blocks[:, :32] & 0x07 == 7, 1, 0).astype(np.uint8)  # no 6 where the largest is 4
+    blocks[:, :32] -= np.where(blocks[:, :32] >> 4 & 0x07 == 7, 16, 0).astype(np.uint8)
+    scales = np.broadcast_to(np.arange(253, dtype=np.uint8)[:, None, None], blocks.shape[:-1]).copy()
+    values = dequantize_mxfp4(blocks, scales)
+    assert np.isfinite(values.astype(np.float32)).all()
+    back, exponents = quantize_mxfp4(values.astype(np.float32))
+    assert np.array_equal(back[1:], blocks[1:]) and np.array_equal(exponents[1:], scales[1:])
+    assert (exponents[0] == 1).all()
