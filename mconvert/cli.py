@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--model-size", default=None, help="the family, as hf-to-mcore's --model-size names it; must agree with the checkpoint (default: told from its args)")
     to_hf.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="written dtype (default: the checkpoint's)")
     to_hf.add_argument("--max-shard-size", default=None, help="largest safetensors file (default 2GB: each file is hashed on one core, so files of a few GB finish together where many workers convert)")
-    to_hf.add_argument("--quantize", default=None, help="as-source: write the tensors that the --hf-config checkpoint stores quantized (FP8 blocks, INT4) so again, with its quantization_config (default: unquantized)")
+    to_hf.add_argument("--quantize", default=None, help="as-source: write the tensors that the --hf-config checkpoint stores quantized (FP8 blocks, INT4, MXFP4) so again, with its quantization_config (default: unquantized)")
     to_hf.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
     _add_workers_flag(to_hf)
     to_hf.add_argument("--quiet", action="store_true", help="no progress, only the summary")

@@ -217,10 +217,10 @@ def test_quantize_without_hf_config_is_one_line(work, tmp_path):
     assert_nothing_left(tmp_path / "out")
 
 
-@pytest.mark.parametrize("source", ["unquantized", "mxfp4", "ue8m0", "config only", "other value"])
+@pytest.mark.parametrize("source", ["unquantized", "awq", "ue8m0", "config only", "other value"])
 def test_quantize_of_a_source_not_fp8_blocks_is_one_line(work, source, tmp_path, capsys):
     """Of FP8, only block-quantized FP8 with fp32 scales is written back; of the rest only pack-quantized INT4
-    (test_int4_export.py): any other --hf-config original (or one without its weights' headers, or another --quantize
+    (test_int4_export.py) and MXFP4 (test_mxfp4_export.py): any other --hf-config original (or one without its weights' headers, or another --quantize
     value) is refused in one line, nothing written."""
     original = tmp_path / "original"
     shutil.copytree(work / "release", original)
@@ -228,7 +228,7 @@ def test_quantize_of_a_source_not_fp8_blocks_is_one_line(work, source, tmp_path,
         (original / "model.safetensors").unlink()
     config = json.loads((original / "config.json").read_text())
     quantization = {
-        "unquantized": None, "mxfp4": real_config("gpt-oss-20b")["quantization_config"],
+        "unquantized": None, "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": True},
         "ue8m0": {**QUANTIZATION, "scale_fmt": "ue8m0"},
         "config only": QUANTIZATION, "other value": QUANTIZATION,
     }[source]
@@ -236,12 +236,16 @@ def test_quantize_of_a_source_not_fp8_blocks_is_one_line(work, source, tmp_path,
     flag = "per-tensor" if source == "other value" else "as-source"
     code = main(["mcore-to-hf", "--load-dir", str(work / "mcore"), "--save-dir", str(tmp_path / "out"), "--hf-config", str(original), "--quantize", flag])
     err = capsys.readouterr().err.strip()
-    if source in ("unquantized", "mxfp4"):  # FP8 tensors under a config that names no FP8 blocks: refused first
+    if source == "unquantized":  # FP8 tensors under a config that names no FP8 blocks: refused first
         assert code == 1 and len(err.splitlines()) == 1 and str(original / "model.safetensors") in err, err
         assert "is FP8 but config.json's quantization_config names no weight_block_size" in err, err
         return assert_nothing_left(tmp_path / "out")
+    if source == "awq":  # a quantization mconvert reads in no direction: refused as the original is opened
+        assert code == 1 and len(err.splitlines()) == 1 and "'quant_method': 'awq'" in err and "is not supported" in err, err
+        return assert_nothing_left(tmp_path / "out")
     assert code == 1 and len(err.splitlines()) == 1 and err.startswith("mconvert: error: --quantize"), err
-    expected = {"ue8m0": "scale_fmt ue8m0", "config only": "has no model.safetensors.index.json or model.safetensors",
+    expected = {"unquantized": "not quantized", "awq": "quant_method awq",
+                "ue8m0": "scale_fmt ue8m0", "config only": "has no model.safetensors.index.json or model.safetensors",
                 "other value": "not one of as-source"}[source]
     assert expected in err and ("not supported yet" in err or source in ("config only", "other value")), err
     assert_nothing_left(tmp_path / "out")

@@ -343,7 +343,7 @@ def convert_mcore_to_hf(
     model directory `save_dir`: sharded safetensors, their index and config.json, plus the generation config
     and tokenizer files of `hf_config_dir` when given. `model_size` (Megatron-LM's `--model-size` values, or a
     family name) names the family; it must agree with the checkpoint's args (or `hf_config_dir`). `quantize`
-    "as-source" writes the tensors that the `hf_config_dir` checkpoint stores quantized (FP8 blocks, INT4) so again (quantized_export).
+    "as-source" writes the tensors that the `hf_config_dir` checkpoint stores quantized (FP8 blocks, INT4, MXFP4) so again (quantized_export).
 
     `workers` threads convert pieces at once. Started by torchrun, every rank runs this with the same
     arguments: each converts its share of the pieces into the files rank 0 laid out, and rank 0 finishes."""

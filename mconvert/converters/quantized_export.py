@@ -1,9 +1,10 @@
 """The export in a quantized source's own format (`mcore-to-hf --quantize as-source`): the tensors that the original
 checkpoint (`--hf-config`) stores quantized are written so again, and config.json keeps the original's
 quantization_config. Which tensors those are is read from the original's safetensors headers alone; each is quantized
-as it is written. Two formats: block-quantized FP8 (`FP8Blocks`: each weight in float8_e4m3fn with the original's
-block size and a `_scale_inv` beside it, `quantize_fp8_blocks`) and compressed-tensors' symmetric pack-quantized INT4
-(`PackedInt4`: each linear layer `M` as `M.weight_packed`, `M.weight_scale` and `M.weight_shape`, `quantize_int4`)."""
+as it is written. Three formats: block-quantized FP8 (`FP8Blocks`: each weight in float8_e4m3fn with the original's
+block size and a `_scale_inv` beside it, `quantize_fp8_blocks`), compressed-tensors' symmetric pack-quantized INT4
+(`PackedInt4`: each linear layer `M` as `M.weight_packed`, `M.weight_scale` and `M.weight_shape`, `quantize_int4`) and
+gpt-oss's MXFP4 (`MXFP4`: each expert tensor `X` as `X_blocks` and `X_scales`, `quantize_mxfp4`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import HFCheckpoint
 from mconvert.formats.quantized import (
     COMPRESSED_TENSORS,
+    MXFP4_BLOCKS,
+    MXFP4_GROUP,
+    MXFP4_SCALES,
     PACKED,
     SCALE,
     SCALE_SUFFIX,
@@ -29,6 +33,7 @@ from mconvert.formats.quantized import (
     quantization_config,
     quantize_fp8_blocks,
     quantize_int4,
+    quantize_mxfp4,
 )
 from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, Rows
 
@@ -44,10 +49,14 @@ class Unquantized:
     subclasses write the tensors `names` quantized, with the original's `quantization` stated where the original's
     config.json states it (its text_config, as Kimi-K2.5's)."""
 
-    names: frozenset[str] = frozenset()
     quantization: dict[str, Any] = field(default_factory=dict)
     in_text_config: bool = False
     what = ""  # how the quantized tensors are written, as the CLI reports it
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The HF tensors written quantized: none here."""
+        return frozenset()
 
     def stored(self, name: str, dtype: Any, shape: tuple[int, ...]) -> Layout:
         """What HF tensor `name` is written as: itself, or its quantized tensors in their file order."""
@@ -87,6 +96,7 @@ class FP8Blocks(Unquantized):
     """Block-quantized FP8: each tensor of `names` in float8_e4m3fn, its `_scale_inv` (fp32, one per `block`, partial
     blocks at the edges counted) right after it."""
 
+    names: frozenset[str] = frozenset()
     block: tuple[int, int] = (128, 128)
     what = "in FP8 blocks with their _scale_inv"
 
@@ -109,6 +119,10 @@ class PackedInt4(Unquantized):
     stored_dtypes: dict[str, tuple[np.dtype, np.dtype]] = field(default_factory=dict)
     what = "pack-quantized in INT4 with their weight_scale and weight_shape"
 
+    @property
+    def names(self) -> frozenset[str]:
+        return frozenset(self.stored_dtypes)
+
     def stored(self, name: str, dtype: Any, shape: tuple[int, ...]) -> Layout:
         module, (rows, columns) = name.removesuffix(".weight"), shape
         scale, size = self.stored_dtypes[name]
@@ -124,6 +138,28 @@ class PackedInt4(Unquantized):
         return [(f"{module}.{PACKED}", packed), (f"{module}.{SCALE}", scales), (f"{module}.{SHAPE}", np.array(values.shape, dtype=size))]
 
 
+@dataclass(frozen=True)
+class MXFP4(Unquantized):
+    """gpt-oss's MXFP4: each tensor `X` of `names` (transformers' [..., in, out] experts) as `X_blocks` (uint8 [..., out,
+    in / 32, 16], two 4-bit floats a byte, the first in the low 4 bits) and `X_scales` (uint8 [..., out, in / 32], one
+    exponent per 32 inputs, biased by 127), the layout that `dequantize_mxfp4` reads."""
+
+    names: frozenset[str] = frozenset()
+    what = "in MXFP4 as _blocks and _scales"
+
+    def stored(self, name: str, dtype: Any, shape: tuple[int, ...]) -> Layout:
+        *lead, inputs, outputs = shape
+        groups = inputs // MXFP4_GROUP
+        return {name + MXFP4_BLOCKS: (dtypes.uint8, (*lead, outputs, groups, MXFP4_GROUP // 2)), name + MXFP4_SCALES: (dtypes.uint8, (*lead, outputs, groups))}
+
+    def held(self, name: str) -> str:
+        return name + MXFP4_BLOCKS if name in self.names else name
+
+    def quantized(self, name: str, values: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        blocks, scales = quantize_mxfp4(values.swapaxes(-1, -2))
+        return [(name + MXFP4_BLOCKS, blocks), (name + MXFP4_SCALES, scales)]
+
+
 def quantized_export(quantize: str | None, hf_config_dir: str | os.PathLike | None, reference: dict[str, Any] | None, plan: Plan) -> Unquantized:
     """How the export `plan` writes its tensors: with `quantize` "as-source", those that the original checkpoint in
     `hf_config_dir` (whose config.json is `reference`) stores quantized so again; unquantized without it."""
@@ -136,18 +172,18 @@ def quantized_export(quantize: str | None, hf_config_dir: str | os.PathLike | No
     directory = Path(hf_config_dir)
     quantization = quantization_config(reference)
     method = quantization.get("quant_method")
-    if method not in ("fp8", COMPRESSED_TENSORS) or method == "fp8" and not quantization.get("weight_block_size"):
+    if method not in ("fp8", COMPRESSED_TENSORS, "mxfp4") or method == "fp8" and not quantization.get("weight_block_size"):
         what = f"quant_method {method}" if method else "not quantized (no quantization_config)"
         raise ConversionError(
             f"--quantize {quantize}: --hf-config {directory} is {what}; only block-quantized FP8 (quant_method fp8 with a "
-            "weight_block_size) and compressed-tensors' pack-quantized INT4 are written back, other formats are not supported yet"
+            "weight_block_size), compressed-tensors' pack-quantized INT4 and MXFP4 are written back, other formats are not supported yet"
         )
     if not any((directory / name).exists() for name in (INDEX_FILE, SINGLE_FILE)):
         raise ConversionError(
             f"--quantize {quantize}: --hf-config {directory} has no {INDEX_FILE} or {SINGLE_FILE} telling which tensors "
             "are quantized: name the original checkpoint's directory"
         )
-    export = fp8_blocks(quantize, directory, reference, plan) if method == "fp8" else packed_int4(quantize, directory, reference, plan)
+    export = {"fp8": fp8_blocks, COMPRESSED_TENSORS: packed_int4, "mxfp4": mxfp4}[method](quantize, directory, reference, plan)
     for piece in plan.pieces:
         for ref in piece.sources:
             # A tensor written in sections of rows (a fused projection Megatron stores in parts) is never whole in
@@ -178,7 +214,7 @@ def fp8_blocks(quantize: str, directory: Path, reference: dict[str, Any], plan: 
         if name in shapes and tuple(stored.shape) != tuple(shapes[name]):
             raise ConversionError(f"--quantize {quantize}: {original.where(name)} has shape {list(stored.shape)}, the export's {list(shapes[name])}")
     names = frozenset(original.scales) & shapes.keys()
-    return FP8Blocks(names, quantization, "quantization_config" not in reference, block)
+    return FP8Blocks(quantization, "quantization_config" not in reference, names, block)
 
 
 def packed_int4(quantize: str, directory: Path, reference: dict[str, Any], plan: Plan) -> PackedInt4:
@@ -205,4 +241,24 @@ def packed_int4(quantize: str, directory: Path, reference: dict[str, Any], plan:
                 f"packed, with a {module}.{SCALE} of {groups} scales a row and a {module}.{SHAPE}"
             )
         found[name] = (scale.dtype, size.dtype)
-    return PackedInt4(frozenset(found), quantization_config(reference), "quantization_config" not in reference, scheme.group_size, found)
+    return PackedInt4(quantization_config(reference), "quantization_config" not in reference, scheme.group_size, found)
+
+
+def mxfp4(quantize: str, directory: Path, reference: dict[str, Any], plan: Plan) -> MXFP4:
+    """The tensors of the export `plan` that the MXFP4 original in `directory` stores as blocks and scales (its
+    `*_blocks`), each of the export's shape."""
+    original = HFCheckpoint(directory, check_finite=False, mxfp4=True)  # headers only
+    shapes = plan.hf_shapes()
+    for name, (blocks, _) in original.mxfp4.items():
+        if name in shapes and tuple(original.tensors[name].shape) != tuple(shapes[name]):
+            raise ConversionError(
+                f"--quantize {quantize}: tensor '{name + MXFP4_BLOCKS}' in {blocks.file} holds MXFP4 values of shape "
+                f"{list(original.tensors[name].shape)}, the export's {name} is {list(shapes[name])}"
+            )
+    names = frozenset(original.mxfp4) & shapes.keys()
+    if not names:
+        raise ConversionError(
+            f"--quantize {quantize}: --hf-config {directory}'s quantization_config names MXFP4, but it stores no tensor of "
+            f"the export as MXFP4 (no *{MXFP4_BLOCKS} of {', '.join(sorted(shapes)[:2])}, ...)"
+        )
+    return MXFP4(quantization_config(reference), "quantization_config" not in reference, names)

@@ -5,8 +5,8 @@ says `scale_fmt: ue8m0` (DeepSeek-V3.2), both read as their values. MXFP4 (gpt-o
 a weight `X` stored as `X_blocks`, two 4-bit floats a byte, and `X_scales`, one power of two per 32 values. And
 compressed-tensors' pack-quantized INT4 (Kimi-K2-Thinking's and Kimi-K2.5's experts): a linear layer `M` stored as
 `M.weight_packed`, eight 4-bit integers an int32, `M.weight_scale`, one factor per group of a row, `M.weight_shape`
-and, where asymmetric, `M.weight_zero_point`. FP8 blocks and symmetric INT4 are also written (`quantize_fp8_blocks`,
-`quantize_int4`), for an export in the format of its source.
+and, where asymmetric, `M.weight_zero_point`. FP8 blocks, symmetric INT4 and MXFP4 are also written
+(`quantize_fp8_blocks`, `quantize_int4`, `quantize_mxfp4`), for an export in the format of its source.
 
 (FP8's block size, whether a config names MXFP4, and the INT4 scheme are all read from config.json's
 quantization_config, or its text_config's where the config describes an image-text model.)"""
@@ -236,3 +236,36 @@ def quantize_int4(values: np.ndarray, group_size: int | None, scale_dtype: np.dt
     nibbles[:, :columns] = integers - INT4_MIN
     packed = nibbles[:, 0::2] | nibbles[:, 1::2] << 4
     return packed.view("<i4").astype(np.int32), scales
+
+
+# An MXFP4 group's values share one scale; the largest 4-bit float (e2m1).
+MXFP4_GROUP, FP4_MAX = 32, np.float32(6.0)
+# float32's exponent bits, and the mantissa bits below them: a power of two is its exponent bits alone.
+F32_EXPONENT, F32_MANTISSA = 0x7F800000, 0x007FFFFF
+# Each bf16 value's nearest e2m1 code (ties to even, clamped to +-6, the sign kept), by the value's 16 bits: a bf16
+# value times a power of two is a bf16 value, so quantizing one is a lookup (a quarter of the time of a cast).
+with np.errstate(invalid="ignore"):  # the NaN patterns, which finite weights never hold
+    E2M1_OF_BF16 = np.clip(np.arange(1 << 16, dtype=np.uint16).view(dtypes.bfloat16).astype(np.float32), -FP4_MAX, FP4_MAX).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
+
+
+def quantize_mxfp4(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 blocks [..., rows, columns / 32, 16], uint8 scales [..., rows, columns / 32]): the inverse of
+    `dequantize_mxfp4` for `values` [..., rows, columns], computed as triton_kernels' `downcast_to_mxfp` computes it
+    (the quantizer that gpt-oss's reference and transformers' `quantize_to_mxfp4` call) with its default rounding of
+    the scales, up (ROUND_UP). The values are cast to bf16 first, as those callers do. Per group of 32 values of a
+    row, in fp32: the scale is amax / 6 rounded up to a power of two, so that no value passes 6 (the OCP spec's
+    floor(log2(amax)) - 2 gives the same scale where a group's largest value quantizes to 4 or 6, and a smaller one
+    where it would quantize to 3, which the rounding up gives); its exponent bits are the stored byte (biased by
+    127), and a group of zeros gets 0. Each value times the scale's reciprocal is rounded to the nearest e2m1 (ties
+    to even), clamped to +-6, its sign kept (a small negative value is -0); two a byte, the first in the low 4 bits."""
+    *lead, rows, columns = values.shape
+    grouped = values.astype(dtypes.bfloat16).reshape(*lead, rows, columns // MXFP4_GROUP, MXFP4_GROUP)
+    # A finite bf16 value's magnitude orders as its bits less the sign; as fp32, the bits shifted up 16.
+    amax = ((grouped.view(np.uint16) & 0x7FFF).max(-1).astype(np.uint32) << 16).view(np.float32)
+    exponents = ((amax / FP4_MAX).view(np.int32) + F32_MANTISSA) & F32_EXPONENT
+    powers = exponents.view(np.float32)
+    scaled = grouped.astype(np.float32)
+    scaled *= np.divide(1, powers, out=np.zeros_like(powers), where=powers > 0)[..., None]
+    codes = E2M1_OF_BF16[scaled.astype(dtypes.bfloat16).view(np.uint16)]
+    pairs = codes.reshape(*lead, rows, columns // MXFP4_GROUP, MXFP4_GROUP // 2, 2)
+    return pairs[..., 0] | pairs[..., 1] << 4, (exponents >> 23).astype(np.uint8)
