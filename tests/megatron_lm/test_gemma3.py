@@ -95,8 +95,8 @@ def test_an_injected_fault_moves_megatrons_logits(fault, converted, tmp_path):
 
 
 def test_mconvert_verify_passes_on_cpu_ranks(converted):
-    """The command a user runs, at the checkpoint's TP 2 x PP 2 (its prompts within the window: the weights are
-    compared, the window itself above)."""
-    hf, _, ckpt = converted("gemma3-text-tp2pp2")
-    result = run_cli("verify", "--hf", hf, "--mcore", ckpt, "--tp", "2", "--pp", "2", "--device", "cpu")
+    """The command a user runs, on the image-text checkpoint (transformers' reference its language model's layers) at
+    the checkpoint's TP 2 (its prompts within the window: the weights are compared, the window itself above)."""
+    hf, _, ckpt = converted("gemma3-vision-tp2")
+    result = run_cli("verify", "--hf", hf, "--mcore", ckpt, "--tp", "2", "--device", "cpu")
     assert result.returncode == 0 and result.stdout.strip().endswith("PASS"), result.stdout + result.stderr
