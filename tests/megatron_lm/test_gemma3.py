@@ -4,7 +4,8 @@ x PP 2 and the language model of an image-text checkpoint (gemma-3-4b-it's: line
 layers) at TP 2, each 4 layers, three of them attending within a window of 4 tokens, prompts three windows long,
 weights at std 0.1. Its embedding multiplier and attention scale are megatron-core's MuP settings, which 0.16.1
 lacks (tests/test_gemma3.py holds its one-line refusal). Injected faults move megatron-core's logits away from
-transformers': the sliding-window layers rotated with the global layers' theta, and the embeddings unscaled."""
+transformers': the sliding-window layers rotated with the global layers' theta, the embeddings unscaled, and the
+attention scaled by the heads' width instead of query_pre_attn_scalar."""
 
 from __future__ import annotations
 
@@ -78,15 +79,24 @@ def megatron_view_with_the_global_theta_on_sliding_window_layers(ckpt_dirs: dict
     return megatron_view(ckpt_dirs, tokens)
 
 
-@pytest.mark.parametrize("fault", ["sliding-window layers' rope theta the global one", "embeddings unscaled"])
+# Stored args changed: each arg's right value, and the wrong one.
+STORED_ARGS_FAULTS = {
+    "embeddings unscaled": ("mup_embedding_mult", 8.0, 1.0),  # sqrt(64)
+    # MuP's softmax scale without its base head dim: 1/sqrt(32), the heads' own, not 1/sqrt(query_pre_attn_scalar 256).
+    "attention scaled by the head dim": ("mup_base_head_dim", 0.125, None),
+}
+
+
+@pytest.mark.parametrize("fault", ["sliding-window layers' rope theta the global one", *STORED_ARGS_FAULTS])
 def test_an_injected_fault_moves_megatrons_logits(fault, converted, tmp_path):
     name = "gemma3-text-tp2pp2"
     _, reference, ckpt = converted(name)
     view = megatron_view
-    if fault == "embeddings unscaled":
+    if fault in STORED_ARGS_FAULTS:
+        arg, right, wrong = STORED_ARGS_FAULTS[fault]
         faulty = shutil.copytree(ckpt, tmp_path / "mcore")
-        assert read_args(iteration_dir(faulty)).mup_embedding_mult == 8.0  # sqrt(64)
-        stored_args_changed(faulty, mup_embedding_mult=1.0)
+        assert getattr(read_args(iteration_dir(faulty)), arg) == right
+        stored_args_changed(faulty, **{arg: wrong})
         ckpt = faulty
     else:
         assert read_args(iteration_dir(ckpt)).rotary_base == 1_000_000
