@@ -58,6 +58,9 @@ def shrink(config: dict[str, Any], layers: int = 2, **overrides: Any) -> dict[st
         if "vt_hidden_size" in vision:  # Kimi-K2.5's MoonViT and projector
             vision = dict(vision, vt_hidden_size=32, vt_intermediate_size=64, vt_num_attention_heads=2, vt_num_hidden_layers=1,
                           init_pos_emb_height=4, init_pos_emb_width=4, mm_hidden_size=32, text_hidden_size=text["hidden_size"])
+        elif vision.get("model_type") == "siglip_vision_model":  # Gemma 3's, its 16 patches a side pooled to 4
+            vision = dict(vision, num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, image_size=224)
+            config = {**config, "mm_tokens_per_image": 16}
         else:
             vision = dict(vision, depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
         return {**config, "text_config": text, "vision_config": vision}

@@ -69,6 +69,8 @@ DIGESTS = {
     "glm-4.7-flash+layer-types": "f5ef213ba02d4bd1f3e19e2496ea9acfb11e126410f2c265207e09bd3a845ae5",
     "glm-4.7-flash+layer-types+mtp": "c3469334ad6eadbb9792e94f77f76fa0b7c4c56b6ba4b9810cc0b0545a93ad48",
     "olmo-2+olmo3": "f9dd15e8ba417f8e894c8a8dbbb4e9af2d07d6285e16ab4f1b137a1c4d2d0ddb",
+    "gemma-3-1b-pt": "6bed2a18103522317bfe30188621b1431076d512095faf9de9f0780b3e8d0e47",
+    "gemma-3-4b-it": "25e3dd025dd402b9a53fb500771f402d04cc667540b5890b8c544ca85a32572f",
 }
 
 # Configs beside every shipped one at 4 layers: layers mixed dense and MoE, a pattern with each Nemotron-H block, a

@@ -29,6 +29,8 @@ def test_every_familys_spec_comes_back_from_its_args(name, layout):
         pytest.skip("HybridModel takes no llama3 rope scaling")
     if layout.model_class == "hybrid" and spec.rotary_interleaved:
         pytest.skip("HybridModel builds its rope without rotary_interleaved")
+    if layout.model_class == "hybrid" and spec.norms_before_sublayers and spec.norms_after_sublayers:
+        pytest.skip("mconvert's Gemma 3 layer spec has no HybridModel stack")
     args = megatron_args(spec, layout, spec.dtype, "transformer_engine")
     assert spec_from_args(args, family.name) == spec
     assert set(vars(args)) <= set(BY_ARG) | {s.stored_as for s in BY_ARG.values() if s.stored_as}

@@ -14,6 +14,7 @@ from mconvert.mappings import (
     deepseek,
     deepseek_v32,
     ernie4_5,
+    gemma3,
     glm4_moe,
     gpt_oss,
     hy_v3,
@@ -43,6 +44,7 @@ FAMILIES: dict[str, Family] = {
         llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, deepseek.FAMILY, glm4_moe.FAMILY,
         deepseek_v32.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY, qwen3_5.FAMILY, qwen3_5.TEXT_FAMILY, minimax_m2.FAMILY,
         nemotron_h.FAMILY, ernie4_5.FAMILY, olmoe.FAMILY, hy_v3.FAMILY, olmo2.FAMILY, olmo3.FAMILY, kimi_k25.FAMILY,
+        gemma3.FAMILY, gemma3.TEXT_FAMILY,
     )
 }
 
@@ -163,7 +165,8 @@ def get_mapping(config: dict[str, Any], model_size: str | None = None, source: s
 
 def family_for_spec(spec: ModelSpec) -> Family:
     """The family whose architecture has the features of `spec`, for a model known only by its features (as
-    Megatron args describe it, naming no family). Mamba layers: Nemotron-H; norms after the sublayers: OLMo 3 with
+    Megatron args describe it, naming no family). Mamba layers: Nemotron-H; norms before and after the sublayers: Gemma 3's
+    text model (its image-text checkpoints are told by their config); norms after the sublayers alone: OLMo 3 with
     sliding-window layers, else OLMo 2; q/k norms across heads: MiniMax-M2 with sigmoid routing, else OLMoE; gated
     delta-net layers: Qwen3-Next with experts, Qwen3.5's text model without (Qwen3.5's image-text checkpoints and its
     MoE models are told by their config, as `--hf-config` gives it); sparse attention: DeepSeek-V3.2 (GLM-5.1 where
@@ -173,6 +176,8 @@ def family_for_spec(spec: ModelSpec) -> Family:
     only: Qwen2; else Llama. Whether the family can express every feature is `write_hf_config`'s check."""
     if spec.mamba is not None:
         name = "nemotron_h"
+    elif spec.norms_after_sublayers and spec.norms_before_sublayers:
+        name = "gemma3_text"
     elif spec.norms_after_sublayers:
         name = "olmo3" if spec.sliding_window is not None else "olmo2"
     elif spec.qk_norm_across_heads:

@@ -21,14 +21,10 @@ from mconvert.mappings.transforms import Rename
 # Llama's norms before the attention and the MLP, which OLMo 2 does not have.
 NORMS_BEFORE = ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight")
 # Its norms after them: whole on every tensor-parallel rank, as the sublayers' outputs are.
-ATTENTION = (
-    *(entry for entry in minimax_m2.ATTENTION if entry.mcore not in NORMS_BEFORE),
-    Rename("self_attention.linear_proj.post_layernorm.weight", "post_attention_layernorm.weight", split=Replicated("hidden_size")),
-)
-DENSE_MLP = (
-    *(entry for entry in llama.DENSE_MLP if entry.mcore not in NORMS_BEFORE),
-    Rename("mlp.linear_fc2.post_layernorm.weight", "post_feedforward_layernorm.weight", split=Replicated("hidden_size")),
-)
+NORM_AFTER_ATTENTION = Rename("self_attention.linear_proj.post_layernorm.weight", "post_attention_layernorm.weight", split=Replicated("hidden_size"))
+NORM_AFTER_MLP = Rename("mlp.linear_fc2.post_layernorm.weight", "post_feedforward_layernorm.weight", split=Replicated("hidden_size"))
+ATTENTION = (*(entry for entry in minimax_m2.ATTENTION if entry.mcore not in NORMS_BEFORE), NORM_AFTER_ATTENTION)
+DENSE_MLP = (*(entry for entry in llama.DENSE_MLP if entry.mcore not in NORMS_BEFORE), NORM_AFTER_MLP)
 
 TABLE = Table(model=llama.MODEL, attention=ATTENTION, dense_mlp=DENSE_MLP)
 
@@ -41,7 +37,7 @@ def read_dense_olmo_spec(config: dict[str, Any], family: str, source: str, **ove
     biases on q, k, v and o only, which Megatron cannot express: refused)."""
     return read_dense_spec(
         {**DEFAULTS, **config, "mlp_bias": False}, family, source, applies_sliding_window=False,
-        qk_norm=True, qk_norm_across_heads=True, norms_after_sublayers=True, **overrides,
+        qk_norm=True, qk_norm_across_heads=True, norms_before_sublayers=False, norms_after_sublayers=True, **overrides,
     )
 
 

@@ -104,3 +104,28 @@ def read_yarn(scaling: dict[str, Any], source: str) -> RopeScaling:
         mscale_all_dim=float(mscale_all_dim),
         truncate=bool(scaling.get("truncate", True)),
     )
+
+
+def hub_rope_scaling(scaling: RopeScaling | None) -> dict[str, Any] | None:
+    """`scaling` as a hub config's `rope_scaling` states it (which transformers v4 and v5 both read)."""
+    if scaling is None:
+        return None
+    if scaling.kind == "linear":
+        return {"rope_type": "linear", "factor": scaling.factor}
+    if scaling.kind == "yarn":
+        return {
+            "rope_type": "yarn",
+            "factor": scaling.factor,
+            "original_max_position_embeddings": scaling.original_max_position_embeddings,
+            "beta_fast": scaling.beta_fast,
+            "beta_slow": scaling.beta_slow,
+            "mscale": scaling.mscale,
+            "mscale_all_dim": scaling.mscale_all_dim,
+        }
+    return {
+        "rope_type": "llama3",
+        "factor": scaling.factor,
+        "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "original_max_position_embeddings": scaling.original_max_position_embeddings,
+    }

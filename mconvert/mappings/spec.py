@@ -14,7 +14,7 @@ import numpy as np
 from mconvert import dtypes
 from mconvert.errors import ConversionError
 from mconvert.mappings.mamba_spec import MambaSpec
-from mconvert.mappings.rope import RopeScaling, read_rope
+from mconvert.mappings.rope import RopeScaling, hub_rope_scaling, read_rope
 
 DTYPES = {name: dtypes.BY_NAME[name] for name in ("bfloat16", "float16", "float32")}
 
@@ -158,9 +158,9 @@ class ModelSpec:
     sliding_layers: tuple[bool, ...] | None = None
     # Megatron's softmax_type: "learnable" adds a learned per-head logit to every softmax (gpt-oss's sinks).
     softmax_type: str = "vanilla"
-    # The gated MLP: SwiGLU ("silu"), or "quick_gelu" (x * sigmoid(1.702 x)) on the gate with the linear half
-    # offset by `glu_linear_offset` and both halves clamped at `activation_clamp` (gpt-oss); or the MLP without a
-    # gate, "squared_relu" (relu(x)^2, Megatron's --squared-relu: Nemotron-H).
+    # The gated MLP: SwiGLU ("silu"), GeGLU with GELU's tanh approximation ("gelu_tanh": Gemma's), or "quick_gelu"
+    # (x * sigmoid(1.702 x)) on the gate with the linear half offset by `glu_linear_offset` and both halves clamped
+    # at `activation_clamp` (gpt-oss); or the MLP without a gate, "squared_relu" (relu(x)^2, Megatron's --squared-relu: Nemotron-H).
     activation: str = "silu"
     glu_linear_offset: float = 0.0
     activation_clamp: float | None = None
@@ -174,11 +174,20 @@ class ModelSpec:
     # The q/k norms normalise each token's query (key) over all heads of the layer together, one weight per channel
     # of them (MiniMax-M2's qk_norm_type 'per_layer'), not each head alone.
     qk_norm_across_heads: bool = False
-    # The layer's norms come after its attention and its MLP, each on the sublayer's output before the residual add,
-    # and none before them (OLMo 2's post_attention_layernorm and post_feedforward_layernorm).
+    # Where the layer's norms are: before its attention and its MLP, on each one's input (Llama's); after them, each
+    # on the sublayer's output before the residual add (OLMo 2's post_attention_layernorm and
+    # post_feedforward_layernorm, and none before); or both (Gemma's four norms a layer).
+    norms_before_sublayers: bool = True
     norms_after_sublayers: bool = False
     # Every RMSNorm multiplies by 1 + w (Megatron's layernorm_zero_centered_gamma, `--apply-layernorm-1p`).
     zero_centered_norms: bool = False
+    # The rope theta of the sliding-window layers where theirs is their own, unscaled (Gemma 3's rope_local_base_freq);
+    # None: every layer has the model's rope.
+    sliding_window_rope_theta: float | None = None
+    # The embeddings multiplied by sqrt(hidden_size), rounded to the weights' dtype as transformers rounds it (Gemma's).
+    embeddings_scaled: bool = False
+    # Attention scores scaled by 1/sqrt of this rather than of head_dim (Gemma's query_pre_attn_scalar); None: head_dim.
+    attention_scale_dim: int | None = None
     # Dropout on attention probabilities in training (HF `attention_dropout`); no effect on the weights.
     attention_dropout: float = 0.0
     # Models whose HF layer is one block (Nemotron-H): each layer's megatron-core hybrid symbol (`M` Mamba, `*`
@@ -347,29 +356,6 @@ def write_dense_config(spec: ModelSpec, model_type: str, architecture: str) -> d
     # The weights written are never quantized: a source's quantization_config does not describe them.
     dropped = ("rope_parameters", "dtype", "torch_dtype", "quantization_config")
     config = {k: v for k, v in spec.hf_config.items() if k not in dropped}
-    if spec.rope_scaling is None:
-        rope_scaling = None
-    elif spec.rope_scaling.kind == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": spec.rope_scaling.factor}
-    elif spec.rope_scaling.kind == "yarn":
-        rope = spec.rope_scaling
-        rope_scaling = {
-            "rope_type": "yarn",
-            "factor": rope.factor,
-            "original_max_position_embeddings": rope.original_max_position_embeddings,
-            "beta_fast": rope.beta_fast,
-            "beta_slow": rope.beta_slow,
-            "mscale": rope.mscale,
-            "mscale_all_dim": rope.mscale_all_dim,
-        }
-    else:
-        rope_scaling = {
-            "rope_type": "llama3",
-            "factor": spec.rope_scaling.factor,
-            "low_freq_factor": spec.rope_scaling.low_freq_factor,
-            "high_freq_factor": spec.rope_scaling.high_freq_factor,
-            "original_max_position_embeddings": spec.rope_scaling.original_max_position_embeddings,
-        }
     config.update(
         architectures=[architecture],
         model_type=model_type,
@@ -384,7 +370,7 @@ def write_dense_config(spec: ModelSpec, model_type: str, architecture: str) -> d
         max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=spec.norm_eps,
         rope_theta=spec.rope_theta,
-        rope_scaling=rope_scaling,
+        rope_scaling=hub_rope_scaling(spec.rope_scaling),
         tie_word_embeddings=not spec.untie_embeddings,
         attention_dropout=spec.attention_dropout,
         torch_dtype=dtype_name,

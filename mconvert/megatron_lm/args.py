@@ -15,6 +15,7 @@ from mconvert.mcore.parallelism import Parallelism, PipelineSplit
 from mconvert.megatron_lm.hybrid_args import gpt_view, hybrid_args
 from mconvert.megatron_lm.setting import Target
 from mconvert.megatron_lm.settings import FEATURES, SETTINGS
+from mconvert.megatron_lm.spec_names import GEMMA3_SLIDING_WINDOW_ROPE_THETA
 
 # Args that Megatron-LM's `--use-checkpoint-args` copies from a checkpoint's stored args
 # (megatron.training.checkpointing.load_args_from_checkpoint, Megatron-LM 0.19.2; tests/megatron_lm reads
@@ -88,6 +89,27 @@ def _refuse_inexpressible(spec: ModelSpec, transformer_impl: str) -> None:
     for feature, what in ((spec.linear_attention, "gated delta-net"), (spec.sparse_attention, "sparse-attention")):
         if feature is not None and transformer_impl != "transformer_engine":
             raise ConversionError(f"--transformer-impl {transformer_impl}: megatron-core builds {what} layers only under transformer_engine")
+    _refuse_outside_gemma3_layers(spec)
+
+
+def _refuse_outside_gemma3_layers(spec: ModelSpec) -> None:
+    """Norms before and after the sublayers, a GeGLU with GELU's tanh approximation and a rope of the sliding-window
+    layers' own are what mconvert's Gemma 3 layer spec builds, together: none can be said apart from the others to
+    Megatron-LM (its flags name no such activation, and the spec takes no value from them: its sliding-window layers'
+    rope has theta 10000)."""
+    gemma3 = spec.norms_before_sublayers and spec.norms_after_sublayers
+    theta = spec.sliding_window_rope_theta
+    if gemma3 and spec.activation != "gelu_tanh" or spec.activation == "gelu_tanh" and not gemma3:
+        raise ConversionError(
+            f"{spec.activation} MLPs {'beside' if gemma3 else 'without'} norms before and after the sublayers: Megatron-LM's "
+            "flags name no GeGLU with tanh-GELU, which mconvert's Gemma 3 layer spec builds with those norms only"
+        )
+    if theta is not None and (not gemma3 or theta != GEMMA3_SLIDING_WINDOW_ROPE_THETA):
+        raise ConversionError(
+            f"sliding-window layers with rope theta {theta:g} of their own: megatron-core has one rope a model (GPTModel's), "
+            f"and mconvert's Gemma 3 layer spec gives those layers theta {GEMMA3_SLIDING_WINDOW_ROPE_THETA:g}, as every "
+            "Gemma 3 release has (Megatron-LM's command line can give a layer spec no other)"
+        )
 
 
 def parallelism_from_args(args: argparse.Namespace) -> Parallelism:

@@ -17,7 +17,7 @@ from mconvert.megatron_lm.args import (
 )
 from mconvert.megatron_lm.hybrid_args import gpt_checkpoint_into_hybrid_flags
 from mconvert.megatron_lm.settings import BY_ARG, SETTINGS, getter, has_feature
-from mconvert.megatron_lm.spec_names import HYBRID_STACKS
+from mconvert.megatron_lm.spec_names import MCONVERT_SPECS
 
 
 def pipeline_split_flags(split: PipelineSplit) -> list[str]:
@@ -112,7 +112,7 @@ def pretrain_gpt_caveats(args: argparse.Namespace) -> list[str]:
             "(--no-dsa-indexer-rotate-activation: orthogonal, no score changes; drop the flag to rotate, in bf16 with "
             "fast-hadamard-transform)"
         )
-    if tuple(getattr(args, "spec", None) or ()) in (*HYBRID_STACKS, *HYBRID_STACKS.values()):
+    if tuple(getattr(args, "spec", None) or ()) in MCONVERT_SPECS:
         caveats.append(
             f"the layers are built by mconvert's {args.spec[0]} (--spec {args.spec[1]}): install mconvert where "
             "Megatron-LM runs"

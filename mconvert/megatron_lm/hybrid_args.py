@@ -30,6 +30,8 @@ def hybrid_args(args: dict[str, Any], spec: ModelSpec, par: Parallelism) -> dict
             "--model-class hybrid: HybridModel builds its rope without rotary_interleaved (megatron-core 0.16.1 to "
             "0.19.2), so it would not rotate this model's pairs of dims; convert with --model-class gpt"
         )
+    if args.get("spec") and tuple(args["spec"]) not in HYBRID_STACKS:
+        raise ConversionError(f"--model-class hybrid: mconvert's layer spec {args['spec'][1]} has no HybridModel stack; convert with --model-class gpt")
     pattern = hybrid.hybrid_pattern(spec, par.pipeline.stage_layers(par.pp, spec.num_layers))
     updates: dict[str, Any] = dict(
         hybrid_layer_pattern=pattern,

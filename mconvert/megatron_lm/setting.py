@@ -87,7 +87,8 @@ class Setting:
         if isinstance(value, tuple):
             return f"{self.flag_name} " + ",".join(map(str, value))
         if isinstance(value, float):
-            return f"{self.flag_name} {value:g}"
+            # Short where that is exact; else every digit, so that the parser reads back the same float.
+            return f"{self.flag_name} {value:g}" if float(f"{value:g}") == value else f"{self.flag_name} {value!r}"
         return f"{self.flag_name} {shlex.quote(str(value))}"
 
     def shown(self, value: Any, get: Getter) -> bool:

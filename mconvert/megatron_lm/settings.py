@@ -14,13 +14,15 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
+import numpy as np
+
 from mconvert import dtypes
 from mconvert.errors import ConversionError
-from mconvert.mappings.spec import ModelSpec, shared_top_k_schedule
+from mconvert.mappings.spec import DTYPES, ModelSpec, shared_top_k_schedule
 from mconvert.mcore import hybrid
 from mconvert.mcore.parallelism import PipelineSplit, padded_vocab_size
 from mconvert.megatron_lm.setting import Getter, Setting, Target, integral
-from mconvert.megatron_lm.spec_names import NORMS_AFTER_SUBLAYERS, QK_NORM_ACROSS_HEADS
+from mconvert.megatron_lm.spec_names import GEMMA3_LAYERS, NORMS_AFTER_SUBLAYERS, QK_NORM_ACROSS_HEADS
 
 # The features whose models have args of their own: whether a conversion's model has it, whether stored args do.
 FEATURES: dict[str, tuple[Callable[[ModelSpec, Target], bool], Callable[[Getter], bool]]] = {
@@ -35,6 +37,8 @@ FEATURES: dict[str, tuple[Callable[[ModelSpec, Target], bool], Callable[[Getter]
     # A HybridModel checkpoint (megatron_lm.hybrid_args writes its args), and its Mamba layers (a pattern's `M`).
     "hybrid": (lambda spec, target: target.par.model_class == "hybrid", lambda get: bool(get("hybrid_layer_pattern"))),
     "mamba": (lambda spec, target: spec.mamba is not None, lambda get: hybrid.has_mamba(get("hybrid_layer_pattern") or "")),
+    # megatron-core's MuP settings (0.19 on), which hold Gemma's embedding multiplier and attention scale.
+    "mup": (lambda spec, target: spec.embeddings_scaled or spec.attention_scale_dim is not None, lambda get: bool(get("use_mup"))),
 }
 
 
@@ -97,11 +101,38 @@ def _top_k_schedule(spec: ModelSpec) -> tuple[int, int]:
 
 
 def _layer_spec(spec: ModelSpec, target: Target) -> list[str] | None:
-    """mconvert's layer spec that builds the model's layers, where megatron-core's own specs cannot: OLMo 2's (norms
-    after the sublayers, with q/k norms across heads), or q/k norms across heads alone."""
+    """mconvert's layer spec that builds the model's layers, where megatron-core's own specs cannot: Gemma 3's (norms
+    before and after the sublayers), OLMo 2's (norms after the sublayers, with q/k norms across heads), or q/k norms
+    across heads alone."""
     if spec.norms_after_sublayers:
-        return list(NORMS_AFTER_SUBLAYERS)
+        return list(GEMMA3_LAYERS if spec.norms_before_sublayers else NORMS_AFTER_SUBLAYERS)
     return list(QK_NORM_ACROSS_HEADS) if spec.qk_norm_across_heads else None
+
+
+def _embedding_multiplier(spec: ModelSpec, target: Target) -> float:
+    """sqrt(hidden_size) as transformers' Gemma scales its embeddings by it: made an fp32 tensor, then cast to the
+    weights' dtype (34.0, not 33.94, for a width of 1152 in bf16)."""
+    return float(np.float32(spec.hidden_size**0.5).astype(target.dtype)) if spec.embeddings_scaled else 1.0
+
+
+def _embeddings_scaled(get: Getter) -> bool:
+    multiplier, width = float(get("mup_embedding_mult")), get("hidden_size")
+    if multiplier == 1.0:
+        return False
+    if multiplier not in {float(np.float32(width**0.5).astype(dtype)) for dtype in DTYPES.values()}:
+        raise ConversionError(f"args: mup_embedding_mult {multiplier!r} is not sqrt(hidden_size {width}) in any dtype: no family scales its embeddings so")
+    return True
+
+
+def _attention_scale_dim(get: Getter) -> int | None:
+    """The width whose 1/sqrt scales the attention scores, from MuP's softmax scale sqrt(mup_base_head_dim) /
+    kv_channels^mup_attn_scale_power; None where it is the heads' own. An integer (as Gemma's query_pre_attn_scalar),
+    within the float rounding of the division."""
+    head_dim = get("kv_channels") or get("hidden_size") // get("num_attention_heads")
+    width = head_dim ** (2 * float(get("mup_attn_scale_power"))) / float(get("mup_base_head_dim") or 1.0)
+    if abs(width - round(width)) > 1e-9 * width:
+        raise ConversionError(f"args: MuP's attention scale is 1/sqrt({width!r}), of no integer width: no family scales its attention so")
+    return None if round(width) == head_dim else round(width)
 
 
 def _tokenizer_type(spec: ModelSpec, target: Target) -> str | None:
@@ -113,7 +144,7 @@ def _pipeline(field: str) -> Callable[[ModelSpec, Target], Any]:
 
 
 MOE, MLA, YARN = ("moe",), ("mla",), ("yarn",)
-LINEAR, SPARSE, MAMBA = ("linear_attention",), ("sparse_attention",), ("mamba",)
+LINEAR, SPARSE, MAMBA, MUP = ("linear_attention",), ("sparse_attention",), ("mamba",), ("mup",)
 # TransformerConfig's names of the pipeline split args where they differ (core_transformer_config_from_args).
 _SPLIT_CONFIG_FIELDS = {
     "decoder_first_pipeline_num_layers": "num_layers_in_first_pipeline_stage",
@@ -209,6 +240,14 @@ SETTINGS: tuple[Setting, ...] = (
             stored_as="apply_layernorm_1p"),
     Setting("attention_output_gate", False, spec="attention_output_gate", kind="switch"),
     Setting("untie_embeddings_and_output_weights", False, spec="untie_embeddings", kind="switch", config=None),
+    # Gemma's embeddings x sqrt(hidden_size) and attention scale 1/sqrt(query_pre_attn_scalar): megatron-core's MuP
+    # settings (0.19 on) at width multiplier 1 (no --mup-base-hidden-size: its learning rates and initialisation are
+    # the usual ones), the attention scale sqrt(mup_base_head_dim) / kv_channels^0.5.
+    Setting("use_mup", False, feature=MUP, value=lambda spec, target: True, kind="switch"),
+    Setting("mup_embedding_mult", 1.0, feature=MUP, spec="embeddings_scaled", value=_embedding_multiplier, read=_embeddings_scaled),
+    Setting("mup_attn_scale_power", 1.0, feature=MUP, value=lambda spec, target: 0.5),
+    Setting("mup_base_head_dim", feature=MUP, spec="attention_scale_dim", read=_attention_scale_dim,
+            value=lambda spec, target: spec.head_dim / spec.attention_scale_dim if spec.attention_scale_dim else None),
     # Experts: the router, the shared experts; Megatron-LM's way of running them.
     Setting("num_experts", spec="moe.num_experts", show="always", config="num_moe_experts"),
     Setting("moe_router_topk", 2, feature=MOE, spec="moe.top_k", show="always"),

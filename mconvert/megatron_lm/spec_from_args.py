@@ -25,7 +25,12 @@ from mconvert.megatron_lm.args import MLA_YARN_DEFAULTS
 from mconvert.megatron_lm.hybrid_args import gpt_view
 from mconvert.megatron_lm.setting import Getter
 from mconvert.megatron_lm.settings import FEATURES, SETTINGS, getter, has_feature
-from mconvert.megatron_lm.spec_names import NORMS_AFTER_SUBLAYERS, QK_NORM_ACROSS_HEADS
+from mconvert.megatron_lm.spec_names import (
+    GEMMA3_LAYERS,
+    GEMMA3_SLIDING_WINDOW_ROPE_THETA,
+    NORMS_AFTER_SUBLAYERS,
+    QK_NORM_ACROSS_HEADS,
+)
 
 # The sub-specs a model has where its args have the feature of the same name.
 SUB_SPECS = {"moe": MoESpec, "mla": MLASpec, "linear_attention": LinearAttentionSpec,
@@ -52,7 +57,7 @@ def spec_from_args(
     if vocab is None:
         raise ConversionError("args record no vocab_size (only the padded size): pass --hf-config with the real vocabulary")
     layer_spec = tuple(get("spec") or ())
-    if layer_spec not in ((), QK_NORM_ACROSS_HEADS, NORMS_AFTER_SUBLAYERS) and layer_spec[0] != "local":
+    if layer_spec not in ((), QK_NORM_ACROSS_HEADS, NORMS_AFTER_SUBLAYERS, GEMMA3_LAYERS) and layer_spec[0] != "local":
         raise ConversionError(f"args: spec {' '.join(layer_spec)}: a layer spec of its own, whose layers mconvert does not know")
 
     fields: dict[str, Any] = {}
@@ -72,10 +77,13 @@ def spec_from_args(
         # Multi-latent attention's qk_layernorm is its latent norms, not q/k norms.
         qk_norm=bool(get("qk_layernorm")) and mla is None,
         qk_norm_across_heads=layer_spec in (QK_NORM_ACROSS_HEADS, NORMS_AFTER_SUBLAYERS),
-        norms_after_sublayers=layer_spec == NORMS_AFTER_SUBLAYERS,
+        norms_before_sublayers=layer_spec != NORMS_AFTER_SUBLAYERS,
+        norms_after_sublayers=layer_spec in (NORMS_AFTER_SUBLAYERS, GEMMA3_LAYERS),
+        # Gemma 3's layer spec gives the sliding-window layers (where the model has them) their own rope.
+        sliding_window_rope_theta=GEMMA3_SLIDING_WINDOW_ROPE_THETA if layer_spec == GEMMA3_LAYERS and get("window_size") else None,
         dtype=_params_dtype(get),
         rope_scaling=_rope_scaling(get),
-        activation="quick_gelu" if get("quick_geglu") else "squared_relu" if get("squared_relu") else "silu",
+        activation=_activation(get, layer_spec),
         position_embeddings="none" if get("position_embedding_type") == "none" else "rope",
         layer_blocks=blocks,
         mtp_blocks=mtp_blocks[0] if mtp_blocks else None,
@@ -91,9 +99,16 @@ def _refused(get: Getter) -> str | None:
         if setting.accepts is not None and get(setting.arg) not in setting.accepts:
             accepted = " or ".join(repr(value) for value in setting.accepts if value is not None)
             return f"{setting.arg.replace('_', ' ')} {get(setting.arg)!r} (args.{setting.arg}; {accepted} supported)"
-    if not (get("swiglu") or get("quick_geglu") or get("squared_relu")):
+    if not (get("swiglu") or get("quick_geglu") or get("squared_relu") or tuple(get("spec") or ()) == GEMMA3_LAYERS):
         return "an MLP without SwiGLU, quick-GEGLU or squared ReLU"
     return None
+
+
+def _activation(get: Getter, layer_spec: tuple[str, ...]) -> str:
+    """The MLP's activation: its flag's, or Gemma 3's layer spec's GeGLU, which no flag names."""
+    if layer_spec == GEMMA3_LAYERS:
+        return "gelu_tanh"
+    return "quick_gelu" if get("quick_geglu") else "squared_relu" if get("squared_relu") else "silu"
 
 
 def _sub_spec_fields(scope: str, get: Getter, fields: dict[str, Any]) -> dict[str, Any]:

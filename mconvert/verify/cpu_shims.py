@@ -14,6 +14,7 @@ import types
 
 import torch
 
+from mconvert.megatron_lm.layer_specs import RMSNorm
 from mconvert.verify.mamba import mamba_ssm_importable
 
 _installed = False
@@ -174,25 +175,6 @@ def gated_delta_net_without_fla() -> None:
     module.l2norm = _l2norm
 
 
-def rms_norm(zero_centered: bool) -> type:
-    """An RMSNorm module for megatron-core's local layers (its `config, hidden_size, eps` interface) that can be
-    zero-centred (weight w, output scaled by 1 + w, as Transformer Engine's zero_centered_gamma): the local
-    spec's torch norm refuses zero-centred weights."""
-
-    class RMSNorm(torch.nn.Module):
-        def __init__(self, config: object, hidden_size: int, eps: float = 1e-5, **kwargs: object):
-            super().__init__()
-            self.eps = eps
-            self.weight = torch.nn.Parameter(torch.zeros(hidden_size) if zero_centered else torch.ones(hidden_size))
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-            weight = self.weight.float() + 1 if zero_centered else self.weight.float()
-            return (y * weight).to(x.dtype)
-
-    return RMSNorm
-
-
 def linear_attention_block_without_te(config: object, args: argparse.Namespace) -> object:
     """megatron-core's GPT block of a gated delta-net model (Qwen3-Next, Qwen3.5) built from its local modules, for
     CPU ranks: megatron-core builds these models only under Transformer Engine, whose fused norm-and-linear
@@ -206,7 +188,7 @@ def linear_attention_block_without_te(config: object, args: argparse.Namespace) 
 
     gated_delta_net_without_fla()
     config.deterministic_mode = True
-    norm = rms_norm(config.layernorm_zero_centered_gamma)
+    norm = RMSNorm
     block = _local_block_of_this_stage(config, args, norm)
     linear = get_linear_attention_pattern(config)  # 1 where a layer has linear attention
     offset = get_transformer_layer_offset(config)

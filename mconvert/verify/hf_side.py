@@ -150,6 +150,13 @@ def check_rotary_dim_read(model, hf_dir: str | Path) -> None:
         )
 
 
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder layers of a causal LM (`model.layers`), or of the language model that an image-text class holds
+    beside its vision tower (Gemma 3's Gemma3ForConditionalGeneration, `model.language_model.layers`)."""
+    inner = model.model
+    return inner.layers if hasattr(inner, "layers") else inner.language_model.layers
+
+
 def hf_outputs(hf_dir: str | Path, prompts: list[torch.Tensor], dtype: torch.dtype, device: str) -> Outputs:
     import transformers
 
@@ -166,7 +173,7 @@ def hf_outputs(hf_dir: str | Path, prompts: list[torch.Tensor], dtype: torch.dty
 
         return record
 
-    hooks = [layer.register_forward_hook(recorder(i)) for i, layer in enumerate(model.model.layers)]
+    hooks = [layer.register_forward_hook(recorder(i)) for i, layer in enumerate(decoder_layers(model))]
     outputs = Outputs([], [])
     try:
         with torch.no_grad():

@@ -65,7 +65,7 @@ def local_hybrid_stack_spec(config: object, args: argparse.Namespace) -> object:
     if getattr(config, "sequence_parallel", False):
         norm = cpu_shims.norm_under_sequence_parallelism()
     else:
-        norm = cpu_shims.rms_norm(config.layernorm_zero_centered_gamma)
+        norm = layer_specs.RMSNorm
     hybrid_block.TENorm = norm
     dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization=args.normalization)
     mla = get_gpt_layer_local_spec(qk_layernorm=True, normalization=args.normalization, multi_latent_attention=True)

@@ -279,10 +279,13 @@ def _layer_spec(
     if config.multi_latent_attention and not use_te:
         _fit_local_mla(spec)
     # What Megatron-LM's --spec gives it.
-    if tuple(getattr(args, "spec", None) or ()) == spec_names.QK_NORM_ACROSS_HEADS:
+    named = tuple(getattr(args, "spec", None) or ())
+    if named == spec_names.QK_NORM_ACROSS_HEADS:
         layer_specs.with_qk_norm_across_heads(spec)
-    elif tuple(getattr(args, "spec", None) or ()) == spec_names.NORMS_AFTER_SUBLAYERS:
+    elif named == spec_names.NORMS_AFTER_SUBLAYERS:
         layer_specs.with_norms_after_sublayers(spec, use_te)
+    elif named == spec_names.GEMMA3_LAYERS:
+        return layer_specs.with_norms_around_sublayers(spec, config, use_te, getattr(args, "rotary_seq_len_interpolation_factor", None))
     return spec
 
 

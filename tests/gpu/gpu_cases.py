@@ -100,6 +100,8 @@ DELTA_NET = {"megatron_flags": ("--deterministic-mode",), "compiles_kernels": Tr
 MAMBA = {"compiles_kernels": True, "logit_rtol": 1e-3, "megatron_flags": ("--disable-mamba-mem-eff-path",),
          "train_options": ("--model-class", "hybrid")}
 
+GEMMA3_LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+
 # YaRN's fused MLA rope (megatron-core's Triton kernel, which Megatron-LM runs by default) takes head dims of powers of
 # two, as the released models have (128); the shrunk value head's 12 would stop it.
 MLA_ROPE_FUSION = {"v_head_dim": 16}
@@ -137,6 +139,15 @@ FAMILIES = [
     Family("olmo2", "olmo-2-1124-7b-instruct", **DENSE),
     Family("olmo3", "olmo-2-1124-7b-instruct", layers=4, overrides={
         "model_type": "olmo3", "architectures": ["Olmo3ForCausalLM"], "sliding_window": 32, "num_key_value_heads": 2}, **DENSE),
+    # Norms before and after the sublayers, a tanh-GELU GeGLU and the sliding-window layers' own rope (mconvert's
+    # --spec), the embedding multiplier and attention scale as MuP's flags; windows on three layers in four. The
+    # image-text checkpoint without its 4B's linear rope scaling, which pretrain_gpt.py does not pass GPTModel
+    # (megatron_args.sh says so; tests/megatron_lm/test_gemma3.py holds megatron-core's logits with it).
+    Family("gemma3_text", "gemma-3-1b-pt", layers=4, overrides={"sliding_window": 32, "layer_types": GEMMA3_LAYER_TYPES}, **DENSE),
+    Family("gemma3", "gemma-3-4b-it", layers=4, overrides={
+        "sliding_window": 32, "layer_types": GEMMA3_LAYER_TYPES, "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000}, "sliding_attention": {"rope_type": "default", "rope_theta": 10_000}}},
+        **DENSE),
     # Without causal_conv1d (a CUDA build) megatron-core's fused Mamba path cannot run: its other path, the same function.
     Family("nemotron_h", "nemotron-3-nano-30b-a3b", layers=6, model_class="hybrid", **MAMBA),
     # Latent MoE: megatron-core's latent projections are Transformer Engine's (a stand-in on CPU ranks).

@@ -41,6 +41,7 @@ from mconvert.verify.megatron_side import forward_logits  # noqa: E402
 
 MISTRAL = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 5, "num_key_value_heads": 2}
 OLMO3 = {"model_type": "olmo3", "architectures": ["Olmo3ForCausalLM"], "sliding_window": 5, "num_key_value_heads": 2}
+GEMMA3 = {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]}
 MODELS = {
     # name: (config, layers, overrides, parallelism)
     "llama3.1-tp2": ("llama-3.1-8b", 2, {}, Parallelism(tp=2)),
@@ -86,6 +87,11 @@ MODELS = {
     # layer spec (--spec); OLMo 3's with windows on three layers in four (the prompts 12 tokens), grouped-query.
     "olmo2-tp2": ("olmo-2-1124-7b-instruct", 2, {}, Parallelism(tp=2)),
     "olmo3-pp2": ("olmo-2-1124-7b-instruct", 4, OLMO3, Parallelism(pp=2)),
+    # Norms before and after the attention and the MLP, a tanh-GELU GeGLU, the sliding-window layers' own rope theta:
+    # Gemma 3's layers, from mconvert's layer spec (--spec); its embedding multiplier and attention scale through
+    # MuP's flags; the image-text checkpoint's linear rope scaling on the global layers.
+    "gemma3-text-tp2pp2": ("gemma-3-1b-pt", 4, GEMMA3, Parallelism(tp=2, pp=2)),
+    "gemma3-vision-tp2": ("gemma-3-4b-it", 4, GEMMA3, Parallelism(tp=2)),
     "deepseek-v2-lite-ep2": ("deepseek-v2-lite", 2, {}, Parallelism(ep=2)),
     # Layer counts that no pipeline size divides: Megatron-LM's uneven splits (DeepSeek-V3 has 61 layers).
     "qwen3-pp2-first-stage-1": ("qwen3-8b", 3, {}, Parallelism(pp=2, pipeline=PipelineSplit(first_stage_layers=1))),
@@ -367,13 +373,16 @@ def run_megatron_lm(name: str, argv: list[str]) -> torch.Tensor:
     )
 
 
+# Not Gemma 3's 4B and larger (gemma3-vision-tp2): pretrain_gpt.py builds GPTModel without their linear rope scaling
+# (--rotary-seq-len-interpolation-factor; megatron_args.sh says to pass it, mconvert.megatron_lm.flags.pretrain_gpt_caveats);
+# megatron-core's logits with it: tests/megatron_lm/test_gemma3.py.
 # Not DeepSeek on CPU: Megatron-LM 0.19.2's local (non-TE) MLA passes its core attention arguments that
 # DotProductAttention does not take; megatron-core's check (tests/test_deepseek_megatron.py) shims that.
 @pytest.mark.parametrize(
     "name", ["llama3.1-tp2", "mistral-window-tp2", "gpt-oss-tp2ep2etp1", "qwen3-pp2", "qwen2moe-ep2", "qwen3moe-dense-first-tp2ep2etp1", "glm4.5-air-pp2",
              "qwen3-pp2-first-stage-1", "llama3.1-pp2-embedding-counts", "qwen2.5-pp2-layout", "qwen3-next-tp2ep2", "qwen3.5-tp2pp2", "qwen3-next-tp4",
              "deepseek-v3.2-tp2ep2", "glm-5.1-tp2pp2-latent-epsilon", "minimax-m2-tp2ep2", "ernie4.5-tp2pp2",
-             "olmoe-tp2ep2", "dots1-window-tp2ep2", "hy3-tp2ep2", "olmo2-tp2", "olmo3-pp2"]
+             "olmoe-tp2ep2", "dots1-window-tp2ep2", "hy3-tp2ep2", "olmo2-tp2", "olmo3-pp2", "gemma3-text-tp2pp2"]
 )
 def test_megatron_lm_load_checkpoint_gives_transformers_logits(name, converted):
     hf, ckpt = converted(name)
@@ -415,7 +424,7 @@ def megatron_lm_save(argv: list[str], iteration: int) -> None:
     save_checkpoint(iteration, model, None, None, 0)
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-tp2", "qwen2moe-ep2", "qwen3-pp2-first-stage-1", "qwen3-next-tp2ep2", "glm-5.1-tp2pp2", "minimax-m2-tp2ep2", "olmo2-tp2"])
+@pytest.mark.parametrize("name", ["qwen2.5-tp2", "qwen2moe-ep2", "qwen3-pp2-first-stage-1", "qwen3-next-tp2ep2", "glm-5.1-tp2pp2", "minimax-m2-tp2ep2", "olmo2-tp2", "gemma3-text-tp2pp2"])
 def test_a_megatron_lm_training_save_exports_bit_identically(name, converted, tmp_path):
     """Megatron-LM's own save (iteration directory, common state in the DCP files, args with its enums and
     0.19 names; with its layers split unevenly over the pipeline stages) of the loaded checkpoint exports to
