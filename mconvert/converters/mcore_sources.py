@@ -10,9 +10,7 @@ import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
-
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
