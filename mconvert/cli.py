@@ -90,8 +90,6 @@ def _first_rank() -> bool:
 
 
 def _hf_to_mcore(options: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from mconvert.converters.hf_to_mcore import ARGS_SCRIPT, convert_hf_to_mcore, mtp_left_out
     from mconvert.converters.progress import progress_for
     from mconvert.hub import resolve_hf_dir
@@ -373,8 +371,11 @@ def _execute(options: argparse.Namespace, first: Callable[[], None] = lambda: No
 
 
 def _import_torch_frozen() -> None:
-    """Import torch with the garbage collector off and freeze what it made (about a million objects): the
-    collections during the import, and every later full one, walked them all for nothing."""
+    """Import torch (after checking verify's packages: a conversion-only install has none) with the garbage collector
+    off and freeze what it made (about a million objects): later full collections walked them all for nothing."""
+    from mconvert.dependencies import VERIFY, VERIFY_INSTALL, require
+
+    require(VERIFY, "mconvert verify", VERIFY_INSTALL)
     gc.disable()
     try:
         import torch  # noqa: F401
@@ -385,13 +386,12 @@ def _import_torch_frozen() -> None:
 
 
 def run() -> NoReturn:
-    """The `mconvert` command (and `python -m mconvert`): main, with torch imported out of the garbage
-    collector's way (`_import_torch_frozen`) by the commands that need it (all but hf-to-mcore, which never
-    imports torch outside torchrun), and what is left at exit frozen too: the interpreter's last collection walked
-    torch's objects once more, 0.35-0.4 s of every run on a 2-core box (files are closed and renamed by then; the
-    standard streams are flushed at exit as before)."""
+    """The `mconvert` command (and `python -m mconvert`): main, with torch imported out of the garbage collector's way
+    (`_import_torch_frozen`) by verify (no other command imports torch outside torchrun), and what is left at exit
+    frozen too: the interpreter's last collection walked torch's objects once more, 0.35-0.4 s of every run on a
+    2-core box (files are closed and renamed by then; the standard streams are flushed at exit as before)."""
     options = build_parser().parse_args()  # --help, --version and usage errors exit here, before any import
-    code = _execute(options, first=(lambda: None) if options.run is _hf_to_mcore else _import_torch_frozen)
+    code = _execute(options, first=_import_torch_frozen if options.run is _verify else (lambda: None))
     gc.freeze()
     sys.exit(code)
 

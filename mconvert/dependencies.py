@@ -1,4 +1,4 @@
-"""What a command needs beyond a conversion-only install (`pip install .`: torch, safetensors, numpy), checked
+"""What a command needs beyond a conversion-only install (`pip install .`: safetensors, numpy, ml_dtypes), checked
 before it is used, so that a missing or too old package is a one-line error naming what to install rather than
 an ImportError (or a TypeError from an API that changed) deep inside."""
 
@@ -22,7 +22,10 @@ class Requirement:
 # The `verify` extra of pyproject.toml (a test keeps the two equal). transformers: `from_pretrained(dtype=)`
 # came in 4.56 (older ones ignore it and load fp32), after every family's model class (Qwen3 and Qwen3-MoE,
 # the newest, in 4.51), so one minimum covers all families.
-VERIFY = (Requirement("megatron-core", "megatron.core", "0.13"), Requirement("transformers", "transformers", "4.56"))
+VERIFY = (
+    Requirement("torch", "torch", "2.4"), Requirement("megatron-core", "megatron.core", "0.13"),
+    Requirement("transformers", "transformers", "4.56"),
+)
 VERIFY_INSTALL = "pip install 'mconvert[verify]'"
 # megatron-core's Mamba layers (Nemotron-H's) refuse to build without mamba_ssm and einops. The package index has
 # mamba_ssm as a source distribution only; built without its CUDA extension, it serves CPU ranks (mconvert.verify.mamba).

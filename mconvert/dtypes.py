@@ -1,7 +1,7 @@
 """The dtypes a conversion moves, as numpy's dtypes (ml_dtypes adds bfloat16 and the float8s), named as torch names
 them: the conversion's tensors are numpy arrays, so that converting never imports torch (whose import alone took
 1.0-1.5 s on the 2-core box and 3-5 s on the GPU machines' hosts, most of a small model's conversion). Code that
-holds torch tensors (verify, the export from a Megatron checkpoint, weight sync) takes `torch_dtype`.
+holds torch tensors (verify, the state-dict API, weight sync) takes `torch_dtype`.
 
 Casts are numpy's and ml_dtypes' (round to nearest even, as torch's), and `finite` scans a float tensor's bits."""
 
@@ -24,6 +24,13 @@ BY_NAME = {
     dtype.name: dtype
     for dtype in (float64, float32, float16, bfloat16, float8_e4m3fn, float8_e5m2, float8_e8m0fnu, uint8)
     + tuple(np.dtype(t) for t in (np.int64, np.int32, np.int16, np.int8, np.bool_))
+}
+# What the files a conversion reads may name besides (a stored tensor of the optimizer's, a dtype in stored args),
+# read as numpy's dtype of the same bits; any other dtype torch names (its sub-byte and quantized ones) is refused.
+STORED = BY_NAME | {
+    dtype.name: dtype
+    for dtype in (np.dtype(np.uint16), np.dtype(np.uint32), np.dtype(np.uint64), np.dtype(np.complex64), np.dtype(np.complex128),
+                  np.dtype(ml_dtypes.float8_e4m3fnuz), np.dtype(ml_dtypes.float8_e5m2fnuz))
 }
 # Each floating-point dtype's exponent bits, all set in Inf and NaN, within its bits viewed as an unsigned integer
 # with the sign cleared: how `finite` tells them. float8 weights are checked once dequantized, in fp32.
@@ -52,6 +59,20 @@ def torch_dtype(dtype: np.dtype):
     import torch
 
     return getattr(torch, dtype_of(dtype).name)
+
+
+def cast(tensor: Any, dtype: np.dtype) -> Any:
+    """A numpy array or a torch tensor in `dtype` (itself when it has it already)."""
+    if isinstance(tensor, np.ndarray):
+        return tensor.astype(dtype, copy=False)
+    return tensor.to(torch_dtype(dtype))
+
+
+def strided(array: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...], writeable: bool = True) -> np.ndarray:
+    """numpy's as_strided (strides in bytes) for any dtype: as_strided passes through an array interface, where
+    ml_dtypes' float8_e5m2 is '<f1', which numpy refuses; the view is made of the bytes and given the dtype after."""
+    raw = array.view(np.dtype((np.void, array.dtype.itemsize)))
+    return np.lib.stride_tricks.as_strided(raw, shape, strides, writeable=writeable).view(array.dtype)
 
 
 def finite(array: np.ndarray) -> bool:

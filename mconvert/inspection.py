@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from mconvert.converters.manifest import MANIFEST
 from mconvert.errors import ConversionError
@@ -29,10 +28,6 @@ _MODEL_FIELDS = (
 )
 
 
-def _dtype_name(dtype: Any) -> str:  # torch's or numpy's
-    return str(dtype).removeprefix("torch.")
-
-
 def _jsonable(value: Any) -> Any:
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
@@ -40,8 +35,8 @@ def _jsonable(value: Any) -> Any:
         return [_jsonable(v) for v in value]
     if isinstance(value, dict):
         return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (torch.dtype, np.dtype)):
-        return _dtype_name(value)
+    if isinstance(value, np.dtype):
+        return str(value)
     return str(value)
 
 
@@ -101,12 +96,12 @@ def inspect_hf(directory: Path) -> dict[str, Any]:
         "format": "hf",
         "family": family.name,
         "architecture": (config.get("architectures") or ["?"])[0],
-        "dtype": _dtype_name(spec.dtype),
+        "dtype": str(spec.dtype),
         "model": _model(spec),
         "vocab": {"size": spec.vocab_size},
         "suits": suitable_layouts(spec),
         "tensors": [
-            {"name": name, "shape": list(stored.shape), "dtype": _dtype_name(stored.dtype), "file": stored.file.name}
+            {"name": name, "shape": list(stored.shape), "dtype": str(stored.dtype), "file": stored.file.name}
             for name, stored in hf.tensors.items()
         ],
         "files": _files(directory),
@@ -128,7 +123,7 @@ def inspect_megatron(load_dir: Path) -> dict[str, Any]:
         entry: dict[str, Any] = {"name": key, "shape": list(shape)}
         if source.format == "torch_dist":
             meta = source.dcp.metadata.state_dict_metadata[key]
-            entry |= {"dtype": _dtype_name(meta.properties.dtype), "chunks": len(meta.chunks), "chunk_shape": list(meta.chunks[0].sizes)}
+            entry |= {"dtype": str(meta.properties.dtype), "chunks": len(meta.chunks), "chunk_shape": list(meta.chunks[0].sizes)}
         tensors.append(entry)
     if source.format == "torch_dist":
         suits = suitable_layouts(spec, embedding_rows, written_for.make_vocab_size_divisible_by)
@@ -146,7 +141,7 @@ def inspect_megatron(load_dir: Path) -> dict[str, Any]:
         "iteration_dir": source.location,
         "family": plan.family.name,
         "architecture": config["architectures"][0],
-        "dtype": _dtype_name(source.weights_dtype if source.weights_dtype is not None else spec.dtype),
+        "dtype": str(source.weights_dtype if source.weights_dtype is not None else spec.dtype),
         "model": _model(spec),
         "vocab": {
             "size": spec.vocab_size,

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from mconvert.dtypes import as_torch
 from mconvert.cli import main
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.formats.dcp import DCPCheckpoint
@@ -73,7 +74,7 @@ def checkpoints(tmp_path_factory):
 def stored(ckpt):
     dcp = DCPCheckpoint(ckpt / RELEASE)
     keys = sorted(dcp.shapes)
-    return {key: dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key]) for key in keys}
+    return {key: as_torch(dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key])) for key in keys}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -203,4 +204,4 @@ def test_qwen35_moe_fp8_converts_as_its_dequantized_values(tmp_path):
     stores = [DCPCheckpoint(iteration_dir(tmp_path / f"{name}-mcore")) for name in ("fp8", "plain")]
     assert sorted(stores[0].shapes) == sorted(stores[1].shapes)
     for key, shape in stores[1].shapes.items():
-        assert torch.equal(*(store.read_region(key, (0,) * len(shape), shape) for store in stores)), key
+        assert torch.equal(*(as_torch(store.read_region(key, (0,) * len(shape), shape)) for store in stores)), key

@@ -19,6 +19,7 @@ import transformers
 from cli_runner import run_cli
 from safetensors.torch import load_file, save_file
 
+from mconvert.dtypes import as_torch
 from mconvert.converters.fsdp_saves import FsdpCheckpoint
 from mconvert.converters.mcore_sources import open_megatron_checkpoint
 from mconvert.converters.model_keyed import Where
@@ -51,7 +52,7 @@ def read_by_model_name(save: FsdpCheckpoint) -> dict[str, torch.Tensor]:
     grouped = bool(getattr(save.args, "moe_grouped_gemm", False))
     read = {}
     for where, keys in save.entries.items():
-        parts = [save.dcp.read_region(key, (0,) * len(save.dcp.shapes[key]), save.dcp.shapes[key]) for key in keys]
+        parts = [as_torch(save.dcp.read_region(key, (0,) * len(save.dcp.shapes[key]), save.dcp.shapes[key])) for key in keys]
         read[model_name(where, grouped)] = torch.cat(parts)
     return read
 

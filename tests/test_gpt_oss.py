@@ -16,6 +16,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from mconvert.dtypes import as_torch
 from mconvert import mappings
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
@@ -186,7 +187,7 @@ def test_mxfp4_hub_weights_convert_as_transformers_dequantizes_them(hf, tmp_path
     stored = [DCPCheckpoint(iteration_dir(tmp_path / f"{name}-mcore")) for name in ("mxfp4", "bf16")]
     assert sorted(stored[0].shapes) == sorted(stored[1].shapes)
     for key, shape in stored[1].shapes.items():
-        assert torch.equal(*(dcp.read_region(key, (0,) * len(shape), shape) for dcp in stored)), key
+        assert torch.equal(*(as_torch(dcp.read_region(key, (0,) * len(shape), shape)) for dcp in stored)), key
     assert main(["mcore-to-hf", "--load-dir", str(tmp_path / "mxfp4-mcore"), "--save-dir", str(tmp_path / "back"), "--hf-config", str(tmp_path / "mxfp4")]) == 0
     back = {k: v for path in (tmp_path / "back").glob("*.safetensors") for k, v in load_file(path).items()}
     assert back.keys() == plain.keys() and all(torch.equal(back[k], plain[k]) for k in plain)
@@ -213,6 +214,6 @@ def test_random_mxfp4_checkpoints_are_the_hubs_layout(tmp_path):
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(ep=2, etp=1))
     dcp = DCPCheckpoint(iteration_dir(tmp_path / "mcore"))
     key = "decoder.layers.mlp.experts.experts.linear_fc2.weight"  # [layer, expert, out, in]: gpt-oss's layers alike
-    converted = dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key])[1, 3]
+    converted = as_torch(dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key]))[1, 3]
     expected = convert_moe_packed_tensors(tensors[name + "_blocks"], tensors[name + "_scales"])[3].T
     assert torch.equal(converted, expected)

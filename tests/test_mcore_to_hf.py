@@ -144,7 +144,7 @@ def test_state_dicts_convert_both_ways_as_the_files_do(hf_model_factory, tmp_pat
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=parallelism)
     dcp = DCPCheckpoint(tmp_path / "mcore" / RELEASE)
     keys = sorted(dcp.shapes)
-    written = [dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key]) for key in keys]
+    written = [as_torch(dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key])) for key in keys]
     assert sorted(mcore_state) == keys
     assert all(torch.equal(mcore_state[key], tensor) for key, tensor in zip(keys, written))
 
@@ -243,14 +243,15 @@ def test_common_state_stored_among_the_dcp_objects_is_read(hf_model_factory, tmp
     for key, shape in dcp.shapes.items():
         writer.declare(key, shape, dcp.dtypes[key])
     for key, shape in dcp.shapes.items():
-        tensor = dcp.read_region(key, (0,) * len(shape), shape)
+        tensor = as_torch(dcp.read_region(key, (0,) * len(shape), shape))
         writer.write_chunk(key, (0,) * tensor.dim(), tensor)
     writer.write_object("common_state/shard_0_1", saved_bytes({"args": conversion.args, "iteration": 0}))
     writer.finish()
     read = read_common_args(rewritten, DCPCheckpoint(rewritten))
     assert isinstance(read, argparse.Namespace)
-    # The args hold numpy's dtype, stored as torch's of the same name (what Megatron-LM's own saves hold).
-    assert read.params_dtype == torch_dtype(conversion.args.params_dtype)
+    # The args hold numpy's dtype, stored as torch's of the same name (what Megatron-LM's own saves hold), read back
+    # as numpy's.
+    assert read.params_dtype == conversion.args.params_dtype
     assert vars(read) == {**vars(conversion.args), "params_dtype": read.params_dtype}
 
 
@@ -299,7 +300,7 @@ def test_the_export_reads_dcp_metadata_without_torchs_dcp_package(hf_model_facto
     for key, meta in torchs.state_dict_metadata.items():
         if isinstance(meta, TensorStorageMetadata):
             record = records.state_dict_metadata[key]
-            assert (record.size, record.properties.dtype) == (meta.size, meta.properties.dtype)
+            assert (record.size, torch_dtype(record.properties.dtype)) == (meta.size, meta.properties.dtype)
             assert [(c.offsets, c.sizes) for c in record.chunks] == [(c.offsets, c.sizes) for c in meta.chunks]
     stored = {(i.fqn, getattr(i, "offset", None)): vars(info) for i, info in records.storage_data.items()}
     assert stored == {(i.fqn, i.offset): {k: v for k, v in vars(info).items() if v is not None} for i, info in torchs.storage_data.items()}
@@ -388,8 +389,8 @@ def test_expert_bias_stays_fp32_in_a_bf16_round_trip(hf_model_factory, tmp_path,
     make_hf_checkpoint(shrink(real_config("deepseek-v3")), hf, dtype="bfloat16")
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, ep=2))
     dcp = DCPCheckpoint(tmp_path / "mcore" / RELEASE)
-    assert dcp.dtypes["decoder.layers.1.mlp.router.expert_bias"] == torch.float32
-    assert dcp.dtypes["decoder.layers.1.mlp.router.weight"] == torch.bfloat16
+    assert dcp.dtypes["decoder.layers.1.mlp.router.expert_bias"] == np.float32
+    assert dcp.dtypes["decoder.layers.1.mlp.router.weight"] == dtypes.bfloat16
     export(capsys, tmp_path / "mcore", tmp_path / "back")
     original, back = read_hf(hf), read_hf(tmp_path / "back")
     assert original["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32

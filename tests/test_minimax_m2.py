@@ -17,6 +17,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from mconvert.dtypes import as_torch
 from mconvert import mappings
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
@@ -211,7 +212,7 @@ def test_fp8_hub_weights_convert_as_their_dequantized_values(tmp_path):
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(ep=2), dtype=torch.float32)
     dcp = DCPCheckpoint(iteration_dir(tmp_path / "mcore"))
     key = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
-    converted = dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key])[0, 3]
+    converted = as_torch(dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key]))[0, 3]
     assert torch.equal(converted, dequantize(tensors[name], tensors[name + "_scale_inv"]))
 
 

@@ -14,6 +14,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from mconvert.dtypes import as_torch
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
 from mconvert.formats.dcp import DCPCheckpoint
@@ -45,7 +46,7 @@ def test_the_hybrid_checkpoint_has_megatron_cores_mamba_keys_and_converts_back_b
     assert (args.mamba_num_heads, args.mamba_head_dim, args.mamba_num_groups, args.mamba_state_dim) == (8, 8, 2, 16)
     assert args.squared_relu and not args.swiglu and args.position_embedding_type == "none"
     dcp = DCPCheckpoint(iteration_dir(tmp_path / "mcore"))
-    stored = lambda key: dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key])  # noqa: E731
+    stored = lambda key: as_torch(dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key]))  # noqa: E731
     original = weights(hf)
     in_proj = original["backbone.layers.0.mixer.in_proj.weight"]
     conv = original["backbone.layers.0.mixer.conv1d.weight"]
@@ -89,10 +90,10 @@ def test_super_has_megatron_cores_latent_moe_and_mtp_keys_and_converts_back_bit_
         assert dcp.shapes[layer + "mlp.experts.experts.linear_fc1.weight"] == (8, 32, 24)
         assert chunks(layer + "mlp.experts.experts.linear_fc1.weight") == [(1, 16, 24)] * 16
         assert chunks(layer + "mlp.experts.experts.linear_fc2.weight") == [(1, 24, 16)] * 16
-        stored = dcp.read_region(layer + "mlp.fc2_latent_proj.weight", (0, 0), (64, 24))
+        stored = as_torch(dcp.read_region(layer + "mlp.fc2_latent_proj.weight", (0, 0), (64, 24)))
         assert torch.equal(stored, original[hf_layer + "mixer.fc2_latent_proj.weight"])
     assert dcp.shapes["mtp.layers.0.eh_proj.weight"] == (64, 128)
-    assert torch.equal(dcp.read_region("mtp.layers.0.final_layernorm.weight", (0,), (64,)), original["mtp.layers.1.final_layernorm.weight"])
+    assert torch.equal(as_torch(dcp.read_region("mtp.layers.0.final_layernorm.weight", (0,), (64,))), original["mtp.layers.1.final_layernorm.weight"])
     assert "mtp.layers.0.mtp_model_layer.layers.0.self_attention.linear_qkv.weight" in dcp.shapes
     convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "back")
     back = weights(tmp_path / "back")

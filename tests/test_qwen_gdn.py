@@ -17,6 +17,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from mconvert.dtypes import as_torch
 from mconvert import mappings
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
@@ -206,7 +207,7 @@ def test_qwen35_moe_experts_fused_or_one_by_one_convert_alike_and_go_back_as_the
     stored = {name: DCPCheckpoint(iteration_dir(tmp_path / name)) for name in ("fused", "one-by-one")}
     keys = sorted(stored["fused"].shapes)
     assert keys == sorted(stored["one-by-one"].shapes)
-    region = lambda dcp, key: dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key])  # noqa: E731
+    region = lambda dcp, key: as_torch(dcp.read_region(key, (0,) * len(dcp.shapes[key]), dcp.shapes[key]))  # noqa: E731
     assert all(torch.equal(region(stored["fused"], key), region(stored["one-by-one"], key)) for key in keys)
     for name, original in (("fused", fused), ("one-by-one", one_by_one)):
         convert_mcore_to_hf(tmp_path / "one-by-one", tmp_path / f"back-{name}", hf_config_dir=original)
@@ -233,7 +234,7 @@ def test_output_norms_of_a_bf16_source_are_stored_exactly_in_fp32_and_said_to_ro
     convert_hf_to_mcore(hf, tmp_path / "fp32", dtype=torch.float32)
     dcp = DCPCheckpoint(iteration_dir(tmp_path / "fp32"))
     key = "decoder.layers.0.self_attention.out_norm.weight"
-    stored = dcp.read_region(key, (0,), dcp.shapes[key])
+    stored = as_torch(dcp.read_region(key, (0,), dcp.shapes[key]))
     assert torch.equal(stored, tensors[norm].float() - 1)
     convert_mcore_to_hf(tmp_path / "fp32", tmp_path / "back", dtype=torch.bfloat16)
     back = hf_tensors(tmp_path / "back")

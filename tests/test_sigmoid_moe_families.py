@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mconvert.dtypes import as_torch
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
 from mconvert.formats.dcp import DCPCheckpoint
@@ -95,7 +96,7 @@ def test_the_mtp_layer_holds_the_hf_tensors_megatron_core_names(name, converted)
     stored = DCPCheckpoint(iteration_dir(mcore))
     for key, hf_name in MTP_LAYERS[name].items():
         shape = stored.shapes[f"mtp.layers.0.{key}"]
-        assert torch.equal(stored.read_region(f"mtp.layers.0.{key}", (0,) * len(shape), shape), tensors[layer + hf_name]), key
+        assert torch.equal(as_torch(stored.read_region(f"mtp.layers.0.{key}", (0,) * len(shape), shape)), tensors[layer + hf_name]), key
 
 
 @pytest.mark.parametrize("name", MODELS)

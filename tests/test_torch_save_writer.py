@@ -39,7 +39,7 @@ def test_torch_load_reads_each_dtype_and_shape(name, shape, tmp_path):
     assert entries == ["archive/data.pkl", "archive/.format_version", "archive/.storage_alignment", "archive/byteorder",
                        "archive/data/0", "archive/version", "archive/.data/serialization_id"]
     pickled = zipfile.ZipFile(io.BytesIO(head + values.tobytes() + tail)).read("archive/data.pkl")
-    assert saved_tensor_layout(pickled)[1:] == (dtypes.torch_dtype(dtype), 0, shape, torch.empty(shape).stride())
+    assert saved_tensor_layout(pickled)[1:] == (dtype, 0, shape, torch.empty(shape).stride())
 
 
 def test_a_record_past_4_gib_has_zip64_fields_torch_reads(tmp_path):

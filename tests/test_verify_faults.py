@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mconvert.dtypes import as_torch
 from mconvert.cli import main
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.formats.dcp import DCPCheckpoint
@@ -78,7 +79,7 @@ def rewrite(ckpt: Path, key: str, change: Callable[[torch.Tensor], torch.Tensor]
     """Write `change(stored tensor)` over the stored bytes of `key`, chunk by chunk, in place."""
     dcp = DCPCheckpoint(iteration_dir(ckpt))
     shape = dcp.shapes[key]
-    before = dcp.read_region(key, (0,) * len(shape), shape).clone()
+    before = as_torch(dcp.read_region(key, (0,) * len(shape), shape)).clone()
     after = change(before.clone())
     assert not torch.equal(after, before), key
     for chunk in dcp.metadata.state_dict_metadata[key].chunks:
@@ -88,7 +89,7 @@ def rewrite(ckpt: Path, key: str, change: Callable[[torch.Tensor], torch.Tensor]
             f.seek(position)
             f.write(region.view(-1).view(torch.uint8).numpy().tobytes())
     reread = DCPCheckpoint(iteration_dir(ckpt))
-    assert torch.equal(reread.read_region(key, (0,) * len(shape), shape), after), key
+    assert torch.equal(as_torch(reread.read_region(key, (0,) * len(shape), shape)), after), key
 
 
 def excess(report) -> float:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-import torch
+import numpy as np
 
 from mconvert.converters.model_keyed import ModelKeyedCheckpoint, Where, where_stored
 from mconvert.converters.plan import Piece
@@ -82,18 +82,18 @@ class FsdpCheckpoint(ModelKeyedCheckpoint):
         return (first[0] + sum(shape[0] for shape in rest), *first[1:])
 
     @property
-    def weights_dtype(self) -> torch.dtype | None:
+    def weights_dtype(self) -> np.dtype | None:
         entry = self.entries.get(("embedding.word_embeddings.weight", None, None))
         return self.dcp.dtypes[entry[0]] if entry else None
 
-    def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
+    def read_piece(self, piece: Piece, into: np.ndarray | None = None) -> np.ndarray:
         located = self.find(piece)
         assert located is not None, f"{piece.key} was checked present"
         keys = located[2]
         if len(keys) == 1:
             return self._read_whole(keys[0], into)
-        return torch.cat([self._read_whole(key) for key in keys])
+        return np.concatenate([self._read_whole(key) for key in keys])
 
-    def _read_whole(self, key: str, into: torch.Tensor | None = None) -> torch.Tensor:
+    def _read_whole(self, key: str, into: np.ndarray | None = None) -> np.ndarray:
         shape = self.dcp.shapes[key]
         return self.dcp.read_region(key, (0,) * len(shape), shape, into=into)

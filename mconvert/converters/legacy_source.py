@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from mconvert.converters.model_keyed import LAYER, ModelKeyedCheckpoint, Where, expert_numbers, where_stored
 from mconvert.converters.plan import Piece
@@ -33,7 +33,7 @@ class LegacyCheckpoint(ModelKeyedCheckpoint):
         self.args, files = read_rank_files(directory)
         self._index(files)
 
-    def _index(self, files: dict[tuple[int, int, int], dict[str, torch.Tensor]]) -> None:
+    def _index(self, files: dict[tuple[int, int, int], dict[str, np.ndarray]]) -> None:
         """Local names to global regions: layers numbered across pipeline stages, experts across EP ranks."""
         stage_layers: dict[int, int] = {}
         for (tp, pp, ep), model in files.items():
@@ -41,26 +41,26 @@ class LegacyCheckpoint(ModelKeyedCheckpoint):
             stage_layers[pp] = max(stage_layers.get(pp, 0), max(local, default=-1) + 1)
         first_layer = {pp: sum(n for p, n in stage_layers.items() if p < pp) for pp in stage_layers}
         # (scope name, layer, expert) -> {TP rank: local tensor}
-        self.entries: dict[Where, dict[int, torch.Tensor]] = {}
+        self.entries: dict[Where, dict[int, np.ndarray]] = {}
         for (tp, pp, ep), model in sorted(files.items()):
             local_experts = len(expert_numbers(model))
             for name, tensor in model.items():
-                if name.endswith("_extra_state") or not isinstance(tensor, torch.Tensor):
+                if name.endswith("_extra_state") or not isinstance(tensor, np.ndarray):
                     continue
                 where = where_stored(name, first_layer[pp], ep * local_experts)
                 shards = self.entries.setdefault(where, {})
-                if tp in shards and not torch.equal(shards[tp], tensor):
+                if tp in shards and not np.array_equal(shards[tp], tensor):
                     raise ConversionError(f"{self.location}: ranks disagree on '{name}' (TP rank {tp})")
                 shards[tp] = tensor
 
     @staticmethod
-    def _is_split(piece: Piece, shards: dict[int, torch.Tensor]) -> bool:
+    def _is_split(piece: Piece, shards: dict[int, np.ndarray]) -> bool:
         """Whether the TP ranks hold slices of the piece (rather than each a whole copy, as experts do
         without expert tensor parallelism, and norms always)."""
         axis, local = piece.layout.split_axis, shards[min(shards)]
-        return axis is not None and local.dim() == len(piece.layout.shape) and local.shape[axis] != piece.layout.shape[axis]
+        return axis is not None and local.ndim == len(piece.layout.shape) and local.shape[axis] != piece.layout.shape[axis]
 
-    def entry_shape(self, piece: Piece | None, entry: dict[int, torch.Tensor]) -> Shape:
+    def entry_shape(self, piece: Piece | None, entry: dict[int, np.ndarray]) -> Shape:
         """The global shape that the TP shards of a region make together."""
         local = tuple(entry[min(entry)].shape)
         if piece is None or not self._is_split(piece, entry):
@@ -69,11 +69,11 @@ class LegacyCheckpoint(ModelKeyedCheckpoint):
         return (*local[:axis], sum(t.shape[axis] for t in entry.values()), *local[axis + 1 :])
 
     @property
-    def weights_dtype(self) -> torch.dtype | None:
+    def weights_dtype(self) -> np.dtype | None:
         shards = self.entries.get(("embedding.word_embeddings.weight", None, None))
         return shards[min(shards)].dtype if shards else None
 
-    def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
+    def read_piece(self, piece: Piece, into: np.ndarray | None = None) -> np.ndarray:
         located = self.find(piece)
         assert located is not None, f"{piece.key} was checked present"
         shards = located[2]
@@ -83,8 +83,8 @@ class LegacyCheckpoint(ModelKeyedCheckpoint):
         # its gate and its up slice).
         layout, n = piece.layout, len(shards)
         per_rank = max(1, layout.fragments // n)
-        fragments: list[torch.Tensor] = [torch.empty(0)] * (n * per_rank)
+        fragments: list[np.ndarray] = [np.empty(0)] * (n * per_rank)
         for rank, tensor in shards.items():
-            for j, part in enumerate(tensor.chunk(per_rank, dim=layout.split_axis)):
+            for j, part in enumerate(np.split(tensor, per_rank, axis=layout.split_axis)):
                 fragments[rank + j * n] = part
-        return torch.cat(fragments, dim=layout.split_axis)
+        return np.concatenate(fragments, axis=layout.split_axis)

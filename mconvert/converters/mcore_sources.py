@@ -1,6 +1,6 @@
 """The Megatron checkpoints mcore-to-hf reads, behind one protocol: a torch_dist directory (through its DCP
 metadata), Megatron-LM's legacy per-rank `torch` files (mconvert.converters.legacy_source), its FSDP saves
-(fsdp_dtensor and torch_dcp: mconvert.converters.fsdp_saves), or a global state dict in memory; the one function
+(fsdp_dtensor and torch_dcp: mconvert.converters.fsdp_saves), or a global state dict in memory (torch tensors, the state-dict API's; the formats on disk read into numpy arrays); the one function
 that tells which kind a directory holds and opens its reader (open_megatron_checkpoint); and where a plan piece
 lies in a stored tensor."""
 
@@ -10,10 +10,9 @@ import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
-import torch
 
 from mconvert.converters.fsdp_saves import FsdpCheckpoint
 from mconvert.converters.legacy_source import LegacyCheckpoint
@@ -37,7 +36,7 @@ class MegatronTensors(Protocol):
     format: str  # Megatron-LM's name for it (--ckpt-format)
 
     @property
-    def weights_dtype(self) -> torch.dtype | None:
+    def weights_dtype(self) -> Any:
         """The dtype the weights are stored in (the word embedding's), None when there is no embedding."""
         ...
 
@@ -45,8 +44,9 @@ class MegatronTensors(Protocol):
         """Every stored model tensor's global shape (vocabulary padded as saved), by checkpoint key."""
         ...
 
-    def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
-        """The piece's region (layout shape, but the vocabulary rows as stored), in `into` (a uint8 buffer
+    def read_piece(self, piece: Piece, into: np.ndarray | None = None) -> Any:
+        """The piece's region (layout shape, but the vocabulary rows as stored; a numpy array, or the state dict's torch
+        tensor), in `into` (a uint8 array
         of at least its bytes) where the format reads into given memory. Safe to call from several threads."""
         ...
 
@@ -83,13 +83,13 @@ class TorchDistTensors:
         return str(self.dcp.directory)
 
     @property
-    def weights_dtype(self) -> torch.dtype | None:
+    def weights_dtype(self) -> np.dtype | None:
         return self.dcp.dtypes.get("embedding.word_embeddings.weight")
 
     def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
         return {k: v for k, v in self.dcp.shapes.items() if k.startswith(MODEL_KEY_PREFIXES)}
 
-    def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
+    def read_piece(self, piece: Piece, into: np.ndarray | None = None) -> np.ndarray:
         key = stored_key(piece, self.dcp.shapes)
         region = self.dcp.read_region(key, *piece_region(piece, self.dcp.shapes[key]), into=into)
         return region.reshape(region.shape[len(piece.offsets) :])
@@ -102,20 +102,20 @@ class TorchDistTensors:
 class StateDictTensors:
     """A Megatron global state dict in memory (checkpoint key -> whole tensor), e.g. gathered from ranks."""
 
-    state_dict: dict[str, torch.Tensor]
+    state_dict: dict[str, Any]  # torch tensors
     args: argparse.Namespace | None = None
     location: str = "the Megatron state dict"
     format = "state dict"
 
     @property
-    def weights_dtype(self) -> torch.dtype | None:
+    def weights_dtype(self) -> Any:
         embedding = self.state_dict.get("embedding.word_embeddings.weight")
         return None if embedding is None else embedding.dtype
 
     def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
         return {k: tuple(v.shape) for k, v in self.state_dict.items() if k.startswith(MODEL_KEY_PREFIXES)}
 
-    def read_piece(self, piece: Piece, into: torch.Tensor | None = None) -> torch.Tensor:
+    def read_piece(self, piece: Piece, into: np.ndarray | None = None) -> Any:
         return self.state_dict[stored_key(piece, self.state_dict)][piece.offsets]
 
     def byte_span(self, key: str, offsets: Shape, shape: Shape, dtype: np.dtype) -> None:

@@ -1,8 +1,8 @@
 """Megatron-Core checkpoint -> HF safetensors, streaming: the plan of the HF -> Megatron direction, run
 backwards. Each piece (one layer's, or one expert's, region of a Megatron tensor) is read from wherever the
 checkpoint stores it, turned into its HF tensors by the mapping's `to_hf`, and written at its place in the
-safetensors files, whose layout was computed from the plan before any weight was read.
-"""
+safetensors files, whose layout was computed from the plan before any weight was read. Tensors are numpy arrays
+(the state-dict API's torch tensors take the same path): the export never imports torch."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
-import torch
 
 from mconvert.converters.quantized_export import Unquantized, quantized_export
 from mconvert.converters.manifest import hashed_while_written
@@ -29,7 +28,7 @@ from mconvert.converters.hf_to_mcore import fused_expert_layers
 from mconvert.converters.parallel import Buffers, Ranks, assign, check_workers, run_pieces
 from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
 from mconvert.converters.progress import NoProgress, Progress
-from mconvert.dtypes import dtype_of, torch_dtype
+from mconvert.dtypes import cast, dtype_of
 from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
 from mconvert.formats.quantized import fp8_block_size, quantization_config
@@ -128,15 +127,15 @@ def check_stored(plan: Plan, shapes: dict[str, Shape], location: str) -> None:
         )
 
 
-def piece_hf_tensors(plan: Plan, piece: Piece, region: torch.Tensor) -> list[tuple[HFRef, torch.Tensor]]:
+def piece_hf_tensors(plan: Plan, piece: Piece, region: Any) -> list[tuple[HFRef, Any]]:
     """The HF tensors (or slices `ref.index` of them) of one piece, from its stored region."""
     if piece.layout.real_rows is not None:
         region = region[: piece.layout.real_rows]  # vocabulary padding
     dtype = plan.dtype_of(piece)  # cast after the transform: a Shift's sum is exact in the stored dtype's precision
-    return [(ref, tensor.to(torch_dtype(dtype))) for ref, tensor in zip(piece.sources, piece.entry.to_hf(region, plan.spec))]
+    return [(ref, cast(tensor, dtype)) for ref, tensor in zip(piece.sources, piece.entry.to_hf(region, plan.spec))]
 
 
-def hf_tensors(plan: Plan, source: MegatronTensors) -> Iterator[tuple[HFRef, torch.Tensor]]:
+def hf_tensors(plan: Plan, source: MegatronTensors) -> Iterator[tuple[HFRef, Any]]:
     """Each HF tensor (or slice `ref.index` of one) of the plan, from the Megatron checkpoint, one piece at a
     time."""
     for piece in plan.pieces:
@@ -146,7 +145,7 @@ def hf_tensors(plan: Plan, source: MegatronTensors) -> Iterator[tuple[HFRef, tor
 def plan_export(
     source: MegatronTensors,
     reference: dict[str, Any] | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: Any = None,
     model_size: str | None = None,
     original: HFCheckpoint | None = None,
 ) -> tuple[Plan, dict[str, Any]]:
@@ -182,29 +181,38 @@ def plan_export(
     return plan, config
 
 
-def file_copies(plan: Plan, piece: Piece, source: MegatronTensors, shapes: dict[str, Shape]) -> list[tuple[HFRef, tuple[Path, int]]] | None:
-    """For a piece whose HF tensors are each a run of stored bytes (a rename, or gate and up cut from fc1,
-    in the stored dtype, each within one plainly stored chunk): each HF tensor's (file, position). None
-    otherwise. Which rows they are is found by applying the transform to a tensor on the meta device: views
-    that are contiguous row blocks qualify; anything else (a copy, QKV's regrouping) is read and transformed
-    in memory."""
-    if any(isinstance(ref.index, Rows) for ref in piece.sources):
-        return None
-    key = stored_key(piece, shapes)
-    offsets, shape = piece_region(piece, shapes[key])
-    dtype = plan.dtype_of(piece)
-    leading = len(piece.offsets)
-    whole = torch.empty(shape[leading:], dtype=torch_dtype(dtype), device="meta")
+def row_runs(plan: Plan, piece: Piece, shape: Shape, dtype: np.dtype) -> list[tuple[int, int]] | None:
+    """Each HF tensor of a piece of region `shape` (past its leading axes) as (first row, rows) of it, when each is
+    a contiguous run of its rows, else None: the transform applied to a stand-in (memory allocated, never touched
+    unless the transform copies, as QKV's regrouping does: such pieces are read and transformed in memory)."""
+    whole = np.empty(shape, dtype=dtype)
     region = whole[: piece.layout.real_rows] if piece.layout.real_rows is not None else whole
     row = math.prod(whole.shape[1:])
-    copies = []
-    for ref, tensor in zip(piece.sources, piece.entry.to_hf(region, plan.spec)):
-        start, count = tensor.storage_offset(), tensor.numel()
-        if not (tensor is whole or tensor._base is whole) or not tensor.is_contiguous() or start % row or count % row:
+    runs = []
+    for tensor in piece.entry.to_hf(region, plan.spec):
+        start, count = (tensor.ctypes.data - whole.ctypes.data) // dtype.itemsize, tensor.size
+        if not (tensor is whole or tensor.base is whole) or tensor.ndim == 0 or not tensor.flags.c_contiguous or start % row or count % row:
             return None
-        rows = (*offsets[:leading], offsets[leading] + start // row, *offsets[leading + 1 :])
-        span = source.byte_span(key, rows, (*shape[:leading], count // row, *shape[leading + 1 :]), dtype)
-        if span is None:
+        runs.append((start // row, count // row))
+    return runs
+
+
+def file_copies(plan: Plan, piece: Piece, source: MegatronTensors, shapes: dict[str, Shape], runs: dict) -> list[tuple[HFRef, tuple[Path, int]]] | None:
+    """For a piece whose HF tensors are each a run of stored bytes (a rename, or gate and up cut from fc1,
+    in the stored dtype, each within one plainly stored chunk): each HF tensor's (file, position). None
+    otherwise. `runs` keeps `row_runs` by entry and shape, the same for every layer and expert."""
+    if any(isinstance(ref.index, Rows) for ref in piece.sources):
+        return None
+    key, dtype, leading = stored_key(piece, shapes), plan.dtype_of(piece), len(piece.offsets)
+    offsets, shape = piece_region(piece, shapes[key])
+    if (known := (piece.entry, shape[leading:], dtype, piece.layout.real_rows)) not in runs:
+        runs[known] = row_runs(plan, piece, shape[leading:], dtype)
+    if runs[known] is None:
+        return None
+    copies = []
+    for ref, (first, count) in zip(piece.sources, runs[known]):
+        rows = (*offsets[:leading], offsets[leading] + first, *offsets[leading + 1 :])
+        if (span := source.byte_span(key, rows, (*shape[:leading], count, *shape[leading + 1 :]), dtype)) is None:
             return None
         copies.append((ref, span))
     return copies
@@ -261,18 +269,20 @@ def write_hf_pieces(
     progress.start(sum(len(pieces[i].sources) for i in mine), sum(writer.nbytes(export.held(ref.name), ref.index) for i in mine for ref in pieces[i].sources))
     buffers = Buffers()
 
-    def load(index: int) -> tuple[np.ndarray | None, list[tuple[HFRef, torch.Tensor | tuple[Path, int]]]]:
+    runs: dict[tuple, list[tuple[int, int]] | None] = {}
+
+    def load(index: int) -> tuple[np.ndarray | None, list[tuple[HFRef, np.ndarray | tuple[Path, int]]]]:
         quantized = any(ref.name in export.names for ref in pieces[index].sources)
-        copies = file_copies(plan, pieces[index], source, shapes) if not quantized else None
+        copies = file_copies(plan, pieces[index], source, shapes, runs) if not quantized else None
         if copies is not None:
             return None, copies
         into = buffers.take(sizes[index])
-        return into, piece_hf_tensors(plan, pieces[index], source.read_piece(pieces[index], torch.from_numpy(into)))
+        return into, piece_hf_tensors(plan, pieces[index], source.read_piece(pieces[index], into))
 
-    def store(worker: int, index: int, loaded: tuple[np.ndarray | None, list[tuple[HFRef, torch.Tensor | tuple[Path, int]]]]) -> None:
+    def store(worker: int, index: int, loaded: tuple[np.ndarray | None, list[tuple[HFRef, np.ndarray | tuple[Path, int]]]]) -> None:
         into, tensors = loaded
         for ref, tensor in tensors:
-            if isinstance(tensor, torch.Tensor):
+            if isinstance(tensor, np.ndarray):
                 for name, written in export.written(ref.name, tensor):
                     writer.write(name, written, ref.index)
             else:
@@ -332,7 +342,7 @@ def convert_mcore_to_hf(
     iteration: int | None = None,
     hf_config_dir: str | os.PathLike | None = None,
     model_size: str | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: np.dtype | None = None,
     max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
     workers: int = 1,

@@ -3,26 +3,30 @@
 
 `.metadata`'s pickle is read into plain records rather than torch's DCP classes: importing
 torch.distributed.checkpoint (DTensor, sympy) took a third of mcore-to-hf's start (1.0 of 3.1 s), and reading
-needs only the fields the records keep. Writing: mconvert.formats.dcp_writer."""
+needs only the fields the records keep. Tensors come back as numpy arrays (mconvert.dtypes), through
+mconvert.formats.pickles where a chunk is not plainly stored: reading never imports torch. Writing:
+mconvert.formats.dcp_writer."""
 
 from __future__ import annotations
 
+import collections
 import io
 import itertools
 import math
 import os
+import pathlib
 import pickle
 import threading
 import zipfile
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
+from mconvert.dtypes import STORED, strided
 from mconvert.errors import ConversionError
 from mconvert.formats.pickles import load_megatron_file
 from mconvert.formats.torch_save import (
-    FileWindow,
     contiguous_strides,
     member,
     member_start,
@@ -30,8 +34,8 @@ from mconvert.formats.torch_save import (
     saved_tensor_layout,
 )
 
-# What a DCP `.metadata` pickle may name: torch's DCP classes (read as records, below), torch.Size, dtypes and
-# layouts. Anything else (it is a pickle: it could name any callable) is refused rather than run.
+# What a DCP `.metadata` pickle may name: torch's DCP classes (read as records, below), torch.Size, dtypes (read
+# as numpy's) and layouts. Anything else (it is a pickle: it could name any callable) is refused rather than run.
 _DCP_MODULES = (
     "torch.distributed.checkpoint.metadata",
     "torch.distributed.checkpoint.filesystem",  # _StorageInfo
@@ -40,8 +44,8 @@ _DCP_MODULES = (
 # torch's own FileSystemWriter records the checkpoint's path (a pathlib path) in the metadata's storage_meta;
 # megatron-core's writer does too when it writes through the multi-storage client.
 _METADATA_GLOBALS = {
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("torch", "Size"): tuple, ("torch.serialization", "_get_layout"): str, ("collections", "OrderedDict"): collections.OrderedDict,
+    ("pathlib", "PosixPath"): pathlib.PosixPath, ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
 }
 
 
@@ -84,9 +88,9 @@ class _MetadataUnpickler(pickle._Unpickler):
         if module in _DCP_MODULES:
             return _RECORDS.get(name, _Record)
         if (module, name) in _METADATA_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
+            return _METADATA_GLOBALS[module, name]
+        if module == "torch" and name in STORED:
+            return STORED[name]
         raise pickle.UnpicklingError(f"'{module}.{name}' is not allowed in DCP metadata")
 
 
@@ -118,7 +122,7 @@ class DCPCheckpoint:
                 raise ConversionError(f"{path}: names a stored value {odd!r}, which is not a name")
             tensors = {key: meta for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, _TensorEntry)}
             self.shapes: dict[str, tuple[int, ...]] = {key: tuple(meta.size) for key, meta in tensors.items()}
-            self.dtypes: dict[str, torch.dtype] = {key: meta.properties.dtype for key, meta in tensors.items()}
+            self.dtypes: dict[str, np.dtype] = {key: meta.properties.dtype for key, meta in tensors.items()}
             self.object_keys = [k for k, m in metadata.state_dict_metadata.items() if isinstance(m, _BytesEntry)]
             # A MetadataIndex of an object has no offset (torch's __init__ sets none).
             self._stored = {_stored_at(index.fqn, getattr(index, "offset", None)): info for index, info in metadata.storage_data.items()}
@@ -186,34 +190,22 @@ class DCPCheckpoint:
             raise ConversionError(f"{self.directory / '.metadata'}: the record of where '{key}' is stored has no place in its file")
         return info
 
-    def _read_bytes(self, key: str) -> bytes:
-        info = self._storage(key)
-        path = self.directory / info.relative_path
-        with open(path, "rb") as f:
-            f.seek(info.offset)
-            data = f.read(info.length)
-        if len(data) != info.length:
-            raise ConversionError(f"{path}: truncated while reading '{key}'")
-        return data
-
-    def _load_chunk(self, key: str, number: int) -> torch.Tensor:
+    def _load_chunk(self, key: str, number: int) -> np.ndarray:
+        """Chunk `number` of `key` through the unpickler: a chunk not stored as a plain tensor (a view into a larger
+        storage, a dtype without a typed storage)."""
         chunk = self.metadata.state_dict_metadata[key].chunks[number]
         info = self._storage(key, chunk.offsets)
-        # torch.load reads the chunk's archive in place, through a window on the file: no copy of its bytes.
-        with open(self.directory / info.relative_path, "rb") as f:
-            try:
-                window = io.BufferedReader(FileWindow(f, info.offset, info.length), buffer_size=1 << 20)
-                tensor = torch.load(window, map_location="cpu", weights_only=True)
-            except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
-                reason = (str(e) or type(e).__name__).splitlines()[0]
-                raise ConversionError(f"{self.directory / info.relative_path}: chunk {number} of '{key}' is unreadable ({reason})") from None
-        if tensor.numel() != math.prod(chunk.sizes):
-            raise ConversionError(f"{self.directory}: chunk {number} of '{key}' holds {tensor.numel()} elements, metadata says {list(chunk.sizes)}")
+        path = self.directory / info.relative_path
+        tensor = load_megatron_file(path, f"{path}: chunk {number} of '{key}'", info.offset, info.length)
+        if not isinstance(tensor, np.ndarray) or tensor.size != math.prod(chunk.sizes):
+            held = f"{tensor.size} elements" if isinstance(tensor, np.ndarray) else f"a {type(tensor).__name__}"
+            raise ConversionError(f"{self.directory}: chunk {number} of '{key}' holds {held}, metadata says {list(chunk.sizes)}")
         return tensor.reshape(tuple(chunk.sizes))
 
     def read_object(self, key: str) -> Any:
         """An object stored with `torch.save` under `key`, running nothing it names."""
-        return load_megatron_file(io.BytesIO(self._read_bytes(key)), f"{self.directory}: '{key}'")
+        info = self._storage(key)
+        return load_megatron_file(self.directory / info.relative_path, f"{self.directory}: '{key}'", info.offset, info.length)
 
     def chunks_of(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> list[int]:
         """Numbers of the stored chunks of `key` that the region (offsets, shape) intersects."""
@@ -225,18 +217,19 @@ class DCPCheckpoint:
         return sorted(self._chunk_index[key].intersecting(offsets, shape))
 
     def read_region(
-        self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...], into: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...], into: np.ndarray | None = None
+    ) -> np.ndarray:
         """The region (offsets, shape) of the tensor `key`, assembled from the stored chunks it intersects,
-        in the start of `into` (a uint8 tensor of at least its bytes, to reuse memory) or fresh memory.
+        in the start of `into` (a uint8 array of at least its bytes, to reuse memory) or fresh memory.
 
         A chunk stored as torch.save writes a plain tensor (one little-endian record, the chunk's bytes in
-        order) is read straight from its record, only the bytes the region needs, and where the region's
-        part is contiguous, straight into its place. Other chunks are loaded whole through torch.load."""
+        order), or as raw bytes, is read straight from its record, only the bytes the region needs, and where
+        the region's part is contiguous, straight into its place. Other chunks are loaded whole through the
+        unpickler."""
         dtype = self.dtypes[key]
         nbytes = math.prod(shape) * dtype.itemsize
-        fits = into is not None and into.numel() >= nbytes
-        out = (into if fits else torch.empty(nbytes, dtype=torch.uint8))[:nbytes].view(dtype).view(shape)
+        fits = into is not None and into.size >= nbytes
+        out = (into if fits else np.empty(nbytes, dtype=np.uint8))[:nbytes].view(dtype).reshape(shape)
         covered = 0
         for n in self.chunks_of(key, offsets, shape):
             chunk_meta = self.metadata.state_dict_metadata[key].chunks[n]
@@ -244,12 +237,12 @@ class DCPCheckpoint:
             target = out[within_out]
             record = self._raw_record(key, n)
             if record is None:
-                target.copy_(self._load_chunk(key, n)[within_chunk])
+                np.copyto(target, self._load_chunk(key, n)[within_chunk], casting="unsafe")
             else:
                 self._read_raw(key, n, record, within_chunk, target)
-            covered += target.numel()
-        if covered != out.numel():
-            raise ConversionError(f"{self.directory}: the stored chunks of '{key}' cover {covered} of the {out.numel()} elements at {list(offsets)}")
+            covered += target.size
+        if covered != out.size:
+            raise ConversionError(f"{self.directory}: the stored chunks of '{key}' cover {covered} of the {out.size} elements at {list(offsets)}")
         return out
 
     def byte_span(self, key: str, offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[Path, int] | None:
@@ -269,29 +262,32 @@ class DCPCheckpoint:
         info = self._storage(key, chunk.offsets)
         return self.directory / info.relative_path, record + first * self.dtypes[key].itemsize
 
-    def _staging(self, nbytes: int) -> torch.Tensor:
+    def _staging(self, nbytes: int) -> np.ndarray:
         """This thread's memory for the bytes of a part that is not contiguous in its region (a row-parallel
         chunk), reused from read to read: fresh memory would cost a page fault and a zeroing per 4 KiB."""
         staging = getattr(self._threads, "staging", None)
-        if staging is None or staging.numel() < nbytes:
-            staging = self._threads.staging = torch.empty(nbytes, dtype=torch.uint8)
+        if staging is None or staging.size < nbytes:
+            staging = self._threads.staging = np.empty(nbytes, dtype=np.uint8)
         return staging[:nbytes]
 
     def _raw_record(self, key: str, number: int) -> int | None:
         """Where in its data file the bytes of chunk `number` of `key` start, when torch.save stored it as a
-        plain tensor (dtype as declared, whole storage in order, little-endian); else None."""
+        plain tensor (dtype as declared, whole storage in order, little-endian), or when its record is the chunk's
+        raw bytes (DCP's safetensors serialization: no archive, exactly the chunk's length); else None."""
         if (key, number) in self._records:
             return self._records[key, number]
         chunk = self.metadata.state_dict_metadata[key].chunks[number]
         info = self._storage(key, chunk.offsets)
         path = self.directory / info.relative_path
         record = None
+        expected = math.prod(chunk.sizes) * self.dtypes[key].itemsize
         with open(path, "rb", buffering=0) as f:
             entries = record_entries(f, info.offset, info.length)
+            if not entries and info.length == expected:
+                record = info.offset
             data = [name for name in entries if name.startswith("data/")]
             pickled, byteorder = entries.get("data.pkl"), entries.get("byteorder")
             if len(data) == 1 and pickled is not None and all(i.compress_type == zipfile.ZIP_STORED for i in entries.values()):
-                expected = math.prod(chunk.sizes) * self.dtypes[key].itemsize
                 layout = saved_tensor_layout(member(f, info.offset, pickled))
                 order = member(f, info.offset, byteorder) if byteorder is not None else b"little"
                 record_info = entries[data[0]]
@@ -304,7 +300,7 @@ class DCPCheckpoint:
         self._records[key, number] = record
         return record
 
-    def _read_raw(self, key: str, number: int, record: int, within: tuple[slice, ...], target: torch.Tensor) -> None:
+    def _read_raw(self, key: str, number: int, record: int, within: tuple[slice, ...], target: np.ndarray) -> None:
         """Read the part `within` of a raw chunk into `target`: the span of bytes from its first element to
         its last, straight into `target` when that span is exactly the part and `target` is contiguous."""
         chunk = self.metadata.state_dict_metadata[key].chunks[number]
@@ -312,11 +308,11 @@ class DCPCheckpoint:
         strides = contiguous_strides(chunk.sizes)
         first = sum(s.start * stride for s, stride in zip(within, strides))
         last = sum((s.stop - 1) * stride for s, stride in zip(within, strides))
-        itemsize = target.element_size()
+        itemsize = target.dtype.itemsize
         span = last - first + 1
-        direct = span == target.numel() and target.is_contiguous()
-        buffer = target if direct else self._staging(span * itemsize).view(target.dtype)
-        view = memoryview(buffer.view(-1).view(torch.uint8).numpy())
+        direct = span == target.size and target.flags.c_contiguous
+        buffer = target.reshape(-1) if direct else self._staging(span * itemsize).view(target.dtype)
+        view = memoryview(buffer.view(np.uint8))
         path = self.directory / info.relative_path
         with open(path, "rb", buffering=0) as f:
             position, done = record + first * itemsize, 0
@@ -327,7 +323,7 @@ class DCPCheckpoint:
                 done += count
         if not direct:
             sizes = tuple(s.stop - s.start for s in within)
-            target.copy_(buffer.as_strided(sizes, strides))
+            np.copyto(target, strided(buffer, sizes, tuple(s * itemsize for s in strides)))
 
 
 class RegionIndex:

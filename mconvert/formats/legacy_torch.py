@@ -3,7 +3,8 @@
     <iter dir>/mp_rank_<TP:02d>[_<PP:03d>][_<EP:03d>]/model_optim_rng.pt
         {"args": Namespace, "iteration": N, "model": {local name: tensor}, "optimizer": ..., "rng_state": ...}
 
-Files are opened memory-mapped, so optimizer state is never read. What the names inside mean:
+Files are memory-mapped, their tensors numpy arrays over the map (mconvert.formats.pickles), so optimizer state
+is never read. What the names inside mean:
 mconvert.converters.legacy_source.
 """
 
@@ -13,7 +14,7 @@ import argparse
 import re
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from mconvert.errors import ConversionError
 from mconvert.formats.pickles import load_megatron_file
@@ -28,13 +29,13 @@ def is_legacy_checkpoint(directory: Path) -> bool:
 
 def load_rank_file(path: Path) -> dict:
     """One rank's file, memory-mapped (tensors are read only when touched), running nothing it names."""
-    state = load_megatron_file(path, str(path), mmap=True)
+    state = load_megatron_file(path, str(path))
     if not isinstance(state, dict):
         raise ConversionError(f"{path}: holds a {type(state).__name__}, not a rank's dict of model state")
     return state
 
 
-def read_rank_files(directory: Path) -> tuple[argparse.Namespace | None, dict[tuple[int, int, int], dict[str, torch.Tensor]]]:
+def read_rank_files(directory: Path) -> tuple[argparse.Namespace | None, dict[tuple[int, int, int], dict[str, np.ndarray]]]:
     """The args the first rank stored, and each rank's model state by its (TP, PP, EP) rank."""
     ranks: dict[tuple[int, ...], Path] = {}
     for path in sorted(directory.glob(f"mp_rank_*/{CHECKPOINT_FILE}")):
@@ -50,7 +51,7 @@ def read_rank_files(directory: Path) -> tuple[argparse.Namespace | None, dict[tu
     # Megatron-LM names a rank `mp_rank_TT_PPP` with pipeline parallelism, then `_EEE` with expert
     # parallelism: one suffix is the expert rank only when the args say EP without PP.
     expert_only = ep_size > 1 and pp_size == 1
-    files: dict[tuple[int, int, int], dict[str, torch.Tensor]] = {}
+    files: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
     for suffix, state in states.items():
         if "model" not in state:
             extra = " (virtual pipeline stages are not supported)" if "model0" in state else ""

@@ -12,7 +12,6 @@ import math
 import os
 import pickle
 import struct
-import warnings
 import zipfile
 import zlib
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from mconvert import dtypes
 from mconvert.formats.pickle_writer import Call, Global, Persistent, dumps
 
 
@@ -109,15 +109,13 @@ class _LayoutUnpickler(pickle.Unpickler):
 
 
 def saved_tensor_layout(pickled: bytes) -> tuple | None:
-    import torch  # mcore-to-hf's reader, which holds torch tensors; writing never comes here
-
+    """Where a torch.save'd tensor's data is, from its pickle: (record, dtype, storage offset, size, stride); None for
+    anything but a plain tensor of a typed storage that a conversion moves."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the typed storage classes' deprecation
-            storage, offset, size, stride = _LayoutUnpickler(io.BytesIO(pickled)).load()
-            _, storage_type, record, _, _ = storage
-            return record, getattr(torch, storage_type).dtype, offset, size, stride
-    except (pickle.UnpicklingError, TypeError, ValueError, EOFError, AttributeError):
+        storage, offset, size, stride = _LayoutUnpickler(io.BytesIO(pickled)).load()
+        _, storage_type, record, _, _ = storage
+        return record, _STORAGE_DTYPES[storage_type], offset, size, stride
+    except (pickle.UnpicklingError, TypeError, ValueError, EOFError, KeyError):
         return None
 
 
@@ -136,6 +134,7 @@ STORAGE_CLASSES = {
     "int64": "LongStorage", "int32": "IntStorage", "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage",
     "bool": "BoolStorage",
 }
+_STORAGE_DTYPES = {name: dtypes.BY_NAME[dtype] for dtype, name in STORAGE_CLASSES.items()}
 # torch.save's zip writer (miniz, as torch drives it): members in this order around the storages, each local header
 # without sizes or CRC32 (a data descriptor follows its bytes), its bytes aligned to 64 by an "FB" extra field; zip64
 # fields where a size or a place reaches 4 GiB, and zip64 end records always. The storages' CRC32s are 0 (their bytes

@@ -13,15 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from mconvert import dtypes
 from mconvert.errors import ConversionError
+from mconvert.formats.dcp import DCPCheckpoint
 from mconvert.formats.pickles import load_megatron_file
 from mconvert.formats.torch_save import saved_bytes, tensor_pickle
-
-if TYPE_CHECKING:
-    from mconvert.formats.dcp import DCPCheckpoint
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 RELEASE = "release"
@@ -103,8 +100,6 @@ def read_common_args(release_dir: Path, dcp: DCPCheckpoint | None = None) -> arg
     if (release_dir / "common.pt").exists():
         return _load_common(release_dir / "common.pt").get("args")
     if dcp is None:
-        from mconvert.formats.dcp import DCPCheckpoint  # its reading imports torch, which writing never needs
-
         if not (release_dir / ".metadata").exists():
             raise ConversionError(f"{release_dir}: not a torch_dist checkpoint (no common.pt, no .metadata)")
         dcp = DCPCheckpoint(release_dir)

@@ -1,5 +1,5 @@
-"""The start of a small model's conversion: hf-to-mcore of a bf16 Qwen2.5-0.5B whole (0.94 GB), as a whole process
-until it exits, against `cp -r` of the same files, in rounds that alternate the trees given (an older checkout of
+"""The start of a small model's conversion: hf-to-mcore of a bf16 Qwen2.5-0.5B whole (0.94 GB), and mcore-to-hf of
+what it wrote, each as a whole process until it exits, against `cp -r` of the same files, in rounds that alternate the trees given (an older checkout of
 mconvert beside this one, to compare), page cache warm, each output removed and synced before the next command.
 
     python scripts/bench/bench_start.py --work /tmp/start --rounds 5 [--tree old=/path/to/old/checkout] [--out OUT.jsonl]
@@ -42,7 +42,7 @@ def main() -> int:
     options.work.mkdir(parents=True, exist_ok=True)
     source = make_source(options.model, options.work)
     trees = {"this": REPO, **dict(entry.split("=", 1) for entry in options.tree)}
-    out = options.work / "out"
+    out, back = options.work / "out", options.work / "back"
     results: dict[str, list[float]] = {}
 
     def record(name: str, seconds: float) -> None:
@@ -56,7 +56,7 @@ def main() -> int:
     for _ in range(options.rounds):
         for name, tree in trees.items():
             for part, code in (("import torch", "import torch"),
-                               ("import mconvert", "import mconvert.cli, mconvert.converters.hf_to_mcore")):
+                               ("import mconvert", "import mconvert.cli, mconvert.converters.hf_to_mcore, mconvert.converters.mcore_to_hf")):
                 record(f"{name}: {part}", timed([sys.executable, "-c", code], cwd=Path(tree)))
             shutil.rmtree(out, ignore_errors=True)
             os.sync()
@@ -64,10 +64,20 @@ def main() -> int:
             record(f"{name}: hf-to-mcore", timed(
                 [sys.executable, "-m", "mconvert", "hf-to-mcore", "--load-dir", str(source), "--save-dir", str(out), "--quiet"],
                 cwd=Path(tree)))
-        shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(back, ignore_errors=True)
+            os.sync()
+            record(f"{name}: mcore-to-hf", timed(
+                [sys.executable, "-m", "mconvert", "mcore-to-hf", "--load-dir", str(out), "--save-dir", str(back), "--quiet"],
+                cwd=Path(tree)))
+        shutil.rmtree(back, ignore_errors=True)
+        os.sync()
+        record("cp -r (the Megatron checkpoint)", timed(["cp", "-r", str(out), str(back)]))
+        for made in (out, back):
+            shutil.rmtree(made, ignore_errors=True)
         os.sync()
         record("cp -r", timed(["cp", "-r", str(source), str(out)]))
-    shutil.rmtree(out, ignore_errors=True)
+    for made in (out, back):
+        shutil.rmtree(made, ignore_errors=True)
     for name, seconds in results.items():
         print(f"{name}: {min(seconds):.2f}-{max(seconds):.2f} s over {len(seconds)}")
     return 0

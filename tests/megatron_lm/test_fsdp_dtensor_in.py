@@ -17,6 +17,7 @@ import torch
 if os.environ.get("MCONVERT_REQUIRE_MEGATRON_LM") != "1":
     pytest.importorskip("megatron.training", reason="Megatron-LM's training package: the Python 3.12 environment")
 
+from mconvert.dtypes import as_torch
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
 from mconvert.formats.dcp import DCPCheckpoint  # noqa: E402
 from mconvert.mcore.parallelism import Parallelism  # noqa: E402
@@ -77,7 +78,7 @@ def test_every_tensor_of_megatron_lms_model_is_where_megatron_fsdp_reads_it(name
 
     def read(key: str) -> torch.Tensor:
         shape = stored.shapes[key]
-        return stored.read_region(key, (0,) * len(shape), shape)
+        return as_torch(stored.read_region(key, (0,) * len(shape), shape))
 
     assert any(SWIGLU.search(n) for n in expected)
     for module_name, tensor in expected.items():
