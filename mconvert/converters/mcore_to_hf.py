@@ -23,6 +23,7 @@ import numpy as np
 from mconvert.converters.quantized_export import Unquantized, quantized_export
 from mconvert.converters.manifest import hashed_while_written
 from mconvert.converters.mcore_sources import MegatronTensors, open_megatron_checkpoint, piece_region, stored_key
+from mconvert.converters.original import copied_back, original_tensors
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.hf_to_mcore import fused_expert_layers
 from mconvert.converters.parallel import Buffers, Ranks, assign, check_workers, run_pieces
@@ -31,8 +32,8 @@ from mconvert.converters.progress import NoProgress, Progress
 from mconvert.dtypes import cast, dtype_of
 from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
-from mconvert.formats.quantized import fp8_block_size, quantization_config
-from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, Rows, SafetensorsWriter, StoredTensor, parse_size
+from mconvert.formats.quantized import quantization_config
+from mconvert.formats.safetensors import Rows, SafetensorsWriter, parse_size
 from mconvert.hub import HF_SIDE_FILES
 from mconvert.mappings import family_for_model_size, family_for_spec, get_mapping, write_hf_config
 from mconvert.mappings.family import Family
@@ -299,26 +300,6 @@ def write_hf_pieces(
     run_pieces(mine, [sizes[i] for i in mine], load, store, workers, done, streams=files)
 
 
-def copied_back(family: Family, hf_config_dir: str | os.PathLike | None) -> dict[str, StoredTensor]:
-    """What the original checkpoint holds beside the model that its family copies back unchanged (an image-text
-    checkpoint's vision tower: a Megatron GPT checkpoint holds none), from the `--hf-config` directory, which must
-    then be the original checkpoint's."""
-    prefixes = family.table.copied_back
-    if not prefixes:
-        return {}
-    what = ", ".join(family.table.left_out_by(prefix) or prefix for prefix in prefixes)
-    directory = Path(hf_config_dir) if hf_config_dir is not None else None
-    if directory is None or not any((directory / name).exists() for name in (INDEX_FILE, SINGLE_FILE)):
-        raise ConversionError(
-            f"--hf-config {hf_config_dir}: a {family.name} checkpoint holds {what} beside the language model, which the "
-            "Megatron checkpoint does not: name the original checkpoint's directory, whose weights are copied from"
-        )
-    found = {name: stored for name, stored in HFCheckpoint(directory).tensors.items() if name.startswith(prefixes)}
-    if not found:
-        raise ConversionError(f"--hf-config {hf_config_dir}: no tensor of {what} ({', '.join(p + '*' for p in prefixes)}) to copy back")
-    return found
-
-
 @dataclass(frozen=True)
 class HFExport:
     plan: Plan
@@ -363,8 +344,7 @@ def convert_mcore_to_hf(
     check_target(save_dir, overwrite)
     source = open_megatron_checkpoint(load_dir, iteration)
     reference = read_hf_config(Path(hf_config_dir), "--hf-config") if hf_config_dir is not None else None
-    holds_tensors = hf_config_dir is not None and any(Path(hf_config_dir).glob("*.safetensors"))
-    plan, config = plan_export(source, reference, dtype, model_size, HFCheckpoint(hf_config_dir, fp8_block_size(reference)) if holds_tensors else None)
+    plan, config = plan_export(source, reference, dtype, model_size, original_tensors(hf_config_dir, reference))
     beside = copied_back(plan.family, hf_config_dir)
     export = quantized_export(quantize, hf_config_dir, reference, plan)
     config = export.config(config)
