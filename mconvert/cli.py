@@ -1,4 +1,4 @@
-"""mconvert's command line: `mconvert hf-to-mcore`, `mconvert mcore-to-hf`, `mconvert verify`, `mconvert inspect`."""
+"""mconvert's command line: `mconvert hf-to-mcore`, `mconvert mcore-to-hf`, `mconvert adapter-to-hf`, `mconvert verify`, `mconvert inspect`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable, NoReturn
 
 from mconvert import __version__
+from mconvert.adapter_command import add_adapter_to_hf
 from mconvert.errors import ConversionError, MissingDependency
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -62,7 +63,6 @@ def _add_workers_flag(parser: argparse.ArgumentParser) -> None:
 
 def _workers(options: argparse.Namespace) -> int:
     from mconvert.converters.parallel import default_workers
-
     return default_workers() if options.workers is None else options.workers
 
 
@@ -85,7 +85,6 @@ def _summary(started: float, source: Path, save_dir: Path) -> str:
 def _first_rank() -> bool:
     """Whether this process prints the summary: torchrun's ranks each convert a share, rank 0 speaks for all."""
     from mconvert.converters.parallel import torchrun_rank
-
     return torchrun_rank()[0] == 0
 
 
@@ -317,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workers_flag(to_hf)
     to_hf.add_argument("--quiet", action="store_true", help="no progress, only the summary")
     to_hf.set_defaults(run=_mcore_to_hf)
+    add_adapter_to_hf(commands)
 
     show = commands.add_parser("inspect", help="what a checkpoint holds (HF, torch_dist or legacy torch), or --check it against its manifest")
     show.add_argument("path", help="checkpoint directory")

@@ -1,0 +1,153 @@
+"""Megatron-Bridge's LoRA adapter saves (tests/fixtures/megatron_bridge_lora, made by its own code on CPU ranks at
+TP 1 and 2) exported by `adapter-to-hf`: peft loads the adapter onto the HF base and gives Megatron-Bridge's own
+model-with-adapter logits; peft's merged weights are Megatron-Bridge's merged weights; and an A/B orientation swap, a
+wrong scaling and a q/k/v split in the wrong order each fail those checks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mconvert.cli import main
+from mconvert.converters.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from mconvert.formats.hf_checkpoint import read_hf_config
+from mconvert.mappings import get_mapping
+from mconvert.mappings.transforms import QKVInterleave
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+FIXTURE = Path(__file__).parent / "fixtures" / "megatron_bridge_lora"
+BASE = FIXTURE / "hf"
+# fp32 on both sides: the logits agree to about 2e-6 (of values up to 3.7), a wrong adapter moves them by 0.1 or more.
+LOGITS_TOLERANCE = 1e-4
+WEIGHT_TOLERANCE = 1e-6
+
+
+def export(tp: int, out: Path) -> Path:
+    code = main(["adapter-to-hf", "--load-dir", str(FIXTURE / f"tp{tp}" / "checkpoint"), "--hf-config", str(BASE), "--save-dir", str(out)])
+    assert code == 0
+    return out
+
+
+def peft_model(adapter: Path):
+    base = transformers.AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(base, adapter).eval()
+
+
+def logits_error(adapter: Path, tp: int) -> float:
+    """Largest difference between peft's logits of base + adapter and Megatron-Bridge's for the same tokens."""
+    reference = load_file(FIXTURE / f"tp{tp}" / "logits.safetensors")
+    with torch.no_grad():
+        logits = peft_model(adapter)(reference["tokens"]).logits
+    return (logits - reference["logits"]).abs().max().item()
+
+
+def merged_error(adapter: Path) -> float:
+    """Largest difference between peft's merged HF weights and Megatron-Bridge's merged ones (TP 1), the latter split
+    into HF's tensors by the family table."""
+    merged = peft_model(adapter).merge_and_unload().state_dict()
+    family, spec = get_mapping(read_hf_config(BASE, "--hf-config"))
+    worst = 0.0
+    for name, weight in load_file(FIXTURE / "tp1" / "merged.safetensors").items():
+        layer, module = name.removeprefix("decoder.layers.").split(".", 1)
+        table_layer = family.table.layer(spec, int(layer))
+        entry = next(e for e in table_layer.entries if e.mcore == module)
+        for hf_name, part in zip(entry.hf_names, entry.to_hf(weight, spec)):
+            worst = max(worst, (merged[table_layer.prefix + hf_name] - part).abs().max().item())
+    return worst
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_peft_gives_megatron_bridges_logits_with_the_exported_adapter(tp, tmp_path):
+    adapter = export(tp, tmp_path / "adapter")
+    config = json.loads((adapter / ADAPTER_CONFIG).read_text())
+    assert (config["r"], config["lora_alpha"], config["use_rslora"]) == (8, 16.0, False)
+    assert logits_error(adapter, tp) < LOGITS_TOLERANCE
+    # The adapter matters: the base alone is far from Megatron-Bridge's model with it.
+    reference = load_file(FIXTURE / f"tp{tp}" / "logits.safetensors")
+    with torch.no_grad():
+        base = transformers.AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32)(reference["tokens"]).logits
+    assert (base - reference["logits"]).abs().max().item() > 0.1
+
+
+def test_peft_merges_into_megatron_bridges_merged_weights(tmp_path):
+    assert merged_error(export(1, tmp_path / "adapter")) < WEIGHT_TOLERANCE
+
+
+def _swap_orientation(adapter: Path) -> None:
+    """lora_A written as lora_B's transpose and lora_B as lora_A's (where the shapes still load: o_proj's)."""
+    tensors = load_file(adapter / ADAPTER_WEIGHTS)
+    for name in [n for n in tensors if n.endswith("o_proj.lora_A.weight")]:
+        b_name = name.replace("lora_A", "lora_B")
+        tensors[name], tensors[b_name] = tensors[b_name].T.contiguous(), tensors[name].T.contiguous()
+    save_file(tensors, str(adapter / ADAPTER_WEIGHTS))
+
+
+def _wrong_scaling(adapter: Path) -> None:
+    """lora_alpha written as the rank: a scale of 1 where Megatron-Bridge's alpha / dim is 2."""
+    config = json.loads((adapter / ADAPTER_CONFIG).read_text())
+    (adapter / ADAPTER_CONFIG).write_text(json.dumps(dict(config, lora_alpha=config["r"])))
+
+
+def _kv_swapped(to_hf):
+    return lambda self, tensor, spec: (lambda q, k, v: [q, v, k])(*to_hf(self, tensor, spec))
+
+
+def _not_by_query_group(to_hf):
+    """The fused rows taken as all queries, then all keys, then all values (not group by group)."""
+    def split(self, tensor, spec):
+        q, k, v = to_hf(self, tensor, spec)
+        return list(tensor.split([q.shape[0], k.shape[0], v.shape[0]]))
+    return split
+
+
+@pytest.mark.parametrize("fault", ["orientation", "scaling", "kv_order", "qkv_ungrouped"])
+def test_each_fault_fails_the_checks(fault, tmp_path, monkeypatch):
+    if fault in ("kv_order", "qkv_ungrouped"):
+        wrong = _kv_swapped if fault == "kv_order" else _not_by_query_group
+        monkeypatch.setattr(QKVInterleave, "to_hf", wrong(QKVInterleave.to_hf))
+    adapter = export(1, tmp_path / "adapter")
+    monkeypatch.undo()  # the check's own split of Megatron-Bridge's merged weights is the right one
+    if fault == "orientation":
+        _swap_orientation(adapter)
+    elif fault == "scaling":
+        _wrong_scaling(adapter)
+    assert logits_error(adapter, 1) > 100 * LOGITS_TOLERANCE
+    assert merged_error(adapter) > 100 * WEIGHT_TOLERANCE
+
+
+def _save_with(tmp_path: Path, run_config: str | None) -> Path:
+    """The TP 1 fixture save copied, its run_config.yaml replaced (kept where None)."""
+    save = tmp_path / "save"
+    shutil.copytree(FIXTURE / "tp1" / "checkpoint", save)
+    if run_config is not None:
+        (save / "iter_0000010" / "run_config.yaml").write_text(run_config)
+    return save
+
+
+@pytest.mark.parametrize(
+    "run_config, base_overrides, expected",
+    [
+        ("peft:\n  _target_: megatron.bridge.peft.dora.DoRA\n  dim: 8\n  alpha: 16\n", {}, "peft is megatron.bridge.peft.dora.DoRA; adapter-to-hf exports megatron.bridge.peft.lora.LoRA adapters only"),
+        ("model: {}\n", {}, "no peft: section"),
+        (None, {"intermediate_size": 96}, "do not adapt a [192, 64] weight, mlp.linear_fc1's in the --hf-config model"),
+    ],
+)
+def test_what_is_not_exported_is_refused_in_one_line(run_config, base_overrides, expected, tmp_path, capsys):
+    save = _save_with(tmp_path, run_config)
+    base = BASE
+    if base_overrides:
+        base = tmp_path / "base"
+        shutil.copytree(BASE, base)
+        config = json.loads((base / "config.json").read_text())
+        (base / "config.json").write_text(json.dumps(dict(config, **base_overrides)))
+    code = main(["adapter-to-hf", "--load-dir", str(save), "--hf-config", str(base), "--save-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 1 and expected in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
