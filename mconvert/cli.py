@@ -190,10 +190,8 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
             model_size=options.model_size,
             dtype=_dtype(options.dtype),
             **({"max_shard_size": options.max_shard_size} if options.max_shard_size is not None else {}),
-            overwrite=options.overwrite,
-            workers=_workers(options),
-            progress=progress,
-            quantize=options.quantize,
+            overwrite=options.overwrite, workers=_workers(options),
+            progress=progress, quantize=options.quantize, adapter=options.adapter,
         )
     finally:
         progress.close()
@@ -203,7 +201,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
     print(
         f"wrote {save_dir}: {plan.family.name} ({result.config['architectures'][0]}), "
         f"{len(plan.hf_shapes())} tensors{f' (and {result.copied} copied from --hf-config)' if result.copied else ''}, "
-        f"{plan.dtype.name}, "
+        f"{plan.dtype.name}{f', the LoRA adapter of {options.adapter} merged in' if options.adapter else ''}, "
         + _summary(started, iteration_dir(Path(options.load_dir), options.iteration), save_dir)
     )
     if result.quantized:
@@ -212,7 +210,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
         print(f"wrote the weights unquantized: config.json leaves out the quantization_config of {options.hf_config}")
     print("next:")
     # megatron-core's models load FSDP saves only in FSDP runs.
-    if result.source_format not in FSDP_FORMATS:
+    if result.source_format not in FSDP_FORMATS and options.adapter is None:  # merged, it is not the checkpoint's model
         needs = "; HybridModel: megatron-core 0.19 or later" if plan.parallelism.model_class == "hybrid" else ""
         print(f"  mconvert verify --hf {save_dir} --mcore {options.load_dir} --device cuda  # --device cpu without GPUs{needs}")
     print(f"  mconvert inspect --check {save_dir}")
@@ -312,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="written dtype (default: the checkpoint's)")
     to_hf.add_argument("--max-shard-size", default=None, help="largest safetensors file (default 2GB: each file is hashed on one core, so files of a few GB finish together where many workers convert)")
     to_hf.add_argument("--quantize", default=None, help="as-source: write the tensors that the --hf-config checkpoint stores quantized (FP8 blocks, INT4) so again, with its quantization_config (default: unquantized)")
+    to_hf.add_argument("--adapter", default=None, metavar="ADAPTER_DIR", help="a Megatron-Bridge LoRA adapter save to merge in: W + alpha/dim B A in fp32, rounded once")
     to_hf.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
     _add_workers_flag(to_hf)
     to_hf.add_argument("--quiet", action="store_true", help="no progress, only the summary")

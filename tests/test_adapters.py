@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from mconvert.cli import main
 from mconvert.converters.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from mconvert.formats.hf_checkpoint import read_hf_config
+from mconvert.dtypes import as_torch
+from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
 from mconvert.mappings import get_mapping
 from mconvert.mappings.transforms import QKVInterleave
 
@@ -27,6 +28,11 @@ BASE = FIXTURE / "hf"
 # fp32 on both sides: the logits agree to about 2e-6 (of values up to 3.7), a wrong adapter moves them by 0.1 or more.
 LOGITS_TOLERANCE = 1e-4
 WEIGHT_TOLERANCE = 1e-6
+
+
+def read_hf(directory: Path) -> dict[str, torch.Tensor]:
+    checkpoint = HFCheckpoint(directory)
+    return {name: as_torch(checkpoint.read(name)) for name in checkpoint.tensors}
 
 
 def export(tp: int, out: Path) -> Path:
@@ -151,3 +157,64 @@ def test_what_is_not_exported_is_refused_in_one_line(run_config, base_overrides,
     err = capsys.readouterr().err
     assert code == 1 and expected in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_merged_export_is_megatron_bridges_model_with_the_adapter(tp, tmp_path, capsys):
+    """mcore-to-hf of the base (converted at TP 2) with the adapter merged in: transformers' logits of it are
+    Megatron-Bridge's model-with-adapter logits; at TP 1 its weights are Megatron-Bridge's merged weights."""
+    from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+    from mconvert.mcore.parallelism import Parallelism
+
+    convert_hf_to_mcore(BASE, tmp_path / "base", parallelism=Parallelism(tp=2))
+    adapter = FIXTURE / f"tp{tp}" / "checkpoint"
+    out = tmp_path / "merged"
+    flags = ["--load-dir", str(tmp_path / "base"), "--adapter", str(adapter), "--hf-config", str(BASE), "--dtype", "fp32"]
+    assert main(["mcore-to-hf", *flags, "--save-dir", str(out)]) == 0, capsys.readouterr().err
+    reference = load_file(FIXTURE / f"tp{tp}" / "logits.safetensors")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        assert (model(reference["tokens"]).logits - reference["logits"]).abs().max().item() < LOGITS_TOLERANCE
+    if tp == 1:
+        family, spec = get_mapping(read_hf_config(BASE, "--hf-config"))
+        exported = read_hf(out)
+        for name, weight in load_file(FIXTURE / "tp1" / "merged.safetensors").items():
+            layer, module = name.removeprefix("decoder.layers.").split(".", 1)
+            table_layer = family.table.layer(spec, int(layer))
+            entry = next(e for e in table_layer.entries if e.mcore == module)
+            for hf_name, part in zip(entry.hf_names, entry.to_hf(weight, spec)):
+                assert (exported[table_layer.prefix + hf_name] - part).abs().max().item() < WEIGHT_TOLERANCE, hf_name
+    # In the base's own dtype (bf16) the sum is rounded once: the export is the fp32 one rounded to bf16.
+    bf16 = tmp_path / "merged-bf16"
+    assert main(["mcore-to-hf", *flags[:-2], "--save-dir", str(bf16)]) == 0, capsys.readouterr().err
+    fp32 = read_hf(out)
+    for name, tensor in read_hf(bf16).items():
+        assert torch.equal(tensor, fp32[name].to(torch.bfloat16)), name
+
+
+def test_a_wrong_scaling_in_the_merged_export_fails_the_check(tmp_path, monkeypatch, capsys):
+    from mconvert.converters import adapters
+    from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+
+    monkeypatch.setattr(adapters.LoraSettings, "scale", property(lambda self: 1.0))  # alpha / dim is 2
+    convert_hf_to_mcore(BASE, tmp_path / "base")
+    flags = ["--load-dir", str(tmp_path / "base"), "--adapter", str(FIXTURE / "tp1" / "checkpoint"), "--dtype", "fp32"]
+    assert main(["mcore-to-hf", *flags, "--save-dir", str(tmp_path / "merged")]) == 0, capsys.readouterr().err
+    reference = load_file(FIXTURE / "tp1" / "logits.safetensors")
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        assert (model(reference["tokens"]).logits - reference["logits"]).abs().max().item() > 100 * LOGITS_TOLERANCE
+
+
+def test_an_adapter_of_another_model_is_refused_before_the_merged_export(tmp_path, capsys):
+    from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+    from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
+
+    other = make_hf_checkpoint(shrink(real_config("qwen2.5-0.5b"), vocab_size=256, intermediate_size=96), tmp_path / "other")
+    convert_hf_to_mcore(other, tmp_path / "base")
+    capsys.readouterr()  # transformers' progress bars
+    flags = ["--load-dir", str(tmp_path / "base"), "--adapter", str(FIXTURE / "tp1" / "checkpoint")]
+    assert main(["mcore-to-hf", *flags, "--save-dir", str(tmp_path / "merged")]) == 1
+    err = capsys.readouterr().err
+    assert "'decoder.layers.mlp.linear_fc1' lora_A [2, 8, 64] and lora_B [2, 256, 8] do not adapt its weight [2, 192, 64]" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "merged").exists()

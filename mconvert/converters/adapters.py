@@ -1,4 +1,5 @@
-"""LoRA adapters saved by Megatron-Bridge, as HF PEFT adapters (`adapter-to-hf`).
+"""LoRA adapters saved by Megatron-Bridge, as HF PEFT adapters (`adapter-to-hf`) or merged into an export
+(`mcore-to-hf --adapter`).
 
 Megatron-Bridge's `LoRA` wraps a Megatron linear with a ParallelLinearAdapter whose `linear_in` is lora_A
 ([rank, in]) and `linear_out` lora_B ([out, rank]); its output, alpha / dim x B A x, is added to the linear's. Its
@@ -176,6 +177,53 @@ def _short_names_unique(modules: list[str]) -> bool:
     """Whether each module's last name says which module of a layer it is (q_proj is only ever self_attn's)."""
     within = {m.split(".layers.", 1)[-1].split(".", 1)[-1] for m in modules}
     return len({w.rsplit(".", 1)[-1] for w in within}) == len(within)
+
+
+@dataclass
+class MergedTensors:
+    """A Megatron checkpoint's weights with a Megatron-Bridge LoRA merged in, a piece at a time: W + alpha / dim x B A
+    computed in fp32, which the export then rounds once to its dtype. Pieces the adapter does not touch are the base's."""
+
+    base: Any  # a converters.mcore_sources.MegatronTensors
+    adapter: DCPCheckpoint
+    scale: float
+
+    def __getattr__(self, name: str) -> Any:  # args, location, format, weights_dtype, stored_shapes: the base's
+        return getattr(self.base, name)
+
+    def read_piece(self, piece: Any, into: torch.Tensor | None = None) -> torch.Tensor:
+        region = self.base.read_piece(piece, into)
+        module = piece.key.removesuffix(".weight")
+        if module + LORA_A not in self.adapter.shapes:
+            return region
+        a, b = (_read_layer(self.adapter, module + part, piece.offsets) for part in (LORA_A, LORA_B))
+        return torch.addmm(region.float(), b.float(), a.float(), alpha=self.scale)
+
+    def byte_span(self, key: str, *region: Any) -> Any:
+        return None if key.removesuffix(".weight") + LORA_A in self.adapter.shapes else self.base.byte_span(key, *region)
+
+
+def merged_with_adapter(source: Any, adapter_dir: str | Path, plan: Any) -> MergedTensors:
+    """`source` with the LoRA adapter saved in `adapter_dir` (Megatron-Bridge's adapter-only save) merged in; every
+    adapter must be on a weight of the plan, of its shape."""
+    directory = iteration_dir(Path(adapter_dir))
+    if not (directory / ".metadata").is_file():
+        raise ConversionError(f"--adapter {directory}: no .metadata (not a torch_dist adapter save)")
+    settings, dcp = read_lora_settings(directory), DCPCheckpoint(directory)
+    shapes = source.stored_shapes(plan)
+    adapted = {key.removesuffix(LORA_A) for key in dcp.shapes if key.endswith(LORA_A)}
+    if not adapted:
+        raise ConversionError(f"--adapter {directory}: holds no LoRA adapter ('*{LORA_A}' keys)")
+    for module in sorted(adapted | {key.removesuffix(LORA_B) for key in dcp.shapes if key.endswith(LORA_B)}):
+        weight = shapes.get(module + ".weight")
+        a, b = dcp.shapes.get(module + LORA_A), dcp.shapes.get(module + LORA_B)
+        if weight is None or a is None or b is None:
+            raise ConversionError(f"--adapter {directory}: '{module}{LORA_A}' adapts no weight of {source.location} (or lacks its lora_A or lora_B)")
+        if (a[:-2], b[:-2], b[-2], a[-1], a[-2], b[-1]) != (weight[:-2], weight[:-2], weight[-2], weight[-1], settings.dim, settings.dim):
+            raise ConversionError(
+                f"--adapter {directory}: '{module}' lora_A {list(a)} and lora_B {list(b)} do not adapt its weight {list(weight)} at rank {settings.dim}"
+            )
+    return MergedTensors(source, dcp, settings.scale)
 
 
 @dataclass(frozen=True)
