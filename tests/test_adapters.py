@@ -218,3 +218,13 @@ def test_an_adapter_of_another_model_is_refused_before_the_merged_export(tmp_pat
     err = capsys.readouterr().err
     assert "'decoder.layers.mlp.linear_fc1' lora_A [2, 8, 64] and lora_B [2, 256, 8] do not adapt its weight [2, 192, 64]" in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "merged").exists()
+
+
+def test_target_modules_are_named_in_whole_where_short_names_would_adapt_more():
+    from mconvert.converters.adapters import LoraSettings, adapter_config
+
+    every = [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
+    settings = LoraSettings(dim=8, alpha=16, dropout=0.0)
+    assert adapter_config(settings, every, "base", layers=2)["target_modules"] == ["q_proj", "v_proj"]
+    first_layer = every[:2]  # a run that adapted layer 0 only
+    assert adapter_config(settings, first_layer, "base", layers=2)["target_modules"] == sorted(first_layer)

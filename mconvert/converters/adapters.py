@@ -148,15 +148,15 @@ def _read_layer(dcp: DCPCheckpoint, key: str, offsets: tuple[int, ...]) -> torch
     return region.reshape(shape[len(offsets):])
 
 
-def adapter_config(settings: LoraSettings, modules: list[str], base: str) -> dict[str, Any]:
-    """PEFT's LoraConfig as it saves it: its target modules by their names within a layer where every layer has the
-    same, else by their whole names."""
+def adapter_config(settings: LoraSettings, modules: list[str], base: str, layers: int) -> dict[str, Any]:
+    """PEFT's LoraConfig as it saves it: its target modules by their last names where each of the model's `layers`
+    has the same ones (PEFT would put an adapter on every module of such a name), else by their whole names."""
     by_layer: dict[str, set[str]] = {}
     for module in modules:
         layer_prefix, _, name = module.rpartition(".layers.")
         index, _, within = name.partition(".")
         by_layer.setdefault(f"{layer_prefix}.{index}", set()).add(within)
-    alike = len({frozenset(v) for v in by_layer.values()}) == 1
+    alike = len(by_layer) == layers and len({frozenset(v) for v in by_layer.values()}) == 1
     targets = sorted({m.rsplit(".", 1)[-1] for m in modules}) if alike and _short_names_unique(modules) else sorted(modules)
     return {
         "peft_type": "LORA",
@@ -253,6 +253,6 @@ def export_adapter(
 
     with atomic_directory(save_dir, overwrite) as work:
         save_file(tensors, str(work / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        config = adapter_config(settings, modules, base_name or str(Path(hf_config_dir).absolute()))
+        config = adapter_config(settings, modules, base_name or str(Path(hf_config_dir).absolute()), spec.num_layers)
         (work / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return AdapterExport(family, settings, modules, len(tensors))
