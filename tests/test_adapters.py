@@ -228,3 +228,22 @@ def test_target_modules_are_named_in_whole_where_short_names_would_adapt_more():
     assert adapter_config(settings, every, "base", layers=2)["target_modules"] == ["q_proj", "v_proj"]
     first_layer = every[:2]  # a run that adapted layer 0 only
     assert adapter_config(settings, first_layer, "base", layers=2)["target_modules"] == sorted(first_layer)
+
+
+def test_without_pyyaml_adapter_to_hf_says_what_to_install_in_one_line(tmp_path):
+    import tomllib
+
+    from cli_runner import REPO, assert_one_line_error, run_cli
+
+    from mconvert.dependencies import ADAPTERS, ADAPTERS_INSTALL
+
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys\n\nclass _NotInstalled:\n    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] == 'yaml':\n            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n\n"
+        "sys.meta_path.insert(0, _NotInstalled())\n"
+    )
+    flags = ["--load-dir", FIXTURE / "tp1" / "checkpoint", "--hf-config", BASE, "--save-dir", tmp_path / "out"]
+    result = run_cli("adapter-to-hf", *flags, python_path=(tmp_path,))
+    assert_one_line_error(result, "adapter-to-hf needs pyyaml>=5.1 (not installed)", ADAPTERS_INSTALL, code=2)
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["adapters"]
+    assert {f"{r.distribution}>={r.minimum}" for r in ADAPTERS} <= set(extra)
