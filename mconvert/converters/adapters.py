@@ -57,8 +57,8 @@ class LoraSettings:
         return self.alpha / self.dim
 
 
-def read_lora_settings(directory: Path) -> LoraSettings:
-    require(ADAPTERS, "adapter-to-hf", ADAPTERS_INSTALL)
+def read_lora_settings(directory: Path, command: str) -> LoraSettings:
+    require(ADAPTERS, command, ADAPTERS_INSTALL)
     import yaml
 
     path = directory / RUN_CONFIG
@@ -209,7 +209,7 @@ def merged_with_adapter(source: Any, adapter_dir: str | Path, plan: Any) -> Merg
     directory = iteration_dir(Path(adapter_dir))
     if not (directory / ".metadata").is_file():
         raise ConversionError(f"--adapter {directory}: no .metadata (not a torch_dist adapter save)")
-    settings, dcp = read_lora_settings(directory), DCPCheckpoint(directory)
+    settings, dcp = read_lora_settings(directory, "mcore-to-hf --adapter"), DCPCheckpoint(directory)
     shapes = source.stored_shapes(plan)
     adapted = {key.removesuffix(LORA_A) for key in dcp.shapes if key.endswith(LORA_A)}
     if not adapted:
@@ -245,7 +245,7 @@ def export_adapter(
     directory = iteration_dir(load_dir, iteration)
     if not (directory / ".metadata").is_file():
         raise ConversionError(f"{directory}: no .metadata (not a torch_dist adapter save)")
-    settings = read_lora_settings(directory)
+    settings = read_lora_settings(directory, "adapter-to-hf")
     family, spec = get_mapping(read_hf_config(Path(hf_config_dir), "--hf-config"), source="--hf-config config.json")
     tensors, modules = peft_tensors(DCPCheckpoint(directory), family, spec, settings)
     check_target(save_dir, overwrite)
