@@ -128,6 +128,22 @@ def test_each_fault_fails_the_checks(fault, tmp_path, monkeypatch):
     assert merged_error(adapter) > 100 * WEIGHT_TOLERANCE
 
 
+@pytest.mark.parametrize(
+    "save, expected",
+    [
+        ("experts", "'decoder.layers.mlp.experts.experts.linear_fc1.adapter.linear_in.weight': adapters on experts are not exported yet"),
+        ("router", "'decoder.layers.mlp.router.adapter.linear_in.weight': adapters on the MoE router are not exported yet"),
+    ],
+)
+def test_megatron_bridges_moe_adapters_are_refused_in_one_line(save, expected, tmp_path, capsys):
+    """Megatron-Bridge's own saves of a Qwen3-MoE model's LoRA on its experts, and on its router."""
+    moe = FIXTURE / "moe"
+    code = main(["adapter-to-hf", "--load-dir", str(moe / save / "checkpoint"), "--hf-config", str(moe), "--save-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 1 and expected in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
 def _save_with(tmp_path: Path, run_config: str | None) -> Path:
     """The TP 1 fixture save copied, its run_config.yaml replaced (kept where None)."""
     save = tmp_path / "save"

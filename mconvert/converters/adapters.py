@@ -111,6 +111,8 @@ def peft_tensors(
             (a_key, offsets), (b_key, _) = layer_key(module + LORA_A, layer, spec), layer_key(module + LORA_B, layer, spec)
             if a_key not in stored and b_key not in stored:
                 continue
+            if ".router" in module:  # transformers' routers are modules of their own, not the nn.Linear PEFT adapts
+                raise ConversionError(f"'{a_key}': adapters on the MoE router are not exported yet")
             if not isinstance(entry, ROW_SPLITS):
                 raise ConversionError(
                     f"'{a_key}': PEFT holds one adapter per HF module, and {module}'s weight is not rows of HF modules ({type(entry).__name__})"
@@ -134,6 +136,8 @@ def peft_tensors(
                 modules.append(f"{prefix}{hf_name.removesuffix('.weight')}")
     if left:
         key = sorted(left)[0]
+        if ".experts." in key:
+            raise ConversionError(f"'{key}': adapters on experts are not exported yet")
         raise ConversionError(f"'{key}': an adapter on a module that no {family.name} HF module of this model is (or its lora_A or lora_B alone)")
     return tensors, modules
 
