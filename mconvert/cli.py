@@ -1,4 +1,4 @@
-"""mconvert's command line: `mconvert hf-to-mcore`, `mconvert mcore-to-hf`, `mconvert verify`, `mconvert inspect`."""
+"""mconvert's command line: `mconvert hf-to-mcore`, `mconvert mcore-to-hf`, `mconvert adapter-to-hf`, `mconvert verify`, `mconvert inspect`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable, NoReturn
 
 from mconvert import __version__
+from mconvert.adapter_command import add_adapter_to_hf
 from mconvert.errors import ConversionError, MissingDependency
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -62,7 +63,6 @@ def _add_workers_flag(parser: argparse.ArgumentParser) -> None:
 
 def _workers(options: argparse.Namespace) -> int:
     from mconvert.converters.parallel import default_workers
-
     return default_workers() if options.workers is None else options.workers
 
 
@@ -85,7 +85,6 @@ def _summary(started: float, source: Path, save_dir: Path) -> str:
 def _first_rank() -> bool:
     """Whether this process prints the summary: torchrun's ranks each convert a share, rank 0 speaks for all."""
     from mconvert.converters.parallel import torchrun_rank
-
     return torchrun_rank()[0] == 0
 
 
@@ -189,10 +188,8 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
             model_size=options.model_size,
             dtype=_dtype(options.dtype),
             **({"max_shard_size": options.max_shard_size} if options.max_shard_size is not None else {}),
-            overwrite=options.overwrite,
-            workers=_workers(options),
-            progress=progress,
-            quantize=options.quantize,
+            overwrite=options.overwrite, workers=_workers(options),
+            progress=progress, quantize=options.quantize, adapter=options.adapter,
         )
     finally:
         progress.close()
@@ -202,7 +199,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
     print(
         f"wrote {save_dir}: {plan.family.name} ({result.config['architectures'][0]}), "
         f"{len(plan.hf_shapes())} tensors{f' (and {result.copied} copied from --hf-config)' if result.copied else ''}, "
-        f"{plan.dtype.name}, "
+        f"{plan.dtype.name}{f', the LoRA adapter of {options.adapter} merged in' if options.adapter else ''}, "
         + _summary(started, iteration_dir(Path(options.load_dir), options.iteration), save_dir)
     )
     if result.quantized:
@@ -211,7 +208,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
         print(f"wrote the weights unquantized: config.json leaves out the quantization_config of {options.hf_config}")
     print("next:")
     # megatron-core's models load FSDP saves only in FSDP runs.
-    if result.source_format not in FSDP_FORMATS:
+    if result.source_format not in FSDP_FORMATS and options.adapter is None:  # merged, it is not the checkpoint's model
         needs = "; HybridModel: megatron-core 0.19 or later" if plan.parallelism.model_class == "hybrid" else ""
         print(f"  mconvert verify --hf {save_dir} --mcore {options.load_dir} --device cuda  # --device cpu without GPUs{needs}")
     print(f"  mconvert inspect --check {save_dir}")
@@ -311,10 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="written dtype (default: the checkpoint's)")
     to_hf.add_argument("--max-shard-size", default=None, help="largest safetensors file (default 2GB: each file is hashed on one core, so files of a few GB finish together where many workers convert)")
     to_hf.add_argument("--quantize", default=None, help="as-source: write the tensors that the --hf-config checkpoint stores quantized (FP8 blocks, INT4, MXFP4) so again, with its quantization_config (default: unquantized)")
+    to_hf.add_argument("--adapter", default=None, metavar="ADAPTER_DIR", help="a Megatron-Bridge LoRA adapter save to merge in: W + alpha/dim B A in fp32, rounded once")
     to_hf.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
     _add_workers_flag(to_hf)
     to_hf.add_argument("--quiet", action="store_true", help="no progress, only the summary")
     to_hf.set_defaults(run=_mcore_to_hf)
+    add_adapter_to_hf(commands)
 
     show = commands.add_parser("inspect", help="what a checkpoint holds (HF, torch_dist or legacy torch), or --check it against its manifest")
     show.add_argument("path", help="checkpoint directory")

@@ -34,6 +34,9 @@ MAMBA_INSTALL = "MAMBA_SKIP_CUDA_BUILD=TRUE MAMBA_FORCE_BUILD=TRUE pip install -
 # transformers loads FP8 checkpoints (DeepSeek-V3's, MiniMax-M2's) only with accelerate installed, even to dequantize
 # them; the `verify` extra has it too.
 ACCELERATE = Requirement("accelerate", "accelerate", "1.0")
+# A Megatron-Bridge adapter save's settings are in its run_config.yaml (adapter-to-hf).
+ADAPTERS = (Requirement("pyyaml", "yaml", "5.1"),)
+ADAPTERS_INSTALL = "pip install 'mconvert[adapters]'"
 # transformers dequantizes compressed-tensors' INT4 checkpoints (Kimi-K2-Thinking's) through compressed-tensors.
 COMPRESSED_TENSORS = Requirement("compressed-tensors", "compressed_tensors", "0.20")
 

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from mconvert.converters.adapters import merged_with_adapter
 from mconvert.converters.quantized_export import Unquantized, quantized_export
 from mconvert.converters.manifest import hashed_while_written
 from mconvert.converters.mcore_sources import MegatronTensors, open_megatron_checkpoint, piece_region, stored_key
@@ -328,13 +329,14 @@ def convert_mcore_to_hf(
     overwrite: bool = False,
     workers: int = 1,
     progress: Progress = NoProgress(),
-    quantize: str | None = None,
+    quantize: str | None = None, adapter: str | os.PathLike | None = None,
 ) -> HFExport:
-    """Convert the Megatron checkpoint in `load_dir` (torch_dist or legacy torch, any TP/PP/EP) into an HF
-    model directory `save_dir`: sharded safetensors, their index and config.json, plus the generation config
-    and tokenizer files of `hf_config_dir` when given. `model_size` (Megatron-LM's `--model-size` values, or a
-    family name) names the family; it must agree with the checkpoint's args (or `hf_config_dir`). `quantize`
-    "as-source" writes the tensors that the `hf_config_dir` checkpoint stores quantized (FP8 blocks, INT4, MXFP4) so again (quantized_export).
+    """Convert the Megatron checkpoint in `load_dir` (torch_dist or legacy torch, any TP/PP/EP) into an HF model
+    directory `save_dir`: sharded safetensors, their index and config.json, plus the generation config and tokenizer
+    files of `hf_config_dir` when given. `model_size` (Megatron-LM's `--model-size` values, or a family name) names the
+    family; it must agree with the checkpoint's args (or `hf_config_dir`). `quantize` "as-source" writes the tensors
+    that the `hf_config_dir` checkpoint stores quantized (FP8 blocks, INT4, MXFP4) so again (quantized_export). `adapter`: a
+    Megatron-Bridge LoRA save, merged in.
 
     `workers` threads convert pieces at once. Started by torchrun, every rank runs this with the same
     arguments: each converts its share of the pieces into the files rank 0 laid out, and rank 0 finishes."""
@@ -345,6 +347,7 @@ def convert_mcore_to_hf(
     source = open_megatron_checkpoint(load_dir, iteration)
     reference = read_hf_config(Path(hf_config_dir), "--hf-config") if hf_config_dir is not None else None
     plan, config = plan_export(source, reference, dtype, model_size, original_tensors(hf_config_dir, reference))
+    source = source if adapter is None else merged_with_adapter(source, adapter, plan)
     beside = copied_back(plan.family, hf_config_dir)
     export = quantized_export(quantize, hf_config_dir, reference, plan)
     config = export.config(config)
