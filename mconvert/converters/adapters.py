@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.dependencies import ADAPTERS, ADAPTERS_INSTALL, require
@@ -95,7 +95,7 @@ def _hf_modules(family: Family, spec: ModelSpec, layer: int) -> dict[str, tuple[
 
 def peft_tensors(
     dcp: DCPCheckpoint, family: Family, spec: ModelSpec, settings: LoraSettings
-) -> tuple[dict[str, torch.Tensor], list[str]]:
+) -> tuple[dict[str, np.ndarray], list[str]]:
     """The PEFT adapter's tensors (`base_model.model.<module>.lora_A.weight`, `...lora_B.weight`) and the HF modules
     they adapt, from the Megatron-Bridge save `dcp`; every adapter key of the save must be exported."""
     stored = {key for key in dcp.shapes if key.endswith((LORA_A, LORA_B))}
@@ -104,7 +104,7 @@ def peft_tensors(
         raise ConversionError(f"{dcp.directory}: holds no LoRA adapter ('*{LORA_A}' keys)")
     if any(key.startswith("mtp.") for key in stored) or spec.layer_blocks:
         raise ConversionError(f"{dcp.directory}: adapters of multi-token prediction or hybrid layers are not exported yet")
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, np.ndarray] = {}
     modules: list[str] = []
     for layer in range(spec.num_layers):
         for module, (entry, prefix) in _hf_modules(family, spec, layer).items():
@@ -131,7 +131,7 @@ def peft_tensors(
                 )
             for hf_name, b_part in zip(entry.hf_names, entry.to_hf(b, spec)):
                 name = f"base_model.model.{prefix}{hf_name.removesuffix('.weight')}"
-                tensors[f"{name}.lora_A.weight"] = a.clone()  # each module's own (safetensors stores no shared memory)
+                tensors[f"{name}.lora_A.weight"] = a.copy()  # each module's own (safetensors stores no shared memory)
                 tensors[f"{name}.lora_B.weight"] = b_part
                 modules.append(f"{prefix}{hf_name.removesuffix('.weight')}")
     if left:
@@ -142,7 +142,7 @@ def peft_tensors(
     return tensors, modules
 
 
-def _read_layer(dcp: DCPCheckpoint, key: str, offsets: tuple[int, ...]) -> torch.Tensor:
+def _read_layer(dcp: DCPCheckpoint, key: str, offsets: tuple[int, ...]) -> np.ndarray:
     if key not in dcp.shapes:
         raise ConversionError(f"{dcp.directory}: '{key}' is missing (its lora_A or lora_B is there)")
     shape = dcp.shapes[key]
@@ -195,13 +195,14 @@ class MergedTensors:
     def __getattr__(self, name: str) -> Any:  # args, location, format, weights_dtype, stored_shapes: the base's
         return getattr(self.base, name)
 
-    def read_piece(self, piece: Any, into: torch.Tensor | None = None) -> torch.Tensor:
+    def read_piece(self, piece: Any, into: np.ndarray | None = None) -> np.ndarray:
         region = self.base.read_piece(piece, into)
         module = piece.key.removesuffix(".weight")
         if module + LORA_A not in self.adapter.shapes:
             return region
         a, b = (_read_layer(self.adapter, module + part, piece.offsets) for part in (LORA_A, LORA_B))
-        return torch.addmm(region.float(), b.float(), a.float(), alpha=self.scale)
+        f32 = np.float32
+        return np.asarray(region, dtype=f32) + f32(self.scale) * (np.asarray(b, dtype=f32) @ np.asarray(a, dtype=f32))
 
     def byte_span(self, key: str, *region: Any) -> Any:
         return None if key.removesuffix(".weight") + LORA_A in self.adapter.shapes else self.base.byte_span(key, *region)
@@ -253,10 +254,10 @@ def export_adapter(
     family, spec = get_mapping(read_hf_config(Path(hf_config_dir), "--hf-config"), source="--hf-config config.json")
     tensors, modules = peft_tensors(DCPCheckpoint(directory), family, spec, settings)
     check_target(save_dir, overwrite)
-    from safetensors.torch import save_file
+    from safetensors.numpy import save_file
 
     with atomic_directory(save_dir, overwrite) as work:
-        save_file(tensors, str(work / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        save_file({name: np.ascontiguousarray(t) for name, t in tensors.items()}, str(work / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         config = adapter_config(settings, modules, base_name or str(Path(hf_config_dir).absolute()), spec.num_layers)
         (work / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return AdapterExport(family, settings, modules, len(tensors))
