@@ -187,7 +187,7 @@ def test_a_wrong_quantizer_is_caught(work, fault, tmp_path, monkeypatch):
         assert len([name for name in wrong if name.endswith("_packed")]) == 24
 
 
-def test_fp32_scales_through_bf16_fall_back_where_bf16_rounds(made, tmp_path):
+def test_fp32_scales_through_bf16_fall_back_where_bf16_rounds(made, tmp_path):  # noqa: F811
     """A release with fp32 scales (compressed-tensors on fp32 weights) through a bf16 Megatron checkpoint. Exported in
     bf16, every group is kept: its values are bf16(q x s), which the release gives in bf16. Exported in fp32, a group is
     kept exactly where every q x s (fp32) is a bf16 value; any other group's values are no longer q x s in fp32, and
