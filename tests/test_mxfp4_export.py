@@ -1,6 +1,7 @@
 """`mcore-to-hf --quantize as-source` of gpt-oss's MXFP4 release: the experts' gate_up_proj and down_proj written as
-`_blocks` and `_scales` again, held bit for bit to a reference quantizer, and the release -> bf16 -> Megatron ->
-release round trip.
+`_blocks` and `_scales` again. A group of 32 values that are exactly e2m1 values times the release's scale (compared in
+the dtype the export's values come in) keeps the release's scale and codes: the round trip release -> Megatron (bf16
+or fp32) -> release gives back every byte. Every other group is held bit for bit to a reference quantizer.
 
 The reference is torchao's OCP MX quantization with the scale rounded up (tests/mx_reference.py): amax / 6 rounded up
 to a power of two, each value rounded to the nearest e2m1 (ties to even), two a byte, the first in the low 4 bits.
@@ -31,6 +32,7 @@ from mconvert.cli import main
 from mconvert.converters import quantized_export
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+from mconvert.formats import quantized
 from mconvert.formats.quantized import FP4_VALUES, dequantize_mxfp4, quantize_mxfp4
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
@@ -67,7 +69,10 @@ def work(tmp_path_factory):
     """A shrunk gpt-oss release (weights at about 0.1, one group of zeros; the experts quantized by the reference, the
     rest in bf16), its Megatron conversion (bf16, TP 2 x EP 2) and exports, unquantized (`plain`) and with --quantize
     as-source (`mxfp4`); and `trained`: Megatron weights that are no MXFP4 values (the weights the release was made
-    from, in fp32), with their exports in fp32. `reference`: the reference quantizer's output for those weights."""
+    from, in fp32), with their exports in fp32. `reference`: the reference quantizer's output for those weights.
+    `mcore-32`: the release in fp32, exported in bf16 (`mxfp4-32`) and fp32 (`mxfp4-f32`). `changed-mcore`: the release's values changed (see
+    `changed`), exported with --quantize as-source (`changed-mxfp4`); `edited` the changed weights, `groups` their
+    changed groups (bool [experts, outputs, groups]), `changed_reference` the reference quantizer's output for them."""
     root = tmp_path_factory.mktemp("mxfp4-export")
     config = {**shrink(real_config("gpt-oss-20b"), layers=2), "torch_dtype": "bfloat16"}
     source = make_hf_checkpoint(config, root / "source")
@@ -84,7 +89,34 @@ def work(tmp_path_factory):
     convert_hf_to_mcore(root / "trained-hf", root / "trained", parallelism=LAYOUT, dtype=torch.float32)
     convert_mcore_to_hf(root / "trained", root / "trained-plain", hf_config_dir=root / "release", dtype=torch.float32)
     export(root / "trained", root / "trained-mxfp4", root / "release", dtype=torch.float32)
-    return SimpleNamespace(root=root, weights=weights, reference=expected)
+    convert_hf_to_mcore(root / "release", root / "mcore-32", parallelism=LAYOUT, dtype=torch.float32)
+    export(root / "mcore-32", root / "mxfp4-32", root / "release", dtype=torch.bfloat16)
+    export(root / "mcore-32", root / "mxfp4-f32", root / "release", dtype=torch.float32)
+    plain = tensors(root / "plain")
+    edited, groups = changed(plain, tensors(root / "release"))
+    release_from({**plain, **edited}, root / "changed-hf", json.loads((root / "plain" / "config.json").read_text()))
+    convert_hf_to_mcore(root / "changed-hf", root / "changed-mcore", parallelism=LAYOUT)
+    export(root / "changed-mcore", root / "changed-mxfp4", root / "release")
+    (root / "changed-reference").mkdir()
+    changed_reference = reference(edited, root / "changed-reference")
+    return SimpleNamespace(root=root, weights=weights, reference=expected, edited=edited, groups=groups, changed_reference=changed_reference)
+
+
+SHIFTED, SCALED = "model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"
+
+
+def changed(plain: dict[str, torch.Tensor], release: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Two changes to the release's values, as training might make them: (SHIFTED with expert 2 plus 0.01, SCALED with
+    one group times 0.75: expert 1's first output whose second group's largest code is 4, so that its values quantized
+    afresh get half the release's scale), and each one's changed groups."""
+    edited = {name: plain[name].clone() for name in (SHIFTED, SCALED)}
+    edited[SHIFTED][2] += 0.01
+    output = int(torch.nonzero(groups(release[SCALED + "_blocks"])[1, :, 1] == 4)[0])
+    edited[SCALED][1, 32:64, output] *= 0.75
+    masks = {name: torch.zeros(release[name + "_scales"].shape, dtype=torch.bool) for name in edited}
+    masks[SHIFTED][2] = True
+    masks[SCALED][1, output, 1] = True
+    return edited, masks
 
 
 def test_the_export_has_the_releases_tensors_and_quantization_config(work):
@@ -118,13 +150,62 @@ def test_each_mxfp4_tensor_is_the_reference_quantizers_output_bit_for_bit(work):
     assert work.reference["model.layers.1.mlp.experts.down_proj_scales"][3, 5, 0] == 0
 
 
-def nibbles_swapped(values):
-    blocks, scales = quantize_mxfp4(values)
+def groups(blocks: torch.Tensor) -> torch.Tensor:
+    """Each group's largest magnitude, in its codes."""
+    return torch.maximum(MAGNITUDES[(blocks & 0x0F).long()], MAGNITUDES[(blocks >> 4).long()]).amax(-1)
+
+
+def not_as_expected(export_dir, release_dir, expected: dict[str, torch.Tensor] | None = None, changed: dict[str, torch.Tensor] | None = None) -> list[str]:
+    """The tensors of an MXFP4 export that are not the release's byte for byte but in the `changed` groups (by
+    expert tensor, bool [experts, outputs, groups]), whose blocks and scales must be the `expected` ones."""
+    release, back, changed = tensors(release_dir), tensors(export_dir), changed or {}
+    wrong = sorted(release.keys() ^ back.keys())
+    for name in sorted(release.keys() & back.keys()):
+        tensor = name.removesuffix("_blocks")
+        if tensor in changed:
+            mask = changed[tensor]
+            blocks = torch.where(mask[..., None], expected[tensor + "_blocks"], release[name])
+            scales = torch.where(mask, expected[tensor + "_scales"], release[tensor + "_scales"])
+            if not (torch.equal(back[name], blocks) and torch.equal(back[tensor + "_scales"], scales)):
+                wrong.append(tensor)
+        elif name.removesuffix("_scales") not in changed and (back[name].dtype != release[name].dtype or not torch.equal(back[name], release[name])):
+            wrong.append(name)
+    return wrong
+
+
+@pytest.mark.parametrize("export", ["mxfp4", "mxfp4-32", "mxfp4-f32"])
+def test_the_round_trip_gives_back_every_byte_of_the_release(work, export):
+    """Release -> hf-to-mcore (bf16 or fp32, which hold MXFP4 values exactly: a 4-bit float times a power of two) ->
+    mcore-to-hf --quantize as-source (bf16; or fp32, whose unquantized tensors are then fp32): every tensor byte for
+    byte. About log2(3.5 / 3), 22 %, of the
+    reference's groups of normal weights have 3 as their largest code (amax / scale in (3, 3.5)): their values are
+    also those of codes twice as large at half the scale, which any quantizer given the values alone finds; they
+    come back as the release stored them because the release's own scale is kept."""
+    release = tensors(work.root / "release")
+    for name in (n for n in release if n.endswith("_blocks")):
+        blocks, scales = release[name], release[name.replace("_blocks", "_scales")]
+        assert torch.equal(convert_moe_packed_tensors(blocks, scales).float(), convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+        assert 0.1 < (groups(blocks) == 3).float().mean() < 0.4
+    zeros = release["model.layers.1.mlp.experts.down_proj_blocks"][3, 5, 0]
+    assert not zeros.any() and release["model.layers.1.mlp.experts.down_proj_scales"][3, 5, 0] == 0
+    wrong = not_as_expected(work.root / export, work.root / "release")
+    assert [name for name in wrong if export != "mxfp4-f32" or name.endswith(("_blocks", "_scales"))] == []
+
+
+def test_changed_groups_are_quantized_afresh_and_only_they(work):
+    """Megatron weights that are the release's but for one expert of a tensor plus 0.01 and one group of another's
+    times 0.75: those groups are the reference quantizer's output for their values, every other group and tensor
+    the release's bytes."""
+    assert not_as_expected(work.root / "changed-mxfp4", work.root / "release", work.changed_reference, work.groups) == []
+
+
+def nibbles_swapped(values, source=None):
+    blocks, scales = quantize_mxfp4(values, source)
     return (blocks & 0x0F) << 4 | blocks >> 4, scales
 
 
-def scales_off_by_one(values):
-    blocks, scales = quantize_mxfp4(values)
+def scales_off_by_one(values, source=None):
+    blocks, scales = quantize_mxfp4(values, source)
     return blocks, scales + 1
 
 
@@ -140,63 +221,21 @@ def test_a_wrong_quantizer_is_caught(work, fault, tmp_path, monkeypatch):
     export(root / "trained", tmp_path / "trained", root / "release", dtype=torch.float32)
     assert sorted(mismatches(tmp_path / "trained", root / "trained-plain", work.reference)) == sorted(QUANTIZED)
     export(root / "mcore", tmp_path / "back", root / "release")
-    assert not_given_back(root / "release", tmp_path / "back") == sorted(QUANTIZED)
+    part = "_blocks" if fault == "nibbles swapped" else "_scales"
+    assert not_as_expected(tmp_path / "back", root / "release") == sorted(name + part for name in QUANTIZED)
 
 
-def groups(blocks: torch.Tensor) -> torch.Tensor:
-    """Each group's largest magnitude, in its codes."""
-    return torch.maximum(MAGNITUDES[(blocks & 0x0F).long()], MAGNITUDES[(blocks >> 4).long()]).amax(-1)
+def always_kept(values, exponents, decide=quantized.mxfp4_on_scales):
+    codes, exact = decide(values, exponents)
+    return codes, np.ones_like(exact)
 
 
-def not_given_back(release_dir, back_dir) -> list[str]:
-    """The tensors of the release that the export `back_dir` does not give back as the round trip can: byte for byte
-    every tensor but the experts, and of theirs every group whose largest code is 4 or 6, or that is zeros with
-    exponent 0 (the groups the reference makes and the OCP rule makes); a group whose largest code is 3 (its scale s
-    not the one a quantizer finds from its values: 3 s is 6 (s / 2)) as the same values, in that group's codes
-    doubled at half its scale."""
-    release, back = tensors(release_dir), tensors(back_dir)
-    wrong = sorted(name for name in release.keys() ^ back.keys())
-    for name in (n for n in release if n in back and not n.endswith(("_blocks", "_scales"))):
-        if not torch.equal(release[name], back[name]):
-            wrong.append(name)
-    for name in (n.removesuffix("_blocks") for n in release if n.endswith("_blocks") and n in back):
-        blocks, scales, blocks_back, scales_back = release[name + "_blocks"], release[name + "_scales"], back[name + "_blocks"], back[name + "_scales"]
-        largest = groups(blocks)
-        exact = (largest >= 4) | (largest == 0) & (scales == 0)
-        threes = largest == 3
-        same = (blocks_back == blocks).all(-1) & (scales_back == scales)
-        values_kept = torch.equal(convert_moe_packed_tensors(blocks, scales), convert_moe_packed_tensors(blocks_back, scales_back))
-        halved = (scales_back == scales - 1) & (groups(blocks_back) == 6)
-        if not (same[exact].all() and halved[threes].all() and values_kept and (exact | threes).all()):
-            wrong.append(name)
-    return wrong
-
-
-def test_the_round_trip_gives_back_the_releases_bytes_but_groups_whose_largest_code_is_3(work):
-    """Release -> hf-to-mcore (bf16, which holds MXFP4 values exactly: a 4-bit float times a power of two) ->
-    mcore-to-hf --quantize as-source. Where a group's largest value quantized to 3 (about log2(3.5 / 3), 22 %, of the
-    reference's groups of normal weights: amax / scale in (3, 3.5)), its values are those of codes twice as large at
-    half the scale, and any quantizer given the values alone finds that scale: such a group comes back as its values,
-    not its bytes. Every other group, and every other tensor, comes back byte for byte."""
-    release = tensors(work.root / "release")
-    for name in (n for n in release if n.endswith("_blocks")):
-        blocks, scales = release[name], release[name.replace("_blocks", "_scales")]
-        assert torch.equal(convert_moe_packed_tensors(blocks, scales).float(), convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
-        assert 0.1 < (groups(blocks) == 3).float().mean() < 0.4
-    zeros = release["model.layers.1.mlp.experts.down_proj_blocks"][3, 5, 0]
-    assert not zeros.any() and release["model.layers.1.mlp.experts.down_proj_scales"][3, 5, 0] == 0
-    assert not_given_back(work.root / "release", work.root / "mxfp4") == []
-
-
-def test_an_export_comes_back_byte_for_byte(work, tmp_path):
-    """The export holds only groups that the round trip gives back (largest code 4 or 6, or zeros): the export as
-    the release -> hf-to-mcore -> mcore-to-hf --quantize as-source gives back every byte of every tensor."""
-    original = tensors(work.root / "mxfp4")
-    assert all(((groups(t) >= 4) | (groups(t) == 0)).all() for name, t in original.items() if name.endswith("_blocks"))
-    convert_hf_to_mcore(work.root / "mxfp4", tmp_path / "mcore", parallelism=LAYOUT)
-    export(tmp_path / "mcore", tmp_path / "back", work.root / "mxfp4")
-    back = tensors(tmp_path / "back")
-    assert original.keys() == back.keys() and all(torch.equal(original[name], back[name]) for name in original)
+def test_keeping_the_releases_scale_for_changed_groups_is_caught(work, tmp_path, monkeypatch):
+    """Fault injection: keeping the release's scale for every group, the changed ones too (their codes rounded on
+    it), fails the check on both changed tensors."""
+    monkeypatch.setattr(quantized, "mxfp4_on_scales", always_kept)
+    export(work.root / "changed-mcore", tmp_path / "out", work.root / "release")
+    assert not_as_expected(tmp_path / "out", work.root / "release", work.changed_reference, work.groups) == sorted((SHIFTED, SCALED))
 
 
 def test_an_original_not_matching_the_export_is_one_line(work, tmp_path, capsys):

@@ -285,7 +285,7 @@ def write_hf_pieces(
         into, tensors = loaded
         for ref, tensor in tensors:
             if isinstance(tensor, np.ndarray):
-                for name, written in export.written(ref.name, tensor):
+                for name, written in export.written(ref.name, tensor, ref.index):
                     writer.write(name, written, ref.index)
             else:
                 writer.copy(ref.name, ref.index, *tensor)

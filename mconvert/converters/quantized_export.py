@@ -4,7 +4,10 @@ quantization_config. Which tensors those are is read from the original's safeten
 as it is written. Three formats: block-quantized FP8 (`FP8Blocks`: each weight in float8_e4m3fn with the original's
 block size and a `_scale_inv` beside it, `quantize_fp8_blocks`), compressed-tensors' symmetric pack-quantized INT4
 (`PackedInt4`: each linear layer `M` as `M.weight_packed`, `M.weight_scale` and `M.weight_shape`, `quantize_int4`) and
-gpt-oss's MXFP4 (`MXFP4`: each expert tensor `X` as `X_blocks` and `X_scales`, `quantize_mxfp4`)."""
+gpt-oss's MXFP4 (`MXFP4`: each expert tensor `X` as `X_blocks` and `X_scales`, `quantize_mxfp4`). INT4 and MXFP4
+keep the original's own scale, read from it a tensor at a time, for each group whose values are exactly integers (e2m1
+values) times it, and so give back the original's bytes for what training left as it was; the other groups, and FP8's
+blocks (whose scale its values give back as it was), are quantized afresh."""
 
 from __future__ import annotations
 
@@ -66,12 +69,12 @@ class Unquantized:
         """The first tensor written for HF tensor `name`: the writer's place of it (its file)."""
         return name
 
-    def written(self, name: str, tensor: Any) -> list[tuple[str, Any]]:
-        """What the writer writes for HF tensor `name` (or a slice of its first axis): the tensor, or its quantized
-        tensors (`quantized`)."""
-        return self.quantized(name, dtypes.as_numpy(tensor)) if name in self.names else [(name, tensor)]
+    def written(self, name: str, tensor: Any, index: int | None = None) -> list[tuple[str, Any]]:
+        """What the writer writes for HF tensor `name` (or its slice `index` along the first axis): the tensor, or its
+        quantized tensors (`quantized`)."""
+        return self.quantized(name, dtypes.as_numpy(tensor), index) if name in self.names else [(name, tensor)]
 
-    def quantized(self, name: str, values: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    def quantized(self, name: str, values: np.ndarray, index: int | None) -> list[tuple[str, np.ndarray]]:
         raise NotImplementedError  # only the subclasses have `names`
 
     def layout(self, tensors: Layout, groups: list[list[str]]) -> tuple[Layout, list[list[str]]]:
@@ -104,7 +107,7 @@ class FP8Blocks(Unquantized):
         grid = tuple(-(-size // step) for size, step in zip(shape[-2:], self.block))
         return {name: (dtypes.float8_e4m3fn, shape), name + SCALE_SUFFIX: (dtypes.float32, (*shape[:-2], *grid))}
 
-    def quantized(self, name: str, values: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    def quantized(self, name: str, values: np.ndarray, index: int | None) -> list[tuple[str, np.ndarray]]:
         quantized, scales = quantize_fp8_blocks(values, self.block)
         return [(name, quantized), (name + SCALE_SUFFIX, scales)]
 
@@ -113,10 +116,12 @@ class FP8Blocks(Unquantized):
 class PackedInt4(Unquantized):
     """compressed-tensors' symmetric pack-quantized INT4: each weight `M.weight` of `names` as `M.weight_packed` (int32,
     eight integers a word), `M.weight_scale` (one per `group_size` columns, None: one a row) and `M.weight_shape`, the
-    scales and the shape in the dtypes the original stores them in (`stored_dtypes`: by weight name)."""
+    scales and the shape in the dtypes the original stores them in (`stored_dtypes`: by weight name). A group whose
+    values are exactly integers times the `original`'s scale keeps that scale (quantize_int4's `source_scales`)."""
 
     group_size: int | None = None
     stored_dtypes: dict[str, tuple[np.dtype, np.dtype]] = field(default_factory=dict)
+    original: HFCheckpoint | None = field(default=None, compare=False, repr=False)
     what = "pack-quantized in INT4 with their weight_scale and weight_shape"
 
     @property
@@ -132,9 +137,10 @@ class PackedInt4(Unquantized):
     def held(self, name: str) -> str:
         return f"{name.removesuffix('.weight')}.{PACKED}" if name in self.names else name
 
-    def quantized(self, name: str, values: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    def quantized(self, name: str, values: np.ndarray, index: int | None) -> list[tuple[str, np.ndarray]]:
         module, (scale, size) = name.removesuffix(".weight"), self.stored_dtypes[name]
-        packed, scales = quantize_int4(values, self.group_size, scale)
+        source = None if self.original is None else self.original.read(f"{module}.{SCALE}")
+        packed, scales = quantize_int4(values, self.group_size, scale, source)
         return [(f"{module}.{PACKED}", packed), (f"{module}.{SCALE}", scales), (f"{module}.{SHAPE}", np.array(values.shape, dtype=size))]
 
 
@@ -142,9 +148,11 @@ class PackedInt4(Unquantized):
 class MXFP4(Unquantized):
     """gpt-oss's MXFP4: each tensor `X` of `names` (transformers' [..., in, out] experts) as `X_blocks` (uint8 [..., out,
     in / 32, 16], two 4-bit floats a byte, the first in the low 4 bits) and `X_scales` (uint8 [..., out, in / 32], one
-    exponent per 32 inputs, biased by 127), the layout that `dequantize_mxfp4` reads."""
+    exponent per 32 inputs, biased by 127), the layout that `dequantize_mxfp4` reads. A group whose values are
+    exactly e2m1 values times the `original`'s scale keeps that scale (quantize_mxfp4's `source_exponents`)."""
 
     names: frozenset[str] = frozenset()
+    original: HFCheckpoint | None = field(default=None, compare=False, repr=False)
     what = "in MXFP4 as _blocks and _scales"
 
     def stored(self, name: str, dtype: Any, shape: tuple[int, ...]) -> Layout:
@@ -155,8 +163,9 @@ class MXFP4(Unquantized):
     def held(self, name: str) -> str:
         return name + MXFP4_BLOCKS if name in self.names else name
 
-    def quantized(self, name: str, values: np.ndarray) -> list[tuple[str, np.ndarray]]:
-        blocks, scales = quantize_mxfp4(values.swapaxes(-1, -2))
+    def quantized(self, name: str, values: np.ndarray, index: int | None) -> list[tuple[str, np.ndarray]]:
+        source = None if self.original is None else self.original.read_stored(self.original.mxfp4[name][1], name + MXFP4_SCALES, index)
+        blocks, scales = quantize_mxfp4(values.swapaxes(-1, -2), source)
         return [(name + MXFP4_BLOCKS, blocks), (name + MXFP4_SCALES, scales)]
 
 
@@ -241,7 +250,7 @@ def packed_int4(quantize: str, directory: Path, reference: dict[str, Any], plan:
                 f"packed, with a {module}.{SCALE} of {groups} scales a row and a {module}.{SHAPE}"
             )
         found[name] = (scale.dtype, size.dtype)
-    return PackedInt4(quantization_config(reference), "quantization_config" not in reference, scheme.group_size, found)
+    return PackedInt4(quantization_config(reference), "quantization_config" not in reference, scheme.group_size, found, original)
 
 
 def mxfp4(quantize: str, directory: Path, reference: dict[str, Any], plan: Plan) -> MXFP4:
@@ -261,4 +270,4 @@ def mxfp4(quantize: str, directory: Path, reference: dict[str, Any], plan: Plan)
             f"--quantize {quantize}: --hf-config {directory}'s quantization_config names MXFP4, but it stores no tensor of "
             f"the export as MXFP4 (no *{MXFP4_BLOCKS} of {', '.join(sorted(shapes)[:2])}, ...)"
         )
-    return MXFP4(quantization_config(reference), "quantization_config" not in reference, names)
+    return MXFP4(quantization_config(reference), "quantization_config" not in reference, names, original)

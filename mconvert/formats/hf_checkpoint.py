@@ -233,7 +233,7 @@ class HFCheckpoint:
                 raise self._nonfinite(name, index)
             return tensor
         if name in self.mxfp4:
-            blocks, scales = (self._read_stored(stored, name, index) for stored in self.mxfp4[name])
+            blocks, scales = (self.read_stored(stored, name, index) for stored in self.mxfp4[name])
             tensor = np.ascontiguousarray(dequantize_mxfp4(blocks, scales).swapaxes(-1, -2))
             if self.check_finite and not dtypes.finite(tensor):
                 raise self._nonfinite(name, index)
@@ -272,7 +272,7 @@ class HFCheckpoint:
         if not finite:
             raise self._nonfinite(name, index)
 
-    def _read_stored(self, stored: StoredTensor, name: str, index: int | None) -> np.ndarray:
+    def read_stored(self, stored: StoredTensor, name: str, index: int | None) -> np.ndarray:
         """A quantized weight's stored part (FP8 scales, MXFP4 blocks or exponents, or their slice `index`), as
         stored."""
         _, begin, shape, length = _region_of(stored, index)
@@ -309,7 +309,7 @@ class HFCheckpoint:
         """An FP8 weight (or its slice `index`) times its blocks' scales, in fp32: a tensor at a time, so that
         memory stays at the tensors in hand."""
         scale, block = self.scales[name]
-        scales = self._read_stored(scale, name + SCALE_SUFFIX, index)
+        scales = self.read_stored(scale, name + SCALE_SUFFIX, index)
         return dequantize_fp8_blocks(tensor, scales, block)
 
     def _dequantize_int4(self, name: str, into: np.ndarray | None) -> np.ndarray:
@@ -318,5 +318,5 @@ class HFCheckpoint:
         memory."""
         packed, scale, zero = self.int4[name]
         words = self._read_runs(packed, name, [(packed.begin, packed.end - packed.begin)], packed.shape, into)
-        zeros = None if zero is None else self._read_stored(zero, name, None)
-        return dequantize_int4(words, self._read_stored(scale, name, None), self.tensors[name].shape[1], zeros)
+        zeros = None if zero is None else self.read_stored(zero, name, None)
+        return dequantize_int4(words, self.read_stored(scale, name, None), self.tensors[name].shape[1], zeros)

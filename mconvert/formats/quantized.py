@@ -216,14 +216,35 @@ INT4_MIN, INT4_MAX = -8, 7
 INT4_HALF_WIDTH = np.float32((INT4_MAX - INT4_MIN) / 2)
 
 
-def quantize_int4(values: np.ndarray, group_size: int | None, scale_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+def int4_on_scales(values: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(fp32 integers [rows, groups, size], exact [rows, groups]) of `values` [rows, groups, size] (an export's, in
+    its dtype) on given `scales` [rows, groups] (a release's): each integer its value over its group's scale,
+    rounded and clamped to [-8, 7]; a group exact where each of its values is its integer times the scale as
+    `dequantize_int4` reads them back (the product in fp32, rounded once to the scales' dtype), cast to the values'
+    dtype, so that the comparison is exact in the dtype the values come in. A release's bf16 scales give bf16 values,
+    which fp32 and bf16 hold exactly: each group of a weight left as it was is exact. fp32 (or fp16) scales give q x s
+    in fp32, which a bf16 checkpoint rounds: exported in bf16, such a group is still exact (the comparison is in
+    bf16); exported in fp32, it is exact only where each q x s of it is a bf16 value, and any other is not."""
+    factors = scales.astype(np.float32)[..., None]
+    with np.errstate(divide="ignore", invalid="ignore"):  # a zero scale: no group of values is exact on it
+        integers = np.clip(np.rint(values.astype(np.float32) / factors), INT4_MIN, INT4_MAX)
+        given = (integers * factors).astype(scales.dtype).astype(values.dtype)
+    return integers, (given == values).all(-1)
+
+
+def quantize_int4(
+    values: np.ndarray, group_size: int | None, scale_dtype: np.dtype, source_scales: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(int32 [rows, ceil(columns / 8)] packed integers, [rows, groups] scales of `scale_dtype`): the symmetric
     inverse of `dequantize_int4`, computed as compressed-tensors 0.20 computes it for a weight of `scale_dtype` (its
     `calculate_qparams`, `quantize` and `pack_to_int32`). The values are cast to `scale_dtype` first, where a release's
     weights were before it was quantized. Per group of `group_size` columns of a row (None: the whole row): scale =
     amax(|w|) / 7.5, zero where amax is (then the dtype's eps, as compressed-tensors gives it); each integer is w /
     scale, rounded to `scale_dtype` (torch's bf16 quotient is), then to the nearest integer (ties to even) and
-    clamped to [-8, 7]; packed plus 8, eight a word, the first in the low 4 bits (little-endian words)."""
+    clamped to [-8, 7]; packed plus 8, eight a word, the first in the low 4 bits (little-endian words).
+    With `source_scales` (a release's, of `scale_dtype`), a group whose values are exactly integers in [-8, 7] times
+    its source scale (`int4_on_scales`) keeps that scale and those integers, the release's bytes for a weight left
+    as the release gave it: its values quantized afresh would get amax / 7.5, about 16 / 15 or 14 / 15 of it."""
     rows, columns = values.shape
     size = group_size or columns
     grouped = values.astype(scale_dtype).astype(np.float32).reshape(rows, columns // size, size)
@@ -231,7 +252,12 @@ def quantize_int4(values: np.ndarray, group_size: int | None, scale_dtype: np.dt
     scales = (np.maximum(grouped.max(-1), -grouped.min(-1)) / INT4_HALF_WIDTH).astype(scale_dtype)
     scales[scales == 0] = ml_dtypes.finfo(scale_dtype).eps
     grouped /= scales.astype(np.float32)[..., None]
-    integers = np.clip(np.rint(grouped.astype(scale_dtype).astype(np.float32)), INT4_MIN, INT4_MAX).reshape(rows, columns)
+    integers = np.clip(np.rint(grouped.astype(scale_dtype).astype(np.float32)), INT4_MIN, INT4_MAX)
+    if source_scales is not None:
+        kept, exact = int4_on_scales(values.reshape(rows, -1, size), source_scales)
+        scales = np.where(exact, source_scales, scales)
+        integers = np.where(exact[..., None], kept, integers)
+    integers = integers.reshape(rows, columns)
     nibbles = np.zeros((rows, -(-columns // 8) * 8), dtype=np.uint8)  # a partial last word: zero bits, as theirs
     nibbles[:, :columns] = integers - INT4_MIN
     packed = nibbles[:, 0::2] | nibbles[:, 1::2] << 4
@@ -248,7 +274,22 @@ with np.errstate(invalid="ignore"):  # the NaN patterns, which finite weights ne
     E2M1_OF_BF16 = np.clip(np.arange(1 << 16, dtype=np.uint16).view(dtypes.bfloat16).astype(np.float32), -FP4_MAX, FP4_MAX).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
 
 
-def quantize_mxfp4(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def mxfp4_on_scales(values: np.ndarray, exponents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 codes [..., rows, groups, 32], exact [..., rows, groups]) of `values` [..., rows, columns] (an export's,
+    in its dtype) on given `exponents` [..., rows, groups] (a release's, biased by 127): each code its value times the
+    scale's reciprocal (exact: a power of two), rounded to the nearest e2m1 as `quantize_mxfp4` rounds it; a group
+    exact where each of its values is its code's value times the scale, cast to the values' dtype (exact in fp32 and
+    bf16 alike), so that the comparison is exact in the dtype the values come in."""
+    *lead, rows, columns = values.shape
+    grouped = values.reshape(*lead, rows, columns // MXFP4_GROUP, MXFP4_GROUP)
+    powers = exponents.astype(np.int32)[..., None] - 127
+    with np.errstate(over="ignore", invalid="ignore"):  # values past bf16's range: no e2m1 code gives them
+        codes = E2M1_OF_BF16[np.ldexp(grouped.astype(np.float32), -powers).astype(dtypes.bfloat16).view(np.uint16)]
+        given = np.ldexp(np.array(FP4_VALUES, dtype=np.float32)[codes], powers).astype(values.dtype)
+    return codes, (given == grouped).all(-1)
+
+
+def quantize_mxfp4(values: np.ndarray, source_exponents: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(uint8 blocks [..., rows, columns / 32, 16], uint8 scales [..., rows, columns / 32]): the inverse of
     `dequantize_mxfp4` for `values` [..., rows, columns], computed as triton_kernels' `downcast_to_mxfp` computes it
     (the quantizer that gpt-oss's reference and transformers' `quantize_to_mxfp4` call) with its default rounding of
@@ -257,7 +298,10 @@ def quantize_mxfp4(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     floor(log2(amax)) - 2 gives the same scale where a group's largest value quantizes to 4 or 6, and a smaller one
     where it would quantize to 3, which the rounding up gives); its exponent bits are the stored byte (biased by
     127), and a group of zeros gets 0. Each value times the scale's reciprocal is rounded to the nearest e2m1 (ties
-    to even), clamped to +-6, its sign kept (a small negative value is -0); two a byte, the first in the low 4 bits."""
+    to even), clamped to +-6, its sign kept (a small negative value is -0); two a byte, the first in the low 4 bits.
+    With `source_exponents` (a release's), a group whose values are exactly e2m1 values times its source scale
+    (`mxfp4_on_scales`) keeps that scale and those codes, the release's bytes for a weight left as the release gave
+    it: where its largest value is 3 times its scale or less, its values quantized afresh would get a smaller scale."""
     *lead, rows, columns = values.shape
     grouped = values.astype(dtypes.bfloat16).reshape(*lead, rows, columns // MXFP4_GROUP, MXFP4_GROUP)
     # A finite bf16 value's magnitude orders as its bits less the sign; as fp32, the bits shifted up 16.
@@ -267,5 +311,10 @@ def quantize_mxfp4(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scaled = grouped.astype(np.float32)
     scaled *= np.divide(1, powers, out=np.zeros_like(powers), where=powers > 0)[..., None]
     codes = E2M1_OF_BF16[scaled.astype(dtypes.bfloat16).view(np.uint16)]
+    stored = (exponents >> 23).astype(np.uint8)
+    if source_exponents is not None:
+        kept, exact = mxfp4_on_scales(values, source_exponents)
+        codes = np.where(exact[..., None], kept, codes)
+        stored = np.where(exact, source_exponents, stored)
     pairs = codes.reshape(*lead, rows, columns // MXFP4_GROUP, MXFP4_GROUP // 2, 2)
-    return pairs[..., 0] | pairs[..., 1] << 4, (exponents >> 23).astype(np.uint8)
+    return pairs[..., 0] | pairs[..., 1] << 4, stored
