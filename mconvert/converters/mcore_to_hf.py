@@ -30,6 +30,7 @@ from mconvert.converters.hf_to_mcore import fused_expert_layers
 from mconvert.converters.parallel import Buffers, Ranks, assign, check_workers, run_pieces
 from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
 from mconvert.converters.progress import NoProgress, Progress
+from mconvert.converters.transformers_check import check_against_transformers
 from mconvert.dtypes import cast, dtype_of
 from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
@@ -315,6 +316,7 @@ class HFExport:
     # The tensors written quantized, as the --hf-config checkpoint stores them (`quantize`), and how (Unquantized.what).
     quantized: int = 0
     quantized_as: str = ""
+    checked: str = ""  # what the export was checked against (transformers_check), or why it was not
 
 
 def convert_mcore_to_hf(
@@ -351,6 +353,7 @@ def convert_mcore_to_hf(
     beside = copied_back(plan.family, hf_config_dir)
     export = quantized_export(quantize, hf_config_dir, reference, plan)
     config = export.config(config)
+    checked = check_against_transformers(plan, config, [*plan.hf_shapes(), *beside])
 
     with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
         hf_shapes = plan.hf_shapes()
@@ -386,5 +389,5 @@ def convert_mcore_to_hf(
     files = tuple(sorted(p.name for p in save_dir.iterdir()))
     dequantized = bool(quantization_config(plan.spec.hf_config)) and not export.names
     return HFExport(
-        plan, config, files, copied=len(beside), source_format=source.format, dequantized=dequantized, quantized=len(export.names), quantized_as=export.what
+        plan, config, files, copied=len(beside), source_format=source.format, dequantized=dequantized, quantized=len(export.names), quantized_as=export.what, checked=checked
     )
