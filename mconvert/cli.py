@@ -200,7 +200,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
         f"{plan.dtype.name}{f', the LoRA adapter of {options.adapter} merged in' if options.adapter else ''}, "
         + _summary(started, iteration_dir(Path(options.load_dir), options.iteration), save_dir)
     )
-    print(result.checked)  # what the export's tensors were checked against
+    print(*result.notes, sep="\n")  # what the export's tensors were checked against, what it left out
     if result.quantized:
         print(f"wrote {result.quantized} tensors {result.quantized_as}, and the quantization_config, as {options.hf_config} stores them")
     elif result.dequantized:

@@ -147,8 +147,8 @@ def test_a_config_of_a_class_without_a_tensor_the_export_writes_is_an_extra_tens
     assert_nothing_left(tmp_path / "back")
 
 
-def with_tensor(mcore, out, key: str, shape: tuple[int, ...], like: str) -> None:
-    """The torch_dist save `mcore` rewritten into `out` with one more tensor `key` (of `like`'s dtype)."""
+def with_tensors(mcore, out, tensors: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    """The torch_dist save `mcore` rewritten into `out` with more tensors: key -> (shape, the key whose dtype it has)."""
     release = mcore / RELEASE
     dcp = DCPCheckpoint(release)
     (out / RELEASE).mkdir(parents=True)
@@ -156,12 +156,15 @@ def with_tensor(mcore, out, key: str, shape: tuple[int, ...], like: str) -> None
     for name in ("common.pt", "metadata.json"):
         shutil.copy(release / name, out / RELEASE / name)
     writer = dcp_writer.DCPWriter(out / RELEASE)
+    added = {key: (shape, dcp.dtypes[like]) for key, (shape, like) in tensors.items()}
     for name, stored in dcp.shapes.items():
         writer.declare(name, stored, dcp.dtypes[name])
-    writer.declare(key, shape, dcp.dtypes[like])
+    for key, (shape, dtype) in added.items():
+        writer.declare(key, shape, dtype)
     for name, stored in dcp.shapes.items():
         writer.write_chunk(name, (0,) * len(stored), dcp.read_region(name, (0,) * len(stored), stored))
-    writer.write_chunk(key, (0,) * len(shape), torch.zeros(shape, dtype=dcp.dtypes[like]))
+    for key, (shape, dtype) in added.items():
+        writer.write_chunk(key, (0,) * len(shape), torch.zeros(shape, dtype=dtype))
     writer.finish()
 
 
@@ -175,7 +178,7 @@ def with_tensor(mcore, out, key: str, shape: tuple[int, ...], like: str) -> None
 def test_a_save_tensor_nothing_reads_is_named_in_one_line(key, hf_model_factory, tmp_path):
     hf = hf_model_factory("llama-3.1-8b")
     convert_hf_to_mcore(hf, tmp_path / "mcore")
-    with_tensor(tmp_path / "mcore", tmp_path / "extra", key, (4, 8), "embedding.word_embeddings.weight")
+    with_tensors(tmp_path / "mcore", tmp_path / "extra", {key: ((4, 8), "embedding.word_embeddings.weight")})
     failed = run_cli("mcore-to-hf", "--load-dir", tmp_path / "extra", "--save-dir", tmp_path / "back")
     assert_one_line_error(failed, f"tensor '{key}' is not used by the llama mapping")
     assert_nothing_left(tmp_path / "back")
@@ -188,9 +191,29 @@ def test_a_layer_beyond_num_layers_is_named_in_one_line(hf_model_factory, tmp_pa
     stored = DCPCheckpoint(tmp_path / "mcore" / RELEASE).shapes
     layer_key = next(key for key in stored if key.startswith("decoder.layers.1."))
     extra = layer_key.replace("decoder.layers.1.", "decoder.layers.2.")
-    with_tensor(tmp_path / "mcore", tmp_path / "extra", extra, stored[layer_key], layer_key)
+    with_tensors(tmp_path / "mcore", tmp_path / "extra", {extra: (stored[layer_key], layer_key)})
     capsys.readouterr()
     assert main(["mcore-to-hf", "--load-dir", str(tmp_path / "extra"), "--save-dir", str(tmp_path / "back")]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and f"tensor '{extra}' is not used by the qwen3_moe mapping" in err, err
     assert_nothing_left(tmp_path / "back")
+
+
+def test_mtp_layers_of_a_family_without_a_place_for_them_are_left_out_and_said_so(hf_model_factory, tmp_path):
+    """A Llama trained with Megatron-LM's --mtp-num-layers 1: LlamaForCausalLM's checkpoints have no place for the MTP
+    layer, which the export leaves out and says so (DeepSeek-V3's are written: the deepseek-v3-mtp case above)."""
+    hf = hf_model_factory("llama-3.1-8b")
+    convert_hf_to_mcore(hf, tmp_path / "mcore")
+    hidden = load_file(hf / "model.safetensors")["model.norm.weight"].shape[0]
+    mtp = {"mtp.layers.0.eh_proj.weight": ((hidden, 2 * hidden), "embedding.word_embeddings.weight"),
+           "mtp.layers.0.enorm.weight": ((hidden,), "embedding.word_embeddings.weight"),
+           "mtp.layers.0.transformer_layer.self_attention.linear_proj.weight": ((hidden, hidden), "embedding.word_embeddings.weight")}
+    with_tensors(tmp_path / "mcore", tmp_path / "mtp", mtp)
+    common = tmp_path / "mtp" / RELEASE / "common.pt"
+    state = torch.load(common, weights_only=False)
+    state["args"].mtp_num_layers = 1
+    torch.save(state, common)
+    code, printed = export(tmp_path / "mtp", tmp_path / "back")
+    assert code == 0
+    assert "left out 1 multi-token prediction layer(s) of the save: the llama HF format has no place for them" in printed, printed
+    assert hf_tensors(tmp_path / "back").keys() == hf_tensors(hf).keys()

@@ -30,7 +30,7 @@ from mconvert.converters.hf_to_mcore import fused_expert_layers
 from mconvert.converters.parallel import Buffers, Ranks, assign, check_workers, run_pieces
 from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
 from mconvert.converters.progress import NoProgress, Progress
-from mconvert.converters.transformers_check import check_against_transformers
+from mconvert.converters.whole_export import whole_export_notes
 from mconvert.dtypes import cast, dtype_of
 from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
@@ -168,9 +168,9 @@ def plan_export(
             f"not one of the dtypes of weights ({', '.join(DTYPES)})"
         )
     chosen = dtype if dtype is not None else stored
-    spec = dataclasses.replace(spec, dtype=dtype_of(chosen) if chosen is not None else spec.dtype)
-    # Without Megatron-LM's args (a peer's save), a model whose HF layers are single blocks (Nemotron-H) is a HybridModel:
-    # GPTModel cannot hold it.
+    # MTP layers only where the family's HF format has a place for them; a save's others are left out (whole_export).
+    spec = dataclasses.replace(spec, dtype=dtype_of(chosen) if chosen is not None else spec.dtype, mtp_layers=spec.mtp_layers * bool(family.table.mtp))
+    # Without Megatron-LM's args (a peer's save), a model of single-block HF layers (Nemotron-H) is a HybridModel.
     parallelism = parallelism_from_args(args) if args is not None else Parallelism(model_class="hybrid" if spec.layer_blocks else "gpt")
     plan = build_plan(family, spec, parallelism, spec.dtype, experts_as(spec))
     shapes = source.stored_shapes(plan)
@@ -180,7 +180,7 @@ def plan_export(
         plan = build_plan(family, spec, parallelism, spec.dtype, experts_as(spec))
         shapes = source.stored_shapes(plan)
     config = write_hf_config(family, spec)
-    check_stored(plan, shapes, source.location)
+    check_stored(plan, {key: shape for key, shape in shapes.items() if family.table.mtp or not key.startswith("mtp.")}, source.location)
     return plan, config
 
 
@@ -316,7 +316,7 @@ class HFExport:
     # The tensors written quantized, as the --hf-config checkpoint stores them (`quantize`), and how (Unquantized.what).
     quantized: int = 0
     quantized_as: str = ""
-    checked: str = ""  # what the export was checked against (transformers_check), or why it was not
+    notes: tuple[str, ...] = ()  # what the export was checked against, or why not, and what it left out (whole_export)
 
 
 def convert_mcore_to_hf(
@@ -353,7 +353,7 @@ def convert_mcore_to_hf(
     beside = copied_back(plan.family, hf_config_dir)
     export = quantized_export(quantize, hf_config_dir, reference, plan)
     config = export.config(config)
-    checked = check_against_transformers(plan, config, [*plan.hf_shapes(), *beside])
+    notes = whole_export_notes(plan, config, [*plan.hf_shapes(), *beside], mtp_layers_stored(source.stored_shapes(plan)))
 
     with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
         hf_shapes = plan.hf_shapes()
@@ -389,5 +389,5 @@ def convert_mcore_to_hf(
     files = tuple(sorted(p.name for p in save_dir.iterdir()))
     dequantized = bool(quantization_config(plan.spec.hf_config)) and not export.names
     return HFExport(
-        plan, config, files, copied=len(beside), source_format=source.format, dequantized=dequantized, quantized=len(export.names), quantized_as=export.what, checked=checked
+        plan, config, files, copied=len(beside), source_format=source.format, dequantized=dequantized, quantized=len(export.names), quantized_as=export.what, notes=notes
     )

@@ -1,6 +1,10 @@
-"""The export checked whole before a byte is written: the HF tensors it writes are those transformers' class for the
+"""What mcore-to-hf loses, said or refused, before a byte is written (the save's side, every stored tensor read or the
+optimizer's: mcore_to_hf.check_stored). The HF tensors the export writes are those transformers' class for the
 config.json it writes holds, no fewer and no more (a peer's export that drops a layer's experts or the output layer
-without a word is loaded by transformers with a warning and random weights).
+without a word is loaded by transformers with a warning and random weights); multi-token prediction layers are
+written where the family's HF format has a place for them (DeepSeek-V3's and GLM's layers from num_hidden_layers on,
+Qwen3.5's and Qwen3-Next's `mtp.`, Nemotron-H's `mtp.layers.`) and left out, said so, where it has none (a family
+table without `mtp` entries: Llama, Qwen3, ... trained with Megatron-LM's --mtp-num-layers).
 
 The class is built on the meta device (no memory, offline) as `mconvert verify` picks it (verify/hf_side.py): the one
 config.json's `architectures` names, the transformers class a checkpoint shipping its own code is read as, or, for
@@ -115,6 +119,15 @@ def loaded_names(model: Any, names: Iterable[str]) -> dict[str, str]:
         renamed, _ = rename_source_key(name, renamings, converters, model.base_model_prefix, state)
         loaded[name] = name if renamed not in state and name in state else renamed
     return loaded
+
+
+def whole_export_notes(plan: Plan, config: dict[str, Any], written: Iterable[str], mtp_stored: int) -> tuple[str, ...]:
+    """What the summary says of the export's tensors `written` (the plan's and those copied back), from a save holding
+    `mtp_stored` MTP layers: what they were checked against (check_against_transformers), and the MTP layers left out."""
+    notes = (check_against_transformers(plan, config, written),)
+    if mtp_stored and not plan.family.table.mtp:
+        notes += (f"left out {mtp_stored} multi-token prediction layer(s) of the save: the {plan.family.name} HF format has no place for them",)
+    return notes
 
 
 def check_against_transformers(plan: Plan, config: dict[str, Any], written: Iterable[str]) -> str:
