@@ -104,11 +104,7 @@ def loaded_names(model: Any, names: Iterable[str]) -> dict[str, str]:
     state = model.state_dict()
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (
-            WeightConverter,
-            WeightRenaming,
-            rename_source_key,
-        )
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
     except ImportError:  # transformers before v5 loads checkpoints by the model's own names
         return {name: name for name in names}
     mapping = get_model_conversion_mapping(model)
@@ -159,7 +155,7 @@ def check_against_transformers(plan: Plan, config: dict[str, Any], written: Iter
         )
     notes = [f"{len(unheld)} of the multi-token prediction layers, which it does not hold"] if unheld else []
     if beside:
-        what = " and ".join(what for prefix, what in plan.family.table.left_out if any(name.startswith(prefix) for name in beside))
-        notes.append(f"{len(beside)} copied back beside it ({what}), which transformers has no class for")
+        kinds = [what for start, what in plan.family.table.left_out if any(name.startswith(start) for name in beside)]
+        notes.append(f"{len(beside)} copied back beside it ({' and '.join(kinds)}), which transformers has no class for")
     also = f" (beside them: {'; '.join(notes)})" if notes else ""
     return f"checked against transformers' {architecture}: every tensor it holds is written, and no other{also}"
