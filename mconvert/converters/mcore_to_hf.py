@@ -30,7 +30,7 @@ from mconvert.converters.hf_to_mcore import fused_expert_layers
 from mconvert.converters.parallel import Buffers, Ranks, assign, check_workers, run_pieces
 from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
 from mconvert.converters.progress import NoProgress, Progress
-from mconvert.converters.whole_export import whole_export_notes
+from mconvert.converters.whole_export import check_stored, mtp_layers_stored, whole_export_notes
 from mconvert.dtypes import cast, dtype_of
 from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
@@ -95,39 +95,6 @@ def model_args(args: argparse.Namespace | None) -> argparse.Namespace | None:
     """The stored args where they describe the model, as Megatron-LM's always do; None where they describe none:
     ms-swift stores its own training arguments in their place and keeps the model's settings in args.json."""
     return args if getattr(args, "num_layers", None) is not None else None
-
-
-def mtp_layers_stored(shapes: dict[str, Shape]) -> int:
-    """The multi-token prediction layers a checkpoint holds (`mtp.layers.<m>.`, GPTModel's and HybridModel's)."""
-    return len({key.split(".")[2] for key in shapes if key.startswith("mtp.layers.")})
-
-
-def check_stored(plan: Plan, shapes: dict[str, Shape], location: str) -> None:
-    """Every tensor the plan reads is stored with the shape the model implies (vocabulary rows: at least the
-    real vocabulary, padded however the saver padded), and no stored model weight is left unread."""
-    for piece in plan.pieces:
-        key = stored_key(piece, shapes)
-        if key not in shapes:
-            raise ConversionError(f"{location}: tensor '{key}' is missing from the checkpoint")
-        expected, stored = plan.shapes[piece.key], shapes[key]
-        rows = len(piece.offsets)
-        if piece.layout.real_rows is not None and len(stored) == len(expected) and stored[rows] >= piece.layout.real_rows:
-            expected = (*expected[:rows], stored[rows], *expected[rows + 1 :])
-        if tuple(stored) != tuple(expected):
-            raise ConversionError(
-                f"{location}: tensor '{key}' has shape {list(stored)}, the model's config implies {list(expected)}"
-            )
-    used = {key for piece in plan.pieces for key in piece.keys}
-    if not plan.spec.untie_embeddings:
-        # With tied embeddings and PP > 1, the last stage keeps a copy of the embedding as its output layer
-        # (legacy checkpoints store it): it is the embedding.
-        used.add("output_layer.weight")
-    unused = sorted(set(shapes) - used)
-    if unused:
-        raise ConversionError(
-            f"{location}: tensor '{unused[0]}' is not used by the {plan.family.name} mapping "
-            f"({len(unused)} such tensors; is the architecture right?)"
-        )
 
 
 def piece_hf_tensors(plan: Plan, piece: Piece, region: Any) -> list[tuple[HFRef, Any]]:

@@ -1,5 +1,5 @@
 """What mcore-to-hf loses, said or refused, before a byte is written (the save's side, every stored tensor read or the
-optimizer's: mcore_to_hf.check_stored). The HF tensors the export writes are those transformers' class for the
+optimizer's: check_stored). The HF tensors the export writes are those transformers' class for the
 config.json it writes holds, no fewer and no more (a peer's export that drops a layer's experts or the output layer
 without a word is loaded by transformers with a warning and random weights); multi-token prediction layers are
 written where the family's HF format has a place for them (DeepSeek-V3's and GLM's layers from num_hidden_layers on,
@@ -31,10 +31,12 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from mconvert.converters.mcore_sources import stored_key
 from mconvert.converters.plan import Plan
 from mconvert.errors import ConversionError
 from mconvert.mappings import language_model_of, remote_code_architecture
 
+Shape = tuple[int, ...]
 # How many names an error or note shows.
 SHOWN = 3
 
@@ -67,8 +69,8 @@ def transformers_model(config: dict[str, Any]) -> tuple[Any, str] | str:
     try:
         import torch
         import transformers
-    except ImportError:
-        return "transformers is not installed"
+    except ImportError as error:
+        return f"{error.name or 'transformers'} is not installed"
     fields = {key: value for key, value in config.items() if key not in ("auto_map", "model_type")}
     prefix, model_type = "", config.get("model_type")
     taken, inside = remote_code_architecture(config), language_model_of(config)
@@ -115,6 +117,39 @@ def loaded_names(model: Any, names: Iterable[str]) -> dict[str, str]:
         renamed, _ = rename_source_key(name, renamings, converters, model.base_model_prefix, state)
         loaded[name] = name if renamed not in state and name in state else renamed
     return loaded
+
+
+def mtp_layers_stored(shapes: dict[str, Shape]) -> int:
+    """The multi-token prediction layers a checkpoint holds (`mtp.layers.<m>.`, GPTModel's and HybridModel's)."""
+    return len({key.split(".")[2] for key in shapes if key.startswith("mtp.layers.")})
+
+
+def check_stored(plan: Plan, shapes: dict[str, Shape], location: str) -> None:
+    """Every tensor the plan reads is stored with the shape the model implies (vocabulary rows: at least the
+    real vocabulary, padded however the saver padded), and no stored model weight is left unread."""
+    for piece in plan.pieces:
+        key = stored_key(piece, shapes)
+        if key not in shapes:
+            raise ConversionError(f"{location}: tensor '{key}' is missing from the checkpoint")
+        expected, stored = plan.shapes[piece.key], shapes[key]
+        rows = len(piece.offsets)
+        if piece.layout.real_rows is not None and len(stored) == len(expected) and stored[rows] >= piece.layout.real_rows:
+            expected = (*expected[:rows], stored[rows], *expected[rows + 1 :])
+        if tuple(stored) != tuple(expected):
+            raise ConversionError(
+                f"{location}: tensor '{key}' has shape {list(stored)}, the model's config implies {list(expected)}"
+            )
+    used = {key for piece in plan.pieces for key in piece.keys}
+    if not plan.spec.untie_embeddings:
+        # With tied embeddings and PP > 1, the last stage keeps a copy of the embedding as its output layer
+        # (legacy checkpoints store it): it is the embedding.
+        used.add("output_layer.weight")
+    unused = sorted(set(shapes) - used)
+    if unused:
+        raise ConversionError(
+            f"{location}: tensor '{unused[0]}' is not used by the {plan.family.name} mapping "
+            f"({len(unused)} such tensors; is the architecture right?)"
+        )
 
 
 def whole_export_notes(plan: Plan, config: dict[str, Any], written: Iterable[str], mtp_stored: int) -> tuple[str, ...]:
