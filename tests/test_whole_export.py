@@ -14,6 +14,7 @@ import json
 import re
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -164,7 +165,7 @@ def with_tensors(mcore, out, tensors: dict[str, tuple[tuple[int, ...], str]]) ->
     for name, stored in dcp.shapes.items():
         writer.write_chunk(name, (0,) * len(stored), dcp.read_region(name, (0,) * len(stored), stored))
     for key, (shape, dtype) in added.items():
-        writer.write_chunk(key, (0,) * len(shape), torch.zeros(shape, dtype=dtype))
+        writer.write_chunk(key, (0,) * len(shape), np.zeros(shape, dtype=dtype))
     writer.finish()
 
 
