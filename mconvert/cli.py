@@ -173,10 +173,8 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
     from mconvert.mcore.checkpoint import iteration_dir
 
     started = time.perf_counter()
-    hf_config = (
-        resolve_hf_dir(options.hf_config, "--hf-config", weights=False, revision=options.revision)
-        if options.hf_config is not None else None
-    )
+    hf_config = (resolve_hf_dir(options.hf_config, "--hf-config", weights=False, revision=options.revision)
+                 if options.hf_config is not None else None)
     save_dir = Path(options.save_dir)
     progress = progress_for("mcore-to-hf", options.quiet)
     try:
@@ -202,6 +200,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
         f"{plan.dtype.name}{f', the LoRA adapter of {options.adapter} merged in' if options.adapter else ''}, "
         + _summary(started, iteration_dir(Path(options.load_dir), options.iteration), save_dir)
     )
+    print(*result.notes, sep="\n")  # what the export's tensors were checked against, what it left out
     if result.quantized:
         print(f"wrote {result.quantized} tensors {result.quantized_as}, and the quantization_config, as {options.hf_config} stores them")
     elif result.dequantized:

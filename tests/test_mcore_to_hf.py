@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import shutil
 import subprocess
@@ -36,6 +37,8 @@ from mconvert.mcore.parallelism import Parallelism
 from mconvert.megatron_lm.args import megatron_args
 from mconvert.megatron_lm.spec_from_args import spec_from_args
 from mconvert.synthetic import add_mtp_layers, make_hf_checkpoint, real_config, shrink
+from tests.cli_runner import REPO
+from tests.test_optional_packages import BLOCKER
 
 # id: (real config, overrides)
 MODELS = {
@@ -273,24 +276,29 @@ def test_metadata_that_records_the_checkpoints_path_is_read(hf_model_factory, tm
     assert read_hf(tmp_path / "back").keys() == read_hf(hf).keys()
 
 
-def dcp_modules_imported_by(argv: list[str], package: str = "torch.distributed.checkpoint") -> str:
+def dcp_modules_imported_by(argv: list[str], package: str = "torch.distributed.checkpoint", env: dict | None = None) -> str:
     """The modules of `package` that mconvert's command line `argv` imports, run to success in a fresh interpreter."""
     program = (
         "import sys; from mconvert.cli import main; code = main(sys.argv[1:]); "
         f"print(sorted(m for m in sys.modules if m == {package!r} or m.startswith({package + '.'!r}))); sys.exit(code)"
     )
-    done = subprocess.run([sys.executable, "-c", program, *argv], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", program, *argv], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().splitlines()[-1]
 
 
 def test_the_export_reads_dcp_metadata_without_torchs_dcp_package(hf_model_factory, tmp_path):
     """`.metadata` is read into plain records (importing torch.distributed.checkpoint is a third of the start):
-    the whole conversion runs without that package, and the records say what torch's own classes say."""
+    the whole conversion runs without that package, and the records say what torch's own classes say. (transformers'
+    import brings it, for the check against transformers' class: a conversion-only install, without transformers, is
+    what runs here.)"""
     hf = hf_model_factory("qwen3-30b-a3b", layers=2)
     convert_hf_to_mcore(hf, tmp_path / "mcore", parallelism=Parallelism(tp=2, ep=2))
     argv = ["mcore-to-hf", "--load-dir", str(tmp_path / "mcore"), "--save-dir", str(tmp_path / "back")]
-    assert dcp_modules_imported_by(argv) == "[]"
+    (tmp_path / "blocker").mkdir()
+    (tmp_path / "blocker" / "sitecustomize.py").write_text(BLOCKER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "blocker"), str(REPO)])}
+    assert dcp_modules_imported_by(argv, env=env) == "[]"
     assert sorted(HFCheckpoint(tmp_path / "back").tensors) == sorted(HFCheckpoint(hf).tensors)
 
     release = tmp_path / "mcore" / RELEASE

@@ -58,6 +58,7 @@ def test_a_conversion_only_install_converts_both_ways(conversion_only, models, t
     back = run_cli("mcore-to-hf", "--load-dir", tmp_path / "mcore", "--save-dir", tmp_path / "hf", python_path=conversion_only)
     assert back.returncode == 0, back.stderr
     assert (tmp_path / "hf" / "config.json").exists()
+    assert "not checked against transformers' class: transformers is not installed" in back.stdout
 
 
 def test_verify_without_megatron_core_and_transformers(conversion_only, models, tmp_path):

@@ -23,7 +23,7 @@ from mconvert.formats.dcp import DCPCheckpoint
 from mconvert.formats.legacy_torch import is_legacy_checkpoint
 from mconvert.mcore import fsdp_dtensor
 from mconvert.mcore.checkpoint import iteration_dir, read_common_args
-from mconvert.mcore.layout import MODEL_KEY_PREFIXES
+from mconvert.mcore.layout import MODEL_KEY_PREFIXES, OPTIMIZER_KEY
 
 Shape = tuple[int, ...]
 
@@ -87,7 +87,7 @@ class TorchDistTensors:
         return self.dcp.dtypes.get("embedding.word_embeddings.weight")
 
     def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
-        return {k: v for k, v in self.dcp.shapes.items() if k.startswith(MODEL_KEY_PREFIXES)}
+        return {k: v for k, v in self.dcp.shapes.items() if not OPTIMIZER_KEY.match(k)}
 
     def read_piece(self, piece: Piece, into: np.ndarray | None = None) -> np.ndarray:
         key = stored_key(piece, self.dcp.shapes)

@@ -30,6 +30,7 @@ from mconvert.converters.hf_to_mcore import fused_expert_layers
 from mconvert.converters.parallel import Buffers, Ranks, assign, check_workers, run_pieces
 from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
 from mconvert.converters.progress import NoProgress, Progress
+from mconvert.converters.whole_export import check_stored, mtp_layers_stored, whole_export_notes
 from mconvert.dtypes import cast, dtype_of
 from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
@@ -96,39 +97,6 @@ def model_args(args: argparse.Namespace | None) -> argparse.Namespace | None:
     return args if getattr(args, "num_layers", None) is not None else None
 
 
-def mtp_layers_stored(shapes: dict[str, Shape]) -> int:
-    """The multi-token prediction layers a checkpoint holds (`mtp.layers.<m>.`, GPTModel's and HybridModel's)."""
-    return len({key.split(".")[2] for key in shapes if key.startswith("mtp.layers.")})
-
-
-def check_stored(plan: Plan, shapes: dict[str, Shape], location: str) -> None:
-    """Every tensor the plan reads is stored with the shape the model implies (vocabulary rows: at least the
-    real vocabulary, padded however the saver padded), and no stored model weight is left unread."""
-    for piece in plan.pieces:
-        key = stored_key(piece, shapes)
-        if key not in shapes:
-            raise ConversionError(f"{location}: tensor '{key}' is missing from the checkpoint")
-        expected, stored = plan.shapes[piece.key], shapes[key]
-        rows = len(piece.offsets)
-        if piece.layout.real_rows is not None and len(stored) == len(expected) and stored[rows] >= piece.layout.real_rows:
-            expected = (*expected[:rows], stored[rows], *expected[rows + 1 :])
-        if tuple(stored) != tuple(expected):
-            raise ConversionError(
-                f"{location}: tensor '{key}' has shape {list(stored)}, the model's config implies {list(expected)}"
-            )
-    used = {key for piece in plan.pieces for key in piece.keys}
-    if not plan.spec.untie_embeddings:
-        # With tied embeddings and PP > 1, the last stage keeps a copy of the embedding as its output layer
-        # (legacy checkpoints store it): it is the embedding.
-        used.add("output_layer.weight")
-    unused = sorted(set(shapes) - used)
-    if unused:
-        raise ConversionError(
-            f"{location}: tensor '{unused[0]}' is not used by the {plan.family.name} mapping "
-            f"({len(unused)} such tensors; is the architecture right?)"
-        )
-
-
 def piece_hf_tensors(plan: Plan, piece: Piece, region: Any) -> list[tuple[HFRef, Any]]:
     """The HF tensors (or slices `ref.index` of them) of one piece, from its stored region."""
     if piece.layout.real_rows is not None:
@@ -167,9 +135,9 @@ def plan_export(
             f"not one of the dtypes of weights ({', '.join(DTYPES)})"
         )
     chosen = dtype if dtype is not None else stored
-    spec = dataclasses.replace(spec, dtype=dtype_of(chosen) if chosen is not None else spec.dtype)
-    # Without Megatron-LM's args (a peer's save), a model whose HF layers are single blocks (Nemotron-H) is a HybridModel:
-    # GPTModel cannot hold it.
+    # MTP layers only where the family's HF format has a place for them; a save's others are left out (whole_export).
+    spec = dataclasses.replace(spec, dtype=dtype_of(chosen) if chosen is not None else spec.dtype, mtp_layers=spec.mtp_layers * bool(family.table.mtp))
+    # Without Megatron-LM's args (a peer's save), a model of single-block HF layers (Nemotron-H) is a HybridModel.
     parallelism = parallelism_from_args(args) if args is not None else Parallelism(model_class="hybrid" if spec.layer_blocks else "gpt")
     plan = build_plan(family, spec, parallelism, spec.dtype, experts_as(spec))
     shapes = source.stored_shapes(plan)
@@ -179,7 +147,7 @@ def plan_export(
         plan = build_plan(family, spec, parallelism, spec.dtype, experts_as(spec))
         shapes = source.stored_shapes(plan)
     config = write_hf_config(family, spec)
-    check_stored(plan, shapes, source.location)
+    check_stored(plan, {key: shape for key, shape in shapes.items() if family.table.mtp or not key.startswith("mtp.")}, source.location)
     return plan, config
 
 
@@ -315,6 +283,7 @@ class HFExport:
     # The tensors written quantized, as the --hf-config checkpoint stores them (`quantize`), and how (Unquantized.what).
     quantized: int = 0
     quantized_as: str = ""
+    notes: tuple[str, ...] = ()  # what the export was checked against, or why not, and what it left out (whole_export)
 
 
 def convert_mcore_to_hf(
@@ -351,6 +320,7 @@ def convert_mcore_to_hf(
     beside = copied_back(plan.family, hf_config_dir)
     export = quantized_export(quantize, hf_config_dir, reference, plan)
     config = export.config(config)
+    notes = whole_export_notes(plan, config, [*plan.hf_shapes(), *beside], mtp_layers_stored(source.stored_shapes(plan)))
 
     with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
         hf_shapes = plan.hf_shapes()
@@ -386,5 +356,5 @@ def convert_mcore_to_hf(
     files = tuple(sorted(p.name for p in save_dir.iterdir()))
     dequantized = bool(quantization_config(plan.spec.hf_config)) and not export.names
     return HFExport(
-        plan, config, files, copied=len(beside), source_format=source.format, dequantized=dequantized, quantized=len(export.names), quantized_as=export.what
+        plan, config, files, copied=len(beside), source_format=source.format, dequantized=dequantized, quantized=len(export.names), quantized_as=export.what, notes=notes
     )

@@ -6,6 +6,7 @@ per-rank chunks."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,11 @@ Shape = tuple[int, ...]
 # Checkpoint keys that hold model weights; others (optimizer state, RNG state, `_extra_state`) are not read.
 # `mtp.` holds the multi-token prediction layers.
 MODEL_KEY_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
+# The optimizer's tensors in a torch_dist save: megatron-core's `optimizer.` (its distributed optimizer's
+# `optimizer.distributed.`), each optimizer of a ChainedOptimizer under `chained_<i>.`. Every other tensor of a save
+# is the model's, read or refused by the export (an unknown module, a layer the model has not); objects (RNG states,
+# `_extra_state`) are not tensors.
+OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 # Megatron-Core's module path of routed experts: the MoE layer's `experts` module holds its own `experts`.
 EXPERTS_PREFIX = "mlp.experts.experts."
 # The MoE post-attention norm: a module of its own under the Transformer Engine spec; the local spec stores it

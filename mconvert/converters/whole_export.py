@@ -1,0 +1,196 @@
+"""What mcore-to-hf loses, said or refused, before a byte is written (the save's side, every stored tensor read or the
+optimizer's: check_stored). The HF tensors the export writes are those transformers' class for the
+config.json it writes holds, no fewer and no more (a peer's export that drops a layer's experts or the output layer
+without a word is loaded by transformers with a warning and random weights); multi-token prediction layers are
+written where the family's HF format has a place for them (DeepSeek-V3's and GLM's layers from num_hidden_layers on,
+Qwen3.5's and Qwen3-Next's `mtp.`, Nemotron-H's `mtp.layers.`) and left out, said so, where it has none (a family
+table without `mtp` entries: Llama, Qwen3, ... trained with Megatron-LM's --mtp-num-layers).
+
+The class is built on the meta device (no memory, offline) as `mconvert verify` picks it (verify/hf_side.py): the one
+config.json's `architectures` names, the transformers class a checkpoint shipping its own code is read as, or, for
+an image-text model transformers has no class for (Kimi-K2.5), its language model's class from text_config, under
+the language model's prefix. Each written name is taken to the class's own name as transformers' loading takes it
+(its conversion mapping: v5 holds experts fused in memory, whichever layout the files have), and then:
+
+- missing: a tensor of the class's state dict no written name loads, except those the class ties to another
+  (`all_tied_weights_keys`: a tied lm_head, which transformers does not write either); buffers transformers
+  recomputes (rope's inv_freq) are not persistent, so not in the state dict at all;
+- extra: a written name that loads into nothing, except the multi-token prediction layers' (the plan's MTP pieces),
+  which transformers' classes do not hold (they drop them on load: DeepSeek-V3's `_keys_to_ignore_on_load_unexpected`),
+  and what the family copies back beside a class transformers lacks (Kimi-K2.5's vision tower).
+
+A quantized export (--quantize as-source) is checked by the tensors it quantizes: their scales and packed parts are
+written for them by the format (converters/quantized_export.py), and the class is built unquantized. Without
+transformers, or where it has no class for the config or cannot build it, the check is skipped and the summary says
+so: the check's absence is not an error of the export.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from mconvert.converters.mcore_sources import stored_key
+from mconvert.converters.plan import Plan
+from mconvert.errors import ConversionError
+from mconvert.mappings import language_model_of, remote_code_architecture
+
+Shape = tuple[int, ...]
+# How many names an error or note shows.
+SHOWN = 3
+
+
+def mtp_names(plan: Plan) -> set[str]:
+    """The HF tensors of the plan's multi-token prediction layers: their own, their decoder layers' and their copies
+    of the embedding and head."""
+    return {ref.name for piece in plan.pieces if piece.copy or piece.key.startswith("mtp.") for ref in piece.sources}
+
+
+def listed(names: list[str]) -> str:
+    shown = ", ".join(f"'{name}'" for name in names[:SHOWN])
+    return shown + (f" and {len(names) - SHOWN} more" if len(names) > SHOWN else "")
+
+
+@contextlib.contextmanager
+def quiet(transformers: Any) -> Iterator[None]:
+    """transformers' warnings about building a model from a config (no weights yet) held back."""
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+
+
+def transformers_model(config: dict[str, Any]) -> tuple[Any, str] | str:
+    """(transformers' model of `config` on the meta device, the prefix of its tensors in the checkpoint), or why
+    there is none."""
+    try:
+        import torch
+        import transformers
+    except ImportError as error:
+        return f"{error.name or 'transformers'} is not installed"
+    fields = {key: value for key, value in config.items() if key not in ("auto_map", "model_type")}
+    prefix, model_type = "", config.get("model_type")
+    taken, inside = remote_code_architecture(config), language_model_of(config)
+    if inside is not None:
+        text = config["text_config"]
+        family, architecture, prefix = inside
+        fields = {key: value for key, value in text.items() if key not in ("auto_map", "model_type")}
+        fields["tie_word_embeddings"] = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        model_type = family.hf_model_type(text)
+    elif taken is not None:
+        family, architecture = taken
+        model_type = family.hf_model_type(config)
+    else:
+        architecture = (config.get("architectures") or ["?"])[0]
+    fields.pop("quantization_config", None)  # built unquantized: the quantized tensors are checked as their weights
+    # As transformers reads a config.json: its encoding of inf and NaN (Nemotron-H's time_step_limit) decoded.
+    fields = getattr(transformers.PretrainedConfig, "_decode_special_floats", lambda fields: fields)(fields)
+    model_class = getattr(transformers, architecture, None)
+    if model_class is None:
+        return f"transformers {transformers.__version__} has no class {architecture}"
+    try:
+        with quiet(transformers), torch.device("meta"):
+            model = model_class._from_config(transformers.AutoConfig.for_model(model_type, **fields))
+    except Exception as error:  # noqa: BLE001 (any failure to build it is the class's, not the export's)
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return f"transformers {transformers.__version__} cannot build {architecture} from it ({reason})"
+    return model, prefix
+
+
+def loaded_names(model: Any, names: Iterable[str]) -> dict[str, str]:
+    """Each checkpoint name, and the name of the model's tensor transformers' loading puts it in (itself where it
+    puts it nowhere)."""
+    state = model.state_dict()
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # transformers before v5 loads checkpoints by the model's own names
+        return {name: name for name in names}
+    mapping = get_model_conversion_mapping(model)
+    renamings = [entry for entry in mapping if isinstance(entry, WeightRenaming)]
+    converters = [entry for entry in mapping if isinstance(entry, WeightConverter)]
+    loaded = {}
+    for name in names:
+        renamed, _ = rename_source_key(name, renamings, converters, model.base_model_prefix, state)
+        loaded[name] = name if renamed not in state and name in state else renamed
+    return loaded
+
+
+def mtp_layers_stored(shapes: dict[str, Shape]) -> int:
+    """The multi-token prediction layers a checkpoint holds (`mtp.layers.<m>.`, GPTModel's and HybridModel's)."""
+    return len({key.split(".")[2] for key in shapes if key.startswith("mtp.layers.")})
+
+
+def check_stored(plan: Plan, shapes: dict[str, Shape], location: str) -> None:
+    """Every tensor the plan reads is stored with the shape the model implies (vocabulary rows: at least the
+    real vocabulary, padded however the saver padded), and no stored model weight is left unread."""
+    for piece in plan.pieces:
+        key = stored_key(piece, shapes)
+        if key not in shapes:
+            raise ConversionError(f"{location}: tensor '{key}' is missing from the checkpoint")
+        expected, stored = plan.shapes[piece.key], shapes[key]
+        rows = len(piece.offsets)
+        if piece.layout.real_rows is not None and len(stored) == len(expected) and stored[rows] >= piece.layout.real_rows:
+            expected = (*expected[:rows], stored[rows], *expected[rows + 1 :])
+        if tuple(stored) != tuple(expected):
+            raise ConversionError(
+                f"{location}: tensor '{key}' has shape {list(stored)}, the model's config implies {list(expected)}"
+            )
+    used = {key for piece in plan.pieces for key in piece.keys}
+    if not plan.spec.untie_embeddings:
+        # With tied embeddings and PP > 1, the last stage keeps a copy of the embedding as its output layer
+        # (legacy checkpoints store it): it is the embedding.
+        used.add("output_layer.weight")
+    unused = sorted(set(shapes) - used)
+    if unused:
+        raise ConversionError(
+            f"{location}: tensor '{unused[0]}' is not used by the {plan.family.name} mapping "
+            f"({len(unused)} such tensors; is the architecture right?)"
+        )
+
+
+def whole_export_notes(plan: Plan, config: dict[str, Any], written: Iterable[str], mtp_stored: int) -> tuple[str, ...]:
+    """What the summary says of the export's tensors `written` (the plan's and those copied back), from a save holding
+    `mtp_stored` MTP layers: what they were checked against (check_against_transformers), and the MTP layers left out."""
+    notes = (check_against_transformers(plan, config, written),)
+    if mtp_stored and not plan.family.table.mtp:
+        notes += (f"left out {mtp_stored} multi-token prediction layer(s) of the save: the {plan.family.name} HF format has no place for them",)
+    return notes
+
+
+def check_against_transformers(plan: Plan, config: dict[str, Any], written: Iterable[str]) -> str:
+    """Refuse an export whose HF tensors `written` (the plan's and those copied back) miss a tensor that transformers'
+    class for `config` holds, or hold one it does not; the line the summary prints: what was checked, or why not."""
+    built = transformers_model(config)
+    if isinstance(built, str):
+        return f"not checked against transformers' class: {built}"
+    model, prefix = built
+    architecture = type(model).__name__
+    written = sorted(written)
+    beside = [name for name in written if plan.family.table.left_out_by(name) and not name.startswith(prefix)] if prefix else []
+    own = {name.removeprefix(prefix): name for name in written if name not in beside}
+    loaded = loaded_names(model, own)
+    state = model.state_dict()
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    missing = sorted(set(state) - set(loaded.values()) - tied)
+    if missing:
+        raise ConversionError(
+            f"the export would leave out {len(missing)} tensor(s) that transformers' {architecture} holds: {listed(missing)} "
+            f"(the {plan.family.name} mapping writes nothing that loads into them)"
+        )
+    mtp = mtp_names(plan)
+    unheld = [own[name] for name, into in loaded.items() if into not in state]
+    extra = [name for name in unheld if name not in mtp]
+    if extra:
+        raise ConversionError(
+            f"the export would write {len(extra)} tensor(s) that transformers' {architecture} does not hold: {listed(extra)}"
+        )
+    notes = [f"{len(unheld)} of the multi-token prediction layers, which it does not hold"] if unheld else []
+    if beside:
+        kinds = [what for start, what in plan.family.table.left_out if any(name.startswith(start) for name in beside)]
+        notes.append(f"{len(beside)} copied back beside it ({' and '.join(kinds)}), which transformers has no class for")
+    also = f" (beside them: {'; '.join(notes)})" if notes else ""
+    return f"checked against transformers' {architecture}: every tensor it holds is written, and no other{also}"
