@@ -143,8 +143,9 @@ def test_overwrite_killed_between_its_renames(stopper, hf, reference, tmp_path):
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_interrupted_while_torch_is_imported_it_says_so_in_one_line(stopper, reference, tmp_path, sig):
-    """mcore-to-hf imports torch before the conversion starts (cli.run; hf-to-mcore never does): an interruption there
-    is the same one line and exit code as one during the conversion, no traceback, and nothing is written."""
+    """mcore-to-hf imports torch, with transformers, for its check against transformers' class before anything is
+    written (converters/whole_export.py; hf-to-mcore never does): an interruption there is the same one line and exit
+    code as one during the conversion, no traceback, and nothing is written."""
     out = tmp_path / "ckpt"
     stopped = stopped_at(stopper, ("import", "torch.nn", 1), sig, "mcore-to-hf", "--load-dir", reference, "--save-dir", out)
     assert stopped.returncode == 128 + getattr(signal, sig), stopped.stderr
