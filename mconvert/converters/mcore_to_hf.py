@@ -315,9 +315,10 @@ def convert_mcore_to_hf(
     check_target(save_dir, overwrite)
     source = open_megatron_checkpoint(load_dir, iteration)
     reference = read_hf_config(Path(hf_config_dir), "--hf-config") if hf_config_dir is not None else None
-    plan, config = plan_export(source, reference, dtype, model_size, original_tensors(hf_config_dir, reference))
+    original = original_tensors(hf_config_dir, reference)
+    plan, config = plan_export(source, reference, dtype, model_size, original)
     source = source if adapter is None else merged_with_adapter(source, adapter, plan)
-    beside = copied_back(plan.family, hf_config_dir)
+    beside = copied_back(plan.family, hf_config_dir, original)
     export = quantized_export(quantize, hf_config_dir, reference, plan)
     config = export.config(config)
     notes = whole_export_notes(plan, config, [*plan.hf_shapes(), *beside], mtp_layers_stored(source.stored_shapes(plan)))

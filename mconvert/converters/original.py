@@ -22,21 +22,21 @@ def original_tensors(hf_config_dir: str | os.PathLike | None, reference: dict[st
     return HFCheckpoint(hf_config_dir, fp8_block_size(reference))
 
 
-def copied_back(family: Family, hf_config_dir: str | os.PathLike | None) -> dict[str, StoredTensor]:
+def copied_back(family: Family, hf_config_dir: str | os.PathLike | None, original: HFCheckpoint | None) -> dict[str, StoredTensor]:
     """What the original checkpoint holds beside the model that its family copies back unchanged (an image-text
     checkpoint's vision tower: a Megatron GPT checkpoint holds none), from the `--hf-config` directory, which must
-    then be the original checkpoint's."""
+    then be the original checkpoint's (`original`: its tensors, original_tensors')."""
     prefixes = family.table.copied_back
     if not prefixes:
         return {}
     what = ", ".join(family.table.left_out_by(prefix) or prefix for prefix in prefixes)
     directory = Path(hf_config_dir) if hf_config_dir is not None else None
-    if directory is None or not any((directory / name).exists() for name in (INDEX_FILE, SINGLE_FILE)):
+    if original is None or not any((directory / name).exists() for name in (INDEX_FILE, SINGLE_FILE)):
         raise ConversionError(
             f"--hf-config {hf_config_dir}: a {family.name} checkpoint holds {what} beside the language model, which the "
             "Megatron checkpoint does not: name the original checkpoint's directory, whose weights are copied from"
         )
-    found = {name: stored for name, stored in HFCheckpoint(directory).tensors.items() if name.startswith(prefixes)}
+    found = {name: stored for name, stored in original.tensors.items() if name.startswith(prefixes)}
     if not found:
         raise ConversionError(f"--hf-config {hf_config_dir}: no tensor of {what} ({', '.join(p + '*' for p in prefixes)}) to copy back")
     return found
