@@ -26,18 +26,9 @@ from mconvert.mcore.checkpoint import iteration_dir, read_args  # noqa: E402
 from mconvert.mcore.parallelism import Parallelism  # noqa: E402
 from mconvert.verify.distributed import run_ranks  # noqa: E402
 from tests.cli_runner import run_cli  # noqa: E402
-from tests.test_gemma3 import MODELS, TOKENS  # noqa: E402
+from tests.test_gemma3 import MODELS, TOKENS, made  # noqa: E402,F401 (made: the fixture)
 from tests.test_gpt_oss import stored_args_changed  # noqa: E402
 from tests.test_moe_megatron import megatron_view  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def made(hf_model_factory):
-    def make(name):
-        config, layers, overrides, _ = MODELS[name]
-        return hf_model_factory(config, layers=layers, weight_std=0.1, **overrides)
-
-    return make
 
 
 def hf_logits(hf_dir) -> torch.Tensor:
