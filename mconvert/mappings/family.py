@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -140,6 +141,12 @@ class Table:
             entries=active(entries, spec),
             experts=active(self.fused_experts if fused else self.experts, spec) if "moe_mlp" in scopes else (),
         )
+
+    def under(self, prefix: str, **changes: Any) -> Table:
+        """This table with its model's and layers' HF names one level down, under `prefix`: the language model of an
+        image-text checkpoint that keeps it under `language_model.` (Kimi-K2.5's, Gemma 3's)."""
+        model = tuple(dataclasses.replace(entry, hf=prefix + entry.hf) for entry in self.model)
+        return dataclasses.replace(self, model=model, layer_prefix=prefix + self.layer_prefix, **changes)
 
     def mtp_prefixes(self, num_layers: int, mtp_layer: int) -> tuple[str, str]:
         """(the prefix of MTP layer `mtp_layer`'s own tensors, that of its decoder layer's); of its block

@@ -25,7 +25,7 @@ from mconvert.mappings import gpt_oss, llama, olmo2
 from mconvert.mappings.family import Family, Table
 from mconvert.mappings.rope import read_rope
 from mconvert.mappings.spec import ModelSpec, read_dense_spec, write_dense_config
-from mconvert.mappings.splits import Replicated, Vocabulary
+from mconvert.mappings.splits import Replicated
 from mconvert.mappings.transforms import Rename
 
 NORM_BEFORE_MLP = "mlp.linear_fc1.layer_norm_weight"
@@ -39,14 +39,8 @@ TEXT_TABLE = Table(model=llama.MODEL, attention=ATTENTION, dense_mlp=DENSE_MLP)
 
 # The image-text checkpoints, as the hub holds them and transformers 5.24 saves them: the language model under
 # `language_model.`, beside the vision tower and the projector of its image features into the text embeddings.
-TABLE = dataclasses.replace(
-    TEXT_TABLE,
-    model=(
-        Rename("embedding.word_embeddings.weight", "language_model.model.embed_tokens.weight", split=Vocabulary()),
-        Rename("decoder.final_layernorm.weight", "language_model.model.norm.weight", split=Replicated("hidden_size")),
-        Rename("output_layer.weight", "language_model.lm_head.weight", when="untie_embeddings", split=Vocabulary()),
-    ),
-    layer_prefix="language_model.model.layers.{layer}.",
+TABLE = TEXT_TABLE.under(
+    "language_model.",
     left_out=(("vision_tower.", "the vision tower"), ("multi_modal_projector.", "the multi-modal projector")),
     copied_back=("vision_tower.", "multi_modal_projector."),
 )

@@ -19,10 +19,8 @@ LANGUAGE_MODEL = "language_model."
 ARCHITECTURE = "KimiK25ForConditionalGeneration"
 
 # DeepSeek's table, its HF names one level down.
-TABLE = dataclasses.replace(
-    deepseek.TABLE,
-    model=tuple(dataclasses.replace(entry, hf=LANGUAGE_MODEL + entry.hf) for entry in deepseek.TABLE.model),
-    layer_prefix=LANGUAGE_MODEL + deepseek.TABLE.layer_prefix,
+TABLE = deepseek.TABLE.under(
+    LANGUAGE_MODEL,
     left_out=(("vision_tower.", "the vision tower"), ("mm_projector.", "the multimodal projector")),
     copied_back=("vision_tower.", "mm_projector."),
 )
