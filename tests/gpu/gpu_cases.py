@@ -76,10 +76,11 @@ class Family:
     compiles_kernels: bool = False
     # Megatron-LM's logits may differ from transformers' by ATOL + logit_rtol x the largest logit (tests/gpu/test_layouts.py).
     logit_rtol: float = 1e-4
-    # Positions of the prompts whose logits may differ by more: where a top-k over token scores (sparse attention's
-    # indexer) meets a near-tie that another device's rounding breaks the other way, that position attends to another
-    # token.
-    selection_flips: int = 0
+    # transformers' reference runs on the GPU, where Megatron-LM runs, not on the CPU: its own logits depend on the
+    # device. DeepSeek-V3.2's indexer keeps 32 of up to 160 tokens, and transformers' fp32 logits on an H200 and on the
+    # CPU part by up to 1.94 at 24 of 320 positions (other tokens kept), while Megatron-LM's on the H200 stay within
+    # 4.6e-6 of transformers' there (4 x H200, 2026-11-27, every layout).
+    reference_on_gpu: bool = False
 
 
 # Gated delta-net: megatron-core's layers import flash-linear-attention (scripts/gpu/run_gpu_tests.sh installs it, and
@@ -120,7 +121,7 @@ FAMILIES = [
     # Its indexer keeps 32 of up to 160 tokens: 1 position in 320 attended to another token on 4 x H200 (the same at every
     # layout, top-1 0.997), and on CPU transformers' own logits change at 1 of 128 positions when the prompts are cut
     # from 160 tokens to 64 (the indexer's scores computed in another shape); verify's KL 1.6e-13.
-    Family("deepseek_v32", "deepseek-v3.2", selection_flips=2),
+    Family("deepseek_v32", "deepseek-v3.2", reference_on_gpu=True),
     Family("gpt_oss", "gpt-oss-20b", overrides={"sliding_window": 32}, layouts=("tp2pp2etp1", "tp2ep4etp1", "ep4"),
            skipped={"tp2pp2": BIASED_EXPERTS + " (tp2pp2etp1 instead)", "tp2ep2": BIASED_EXPERTS + " (tp2ep4etp1 instead)"}),
     Family("qwen3_next", "qwen3-next-80b-a3b-instruct", layers=4, **DELTA_NET),

@@ -7,7 +7,8 @@ selected layouts (`mconvert hf-to-mcore`, several at once); then, side by side,
   its checkpoints in turn with Megatron-LM and running `mconvert verify` (a torchrun that dies is started again on
   the jobs left, the job it died in failed with its error);
 - the training cases, one scripts/gpu/gpu_train.py a family on one GPU, up to TRAINING_PER_GPU at a time a GPU;
-- transformers' fp32 logits of each family on the CPU (tests/gpu/hf_reference.py), the reference.
+- transformers' fp32 logits of each family on the CPU (tests/gpu/hf_reference.py), the reference (on the GPU for a
+  family whose own logits depend on the device: gpu_cases.Family.reference_on_gpu).
 Everything lands in files under the session's folder; a test waits for its own case's and checks it.
 
 Environment: MCONVERT_GPU_TESTS_DEVICE=cpu rehearses the layout cases on CPU gloo ranks (local spec, as the CPU tests
@@ -245,17 +246,23 @@ class Evidence:
     def _ended(self, name: str) -> bool:
         return (self.outputs / f"{name}.done").exists() or (self.outputs / f"{name}.error").exists()
 
+    def reference_device(self, family: str) -> str:
+        """Where transformers' reference runs: the CPU, or the Megatron side's device for a family whose own logits
+        depend on it (gpu_cases.Family.reference_on_gpu)."""
+        return self.device if FAMILY[family].reference_on_gpu else "cpu"
+
     def _reference(self, families: list[str]) -> None:
-        """transformers' fp32 logits of the prompts, on the CPU, a family at a time (tests/gpu/hf_reference.py)."""
+        """transformers' fp32 logits of the prompts, a family at a time, on reference_device (tests/gpu/hf_reference.py)."""
         log = self.work / "reference.log"
-        with open(log, "w") as out:
-            done = subprocess.run(
-                [sys.executable, str(HERE / "hf_reference.py"), "--tokens", str(self.tokens), "--out", str(self.references),
-                 *(f"{name}={self.hf[name]}" for name in families)],
-                stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=_environment(),
-            )
-        if done.returncode:
-            raise RuntimeError(f"hf_reference.py exit {done.returncode}:\n{tail(log)}")
+        for where in dict.fromkeys(self.reference_device(name) for name in families):
+            with open(log, "a") as out:
+                done = subprocess.run(
+                    [sys.executable, str(HERE / "hf_reference.py"), "--tokens", str(self.tokens), "--out", str(self.references),
+                     "--device", where, *(f"{name}={self.hf[name]}" for name in families if self.reference_device(name) == where)],
+                    stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=_environment(),
+                )
+            if done.returncode:
+                raise RuntimeError(f"hf_reference.py exit {done.returncode}:\n{tail(log)}")
 
     def _train(self) -> None:
         """One scripts/gpu/gpu_train.py a family on one GPU (Megatron-LM's pretrain: CUDA only), TRAINING_PER_GPU at a
