@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from gpu_cases import FAMILY
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -134,8 +135,11 @@ def record(request, environment, tmp_path_factory):
         family, layout = params.get("case") or params["vllm_case"]
     elif "quantized" in params:  # test_quantized_exports.py: (release, export or fault)
         family, layout = params["quantized"]
-    else:  # a training family, or a quantized release's kind (tests/gpu/test_vllm.py), on one GPU
-        family, layout = params.get("training_family") or params["quantized_kind"], "tp1"
+    elif "training_family" in params:  # at its case's training layout
+        family = params["training_family"]
+        layout = FAMILY[family].training
+    else:  # a quantized release's kind (tests/gpu/test_vllm.py), on one GPU
+        family, layout = params["quantized_kind"], "tp1"
     path = results_path(tmp_path_factory)
     path.parent.mkdir(parents=True, exist_ok=True)
 

@@ -10,7 +10,9 @@ torch, no transformers, no megatron here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 
@@ -33,7 +35,8 @@ class Layout:
         return [word for flag, size in sizes.items() if size is not None for word in (flag, str(size))]
 
 
-# The layouts of four GPUs. Each takes all four ranks: verify and Megatron-LM's ranks run one layout a world.
+# The layouts of four GPUs, and of eight (issue 58: the layouts large MoE and dense models train at). Each takes all
+# its world's ranks: verify and Megatron-LM's ranks run one layout a world.
 LAYOUTS = {
     layout.name: layout
     for layout in (
@@ -43,9 +46,15 @@ LAYOUTS = {
         # Experts with biases: megatron-core takes them at ETP 1 only, where TP 2 x EP 2 is a world of 2 ranks.
         Layout("tp2pp2etp1", tp=2, pp=2, etp=1),
         Layout("tp2ep4etp1", tp=2, ep=4, etp=1),
+        Layout("ep8", ep=8),
+        Layout("tp8", tp=8),
+        Layout("tp2ep4", tp=2, ep=4),  # ETP = TP = 2: a world of 8
+        Layout("tp4ep2", tp=4, ep=2),  # ETP = TP = 4: a world of 8
+        Layout("tp1"),  # the training test's one GPU
     )
 }
-# The layout of the training test: Megatron-LM's pretrain on one GPU (scripts/gpu/gpu_train.py).
+# The layout of the training test: Megatron-LM's pretrain on one GPU (scripts/gpu/gpu_train.py), unless a family
+# names another.
 TRAINING_LAYOUT = "tp1"
 
 BIASED_EXPERTS = "biased experts: megatron-core takes them at ETP 1 only"
@@ -81,6 +90,10 @@ class Family:
     # CPU part by up to 1.94 at 24 of 320 positions (other tokens kept), while Megatron-LM's on the H200 stay within
     # 4.6e-6 of transformers' there (4 x H200, 2026-11-27, every layout).
     reference_on_gpu: bool = False
+    # The training test's layout (scripts/gpu/gpu_train.py on its world's GPUs), or None: no training test.
+    training: str | None = TRAINING_LAYOUT
+    # The HF model holds the multi-token prediction layers its config names (mconvert.synthetic.add_mtp_layers).
+    mtp: bool = False
 
 
 # Gated delta-net: megatron-core's layers import flash-linear-attention (scripts/gpu/run_gpu_tests.sh installs it, and
@@ -153,14 +166,41 @@ FAMILIES = [
     Family("nemotron_h_latent", "nemotron-3-super-120b-a12b", layers=4, family="nemotron_h", model_class="hybrid",
            overrides={"hybrid_override_pattern": "ME*E"}, **MAMBA),
 ]
-FAMILY = {family.name: family for family in FAMILIES}
+
+
+def real_widths(config: str, *keys: str) -> dict[str, Any]:
+    """The real config's values of `keys` (those it has), set over the shrunk ones: the widths a user trains at."""
+    real = json.loads((Path(__file__).resolve().parents[2] / "mconvert" / "configs" / f"{config}.json").read_text())
+    return {key: real[key] for key in keys if key in real}
+
+
+WIDTHS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+          "moe_intermediate_size", "num_experts", "num_experts_per_tok")
+# Eight GPUs (issue 58): the layouts people train large models at, cases of their own (not every family at eight).
+EIGHT_GPUS = [
+    # Qwen3-30B-A3B's real width (128 experts, 8 a token, 32 heads in 4 groups), its first 2 layers, at EP 8, and
+    # Megatron-LM's training at EP 8.
+    Family("qwen3_30b_ep8", "qwen3-30b-a3b", family="qwen3_moe", overrides=real_widths("qwen3-30b-a3b", *WIDTHS),
+           layouts=("ep8",), training="ep8"),
+    # A Llama-3.1-70B-width cut (hidden 8192, 64 heads in 8 groups, MLP 28672; its config is 8B's with those widths),
+    # 2 layers, at TP 8.
+    Family("llama_70b_tp8", "llama-3.1-8b", family="llama", overrides={
+        "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64, "num_key_value_heads": 8},
+        layouts=("tp8",), training=None),
+    # DeepSeek-V3 (MLA, MoE, its dense first layers) with its multi-token prediction layer, at TP 2 x EP 4 and
+    # TP 4 x EP 2.
+    Family("deepseek_v3_mtp", "deepseek-v3", family="deepseek", overrides=MLA_ROPE_FUSION, mtp=True,
+           layouts=("tp2ep4", "tp4ep2"), training=None),
+]
+FAMILY = {family.name: family for family in FAMILIES + EIGHT_GPUS}
 
 # Layouts shown for every family, the skipped ones with their reason.
 SHOWN_LAYOUTS = ("tp2pp2", "tp2ep2", "ep4")
 
 
 def layout_cases() -> list[tuple[str, str, str | None]]:
-    """(family, layout, why skipped or None) for every family at every layout it takes or is shown skipped at."""
+    """(family, layout, why skipped or None) for every family at every layout it takes or is shown skipped at, then
+    the eight-GPU cases at theirs."""
     cases = []
     for family in FAMILIES:
         for name in dict.fromkeys((*SHOWN_LAYOUTS, *family.layouts)):
@@ -168,7 +208,12 @@ def layout_cases() -> list[tuple[str, str, str | None]]:
                 cases.append((family.name, name, None))
             else:
                 cases.append((family.name, name, family.skipped[name]))
-    return cases
+    return cases + [(family.name, name, None) for family in EIGHT_GPUS for name in family.layouts]
+
+
+def training_cases() -> list[tuple[str, str]]:
+    """(family, layout) of every training test."""
+    return [(family.name, family.training) for family in FAMILIES + EIGHT_GPUS if family.training]
 
 
 def case_id(family: str, layout: str) -> str:

@@ -31,7 +31,7 @@ import time
 import traceback
 from pathlib import Path
 
-from gpu_cases import FAMILY, LAYOUTS, TRAINING_LAYOUT, Family, case_id
+from gpu_cases import FAMILY, LAYOUTS, Family, case_id
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -133,7 +133,7 @@ class Evidence:
         self.threads.append(thread)
 
     def _make_hf_model(self, family: Family, hf: Path) -> None:
-        from mconvert.synthetic import make_hf_checkpoint, real_config, shrink, write_word_tokenizer
+        from mconvert.synthetic import add_mtp_layers, make_hf_checkpoint, real_config, shrink, write_word_tokenizer
 
         if (hf / "config.json").exists():
             return
@@ -141,6 +141,8 @@ class Evidence:
         if family.text_only:
             config = text_only_config(config)
         make_hf_checkpoint(shrink(config, layers=family.layers, **family.overrides), hf, weight_std=WEIGHT_STD)
+        if family.mtp:
+            add_mtp_layers(hf)
         # Megatron-LM's HuggingFaceTokenizer, which MODEL_ARGS then name, reads it; verify's built-in prompts need none.
         write_word_tokenizer(hf, 1000)
 
@@ -265,10 +267,12 @@ class Evidence:
                 raise RuntimeError(f"hf_reference.py exit {done.returncode}:\n{tail(log)}")
 
     def _train(self) -> None:
-        """One scripts/gpu/gpu_train.py a family on one GPU (Megatron-LM's pretrain: CUDA only), TRAINING_PER_GPU at a
-        time a GPU."""
+        """One scripts/gpu/gpu_train.py a family (Megatron-LM's pretrain: CUDA only): those at a layout of several GPUs
+        first, one at a time on the first GPUs; then those on one GPU, TRAINING_PER_GPU at a time a GPU."""
         if self.device == "cpu" or not self.gpus:
             return
+        for family in [name for name in self.training if LAYOUTS[FAMILY[name].training].world > 1]:
+            self._train_one(family, list(range(LAYOUTS[FAMILY[family].training].world)))
         slots = [gpu for gpu in range(self.gpus) for _ in range(TRAINING_PER_GPU)]
         free = list(slots)
         lock = threading.Condition()
@@ -278,19 +282,20 @@ class Evidence:
                 lock.wait_for(lambda: free)
                 gpu = free.pop(0)
             try:
-                self._train_one(family, gpu)
+                self._train_one(family, [gpu])
             finally:
                 with lock:
                     free.append(gpu)
                     lock.notify()
 
+        one_gpu = [name for name in self.training if LAYOUTS[FAMILY[name].training].world == 1]
         with concurrent.futures.ThreadPoolExecutor(len(slots)) as pool:
-            list(pool.map(train, sorted(self.training, key=lambda family: not FAMILY[family].compiles_kernels)))
+            list(pool.map(train, sorted(one_gpu, key=lambda family: not FAMILY[family].compiles_kernels)))
 
     def training_dir(self, family: str) -> Path:
         return self.work / "train" / family
 
-    def _train_one(self, family: str, gpu: int) -> None:
+    def _train_one(self, family: str, gpus: list[int]) -> None:
         work = self.training_dir(family)
         (work / "models").mkdir(parents=True, exist_ok=True)
         # gpu_train.py writes an HF model of the job's MODEL into its --work unless one is there: the family's is.
@@ -303,13 +308,14 @@ class Evidence:
             (work / "ended").write_text("")
             return
         options = FAMILY[family]
-        command = [sys.executable, str(REPO / "scripts" / "gpu" / "gpu_train.py"), "--nproc", "1", "--work", str(work / "models"),
-                   "--out", str(work), "--deadline-s", str(int(left)), *options.train_options,
-                   *(f"--megatron-flag={flag}" for flag in options.megatron_flags), f"{family}:{TRAINING_LAYOUT}"]
+        command = [sys.executable, str(REPO / "scripts" / "gpu" / "gpu_train.py"), "--nproc", str(len(gpus)), "--work",
+                   str(work / "models"), "--out", str(work), "--deadline-s", str(int(left)), *options.train_options,
+                   *(f"--megatron-flag={flag}" for flag in options.megatron_flags),
+                   f"{family}:{options.training}"]
         with open(work / "gpu_train.log", "w") as out:
             process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                                        env={**_environment(megatron=True),
-                                            "CUDA_VISIBLE_DEVICES": str(gpu)})
+                                            "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))})
         with self.lock:
             self.processes.append(process)
         process.wait()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import test_vllm
-from gpu_cases import FAMILIES, LAYOUTS, SHOWN_LAYOUTS, layout_cases
+from gpu_cases import EIGHT_GPUS, FAMILIES, FAMILY, LAYOUTS, SHOWN_LAYOUTS, layout_cases, training_cases
 
 REPO = Path(__file__).resolve().parents[2]
 GENERATOR = REPO / "scripts" / "gpu" / "results_to_docs.py"
@@ -32,6 +32,14 @@ def test_every_family_mconvert_converts_has_a_case_and_every_layout_a_reason():
     assert ("gpt_oss", "tp2pp2etp1", None) in layout_cases()
 
 
+def test_the_eight_gpu_cases_take_eight_ranks_at_the_widths_people_train():
+    assert {name for family in EIGHT_GPUS for name in family.layouts} == {"ep8", "tp8", "tp2ep4", "tp4ep2"}
+    assert all(LAYOUTS[name].world == 8 for family in EIGHT_GPUS for name in family.layouts)
+    assert FAMILY["qwen3_30b_ep8"].overrides["num_experts"] == 128 and FAMILY["qwen3_30b_ep8"].overrides["hidden_size"] == 2048
+    assert ("qwen3_30b_ep8", "ep8") in training_cases() and ("llama", "tp1") in training_cases()
+    assert {family.name for family in EIGHT_GPUS} & {family.name for family in FAMILIES} == set()
+
+
 def run_pytest(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """pytest in a process of its own, reporting which heavy modules collecting and skipping imported."""
     probe = (
@@ -45,7 +53,7 @@ def run_pytest(*args: str, env: dict | None = None) -> subprocess.CompletedProce
 def test_without_gpus_the_gpu_tests_are_skipped_with_the_count_and_nothing_heavy_imported():
     run = run_pytest("-m", "gpu", "tests/gpu", "-q", "-rs")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    families, layouts = len(FAMILIES), len(layout_cases())
+    families, layouts = len(training_cases()), len(layout_cases())
     quantized = 4 + 1  # test_quantized_exports.py: two releases, each as exported and with a fault; the FP8 weights
     vllm = len(test_vllm.SERVED) + len(test_vllm.TP2) + len(test_vllm.QUANTIZED) + 1  # tests/gpu/test_vllm.py
     mxfp4 = 1  # test_mxfp4_quantizer.py

@@ -1,5 +1,5 @@
-"""Each family trained by Megatron-LM's own pretrain from its conversion, on one GPU (scripts/gpu/gpu_train.py and the
-check it runs, scripts/training/megatron_train_check.py): at lr 0 the step losses are transformers' loss on the same
+"""Each family trained by Megatron-LM's own pretrain from its conversion, on one GPU or at its case's layout
+(gpu_cases.Family.training; scripts/gpu/gpu_train.py and the check it runs, scripts/training/megatron_train_check.py): at lr 0 the step losses are transformers' loss on the same
 tokens, the run's --lr 0 save exports to the HF model bit for bit, and at a real learning rate the loss falls at every
 step. gpu_train.py runs the families side by side over the GPUs (gpu_evidence.py); each test checks its family's.
 """
@@ -11,14 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from gpu_cases import FAMILIES
+from gpu_cases import LAYOUTS, training_cases
 
-pytestmark = [pytest.mark.gpu, pytest.mark.gpus(1)]
+pytestmark = pytest.mark.gpu
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("training_family", [family.name for family in FAMILIES])
+@pytest.mark.parametrize("training_family", [
+    pytest.param(family, id=family, marks=pytest.mark.gpus(LAYOUTS[layout].world)) for family, layout in training_cases()])
 def test_megatron_lm_trains_from_the_conversion(training_family, evidence, record):
     sys.path.insert(0, str(REPO / "scripts" / "training"))
     from megatron_train_check import FP32_LOSS_TOLERANCE
