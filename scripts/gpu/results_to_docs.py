@@ -196,8 +196,9 @@ VLLM_TEXT = (
     "vLLM 0.25.0 (scripts/gpu/vllm_setup.sh) as the client of mconvert's exports, on one GPU (and two at TP 2), bf16, "
     "FlashAttention 3: each family's model (as above, its output layer at std 0.5 for clear greedy choices) through "
     "hf-to-mcore and mcore-to-hf, served by vLLM, its greedy tokens (16 after prompts of 12, 40 and 70 tokens) held to "
-    "transformers' fp32 run fed the same tokens; FP8 block and INT4 pack-quantized releases of a shrunk Qwen3 exported "
-    "with `--quantize as-source`, served beside the release; and mconvert's weight sync from a live megatron-core model "
+    "transformers' fp32 run fed the same tokens (MoE families: within the limit gpu_cases declares for routing in "
+    "bf16); FP8 block and INT4 pack-quantized releases of a shrunk Qwen3 and an MXFP4 release of a shrunk gpt-oss, "
+    "exported with `--quantize as-source`, served beside the release; and mconvert's weight sync from a live megatron-core model "
     "into vLLM's engine (tests/gpu/test_vllm.py). Each check with its fault injected must fail."
 )
 QUANTIZED_TEXT = (
