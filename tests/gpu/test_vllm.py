@@ -72,16 +72,21 @@ def worker_log(work: Path, name: str) -> Path:
     return Path(os.environ.get("MCONVERT_VLLM_LOGS") or work) / f"vllm_{name}.log"
 
 
-def start_worker(mode: str, spec, work: Path, name: str, gpus: str | None = None) -> subprocess.Popen:
-    """tests/gpu/vllm_worker.py on `spec`, in the background, its output in worker_log."""
-    (work / f"{name}.json").write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(VLLM_SITE), str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+def worker_env() -> dict[str, str]:
+    """The environment of a process that runs vLLM: its packages on the path, nothing asked of the network."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(VLLM_SITE), str(REPO), os.environ.get("PYTHONPATH", "")) if p),
            "PYTHONUNBUFFERED": "1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "TOKENIZERS_PARALLELISM": "false",
            # No network on the GPU machines: nothing asks the hub or sends usage statistics (and waits on it).
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            # FlashInfer is not carried: vLLM's sampler imports it unless told not to use its top-k/top-p kernels (the
            # engine failed to start without this, 2 x H200).
            "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+def start_worker(mode: str, spec, work: Path, name: str, gpus: str | None = None) -> subprocess.Popen:
+    """tests/gpu/vllm_worker.py on `spec`, in the background, its output in worker_log."""
+    (work / f"{name}.json").write_text(json.dumps(spec))
+    env = worker_env()
     if mode == "sync":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: its model is reachable
     if gpus is not None:
