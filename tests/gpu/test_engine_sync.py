@@ -122,7 +122,7 @@ def sync_work(request, tmp_path_factory) -> SyncWork:
 
 
 @pytest.mark.parametrize("sync_case", CASES)
-def test_engine_sync_into_vllm_with_figures(sync_case, sync_work, record):
+def test_engine_sync_with_figures(sync_case, sync_work, record):
     name, layout = sync_case
     result = sync_work.result(name)
     export, failures = result["export"], []

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_engine_sync
 import test_vllm
 from gpu_cases import FAMILIES, LAYOUTS, SHOWN_LAYOUTS, layout_cases
 
@@ -49,7 +50,8 @@ def test_without_gpus_the_gpu_tests_are_skipped_with_the_count_and_nothing_heavy
     quantized = 4 + 1  # test_quantized_exports.py: two releases, each as exported and with a fault; the FP8 weights
     vllm = len(test_vllm.SERVED) + len(test_vllm.TP2) + len(test_vllm.QUANTIZED) + 1  # tests/gpu/test_vllm.py
     mxfp4 = 1  # test_mxfp4_quantizer.py
-    assert f"{2 * layouts + families + quantized + vllm + mxfp4} skipped" in run.stdout, run.stdout[-2000:]
+    sync = len(test_engine_sync.CASES)
+    assert f"{2 * layouts + families + quantized + vllm + mxfp4 + sync} skipped" in run.stdout, run.stdout[-2000:]
     assert "needs 4 CUDA GPU(s), 0 visible" in run.stdout and "needs 1 CUDA GPU(s), 0 visible" in run.stdout
     assert "dense: no experts" in run.stdout  # the case table's reasons, where the GPU count does not come first
     assert "imported: []" in run.stdout
@@ -168,6 +170,28 @@ def test_the_generator_makes_the_vllm_table(tmp_path):
     # The sync whose fault went unseen fails its row.
     assert any(line.startswith("| qwen3 | tp1 | weights perturbed") and line.endswith("| 3 (> 0.001); 0 (<= 0.001) | **0 (> 0.001)** | **FAIL** |")
                for line in lines), lines
+
+
+ENGINE_SYNC = "test_engine_sync_with_figures"
+
+
+def sync_figures(way, gb_per_s, synced, passed=True):
+    figures = dict(way=way, seconds=0.25, gpu_extra_mib=[812.4, 790.0], host_extra_mib=[12.0, 3.0])
+    return [result("deepseek", "ep2", ENGINE_SYNC, "sync_gb_per_s", gb_per_s, None, True, **figures),
+            result("deepseek", "ep2", ENGINE_SYNC, "synced_max_logprob_difference", synced, 1e-3, passed, way=way)]
+
+
+def test_the_generator_makes_the_engine_sync_table(tmp_path):
+    sample = [*sync_figures("gather_hf_weights", 1.2, 0.0), *sync_figures("512 MB buckets", 0.9, 0.5, passed=False),
+              result("deepseek", "ep2", ENGINE_SYNC, "fault_max_logprob_difference", 2.0, 1e-3, True, fault="x scaled by 1.5")]
+    run = generate(tmp_path, "<!-- gpu-tests:engine_sync begin -->\n<!-- gpu-tests:engine_sync end -->\n", sample)
+    assert run.returncode == 0, run.stderr
+    lines = (tmp_path / "doc.md").read_text().splitlines()
+    assert "| deepseek | ep2 | gather_hf_weights | 0.250 | 1.2 | 812, 790 | 12, 3 | 0 (<= 0.001) | PASS |" in lines, lines
+    # A way whose engine did not generate as the export fails its row; the fault has a row of its own.
+    assert "| deepseek | ep2 | 512 MB buckets | 0.250 | 0.9 | 812, 790 | 12, 3 | **0.5 (<= 0.001)** | **FAIL** |" in lines, lines
+    assert "| deepseek | ep2 | fault: x scaled by 1.5 | - | - | - | - | 2 (> 0.001) | PASS |" in lines, lines
+    assert "Command: `bash scripts/gpu/run_gpu_tests.sh -k engine_sync` (tests/gpu/test_engine_sync.py)." in lines
 
 
 def test_the_generator_refuses_a_section_without_its_end_marker_in_one_line(tmp_path):
