@@ -198,7 +198,8 @@ def engine_sync_table(results: list[dict]) -> list[str]:
     for (family, layout, way), metrics in rows.items():
         figures, synced = metrics.get("sync_gb_per_s"), metrics.get("synced_max_logprob_difference")
         details = figures["details"] if figures else {}
-        gpu, host = (", ".join(f"{value:.0f}" for value in details.get(name, [])) or "-" for name in ("gpu_extra_mib", "host_extra_mib"))
+        gpu, host = (", ".join("-" if value is None else f"{value:.0f}" for value in details.get(name, [])) or "-"
+                     for name in ("gpu_extra_mib", "host_extra_mib"))
         seconds = f"{details['seconds']:.3f}" if "seconds" in details else "-"
         lines.append(f"| {family} | {layout} | {way} | {seconds} | {cell(figures)} | {gpu} | {host} | {cell(synced, '<=')} "
                      f"| {row_result([figures, synced, faults.get((family, layout))])} |")

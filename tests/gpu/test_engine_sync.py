@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from gpu_cases import VLLM_MLA
+from sync_ways import WAYS
 from test_vllm import HERE, SYNCED, cli, compare, needs_vllm, worker_env, worker_log
 
 # (mconvert's config, its fields, the Megatron layout's flags, a tensor for the fault).
@@ -43,7 +44,6 @@ MODELS = {
                  ("--ep", "2"), "model.layers.1.mlp.experts.3.down_proj.weight"),
 }
 CASES = [pytest.param(("qwen3", "tp2"), id="qwen3-tp2"), pytest.param(("deepseek", "ep2"), id="deepseek-ep2")]
-WAYS = ("gather_hf_weights", "rank 0 gathers all", "512 MB buckets")
 # One torchrun's seconds: two engine starts, the Megatron load, ten syncs and eight generations.
 RUN_LIMIT_S = 200
 

@@ -1,7 +1,7 @@
 """The GPU evidence's harness, on the CPU (no GPU mark: the CPU suite runs these): the case table covers every family
 mconvert converts, the GPU tests are collected and skipped without GPUs (and without importing torch), the results
-file's lines make docs/verification.md's tables (scripts/gpu/results_to_docs.py), and the launcher's dry run selects
-what `-k` names."""
+file's lines make docs/verification.md's tables (scripts/gpu/results_to_docs.py), the launcher's dry run selects
+what `-k` names, and the weight sync's three ways (tests/gpu/sync_ways.py) deliver the export's tensors on CPU ranks."""
 
 from __future__ import annotations
 
@@ -232,3 +232,51 @@ def test_the_launchers_dry_run_shows_what_it_would_run_and_selects_by_k(tmp_path
     # Three layouts, training, and vLLM serving the export at TP 1 and TP 2.
     assert len(collected) == 2 * 3 + 1 + 2 and all("qwen3_moe" in line for line in collected)
     assert (tmp_path / "gpu_tests.log").exists()
+
+
+def delivered_by_each_way(mcore: str, export: str, fault: str) -> dict:
+    """On each CPU rank (gloo): the conversion loaded at its layout, and what each way of sync_ways hands `load`,
+    against the export's tensors; then the fault's. Every rank's findings, gathered."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from sync_ways import sync_ways
+
+    from mconvert.mcore.checkpoint import RELEASE, read_args
+    from mconvert.verify.megatron_side import load_model
+
+    (model,) = load_model(mcore, read_args(Path(mcore) / RELEASE), torch.bfloat16, device="cpu", transformer_impl="local")
+    config = json.loads((Path(export) / "config.json").read_text())
+    want = {name: tensor for path in Path(export).glob("*.safetensors") for name, tensor in load_file(path).items()}
+    received: dict = {}
+    # Buckets of 256 KiB: the shrunk model's largest tensor (128 KiB) fits, and its weights take several.
+    ways = sync_ways(model, config, lambda weights: received.update((name, tensor.clone()) for name, tensor in weights), torch.device("cpu"),
+                     bucket_bytes=256 << 10)
+    found = {}
+    for name, way in [*ways.items(), ("fault", lambda: ways["gather_hf_weights"](fault))]:
+        received.clear()
+        delivered = way()
+        found[name] = {"unlike": sorted(n for n in want if n not in received or not torch.equal(received[n], want[n])),
+                       "extra": sorted(set(received) - set(want)), "bytes": delivered == sum(t.nbytes for t in received.values())}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, found)
+    return everyone
+
+
+def test_each_sync_way_delivers_the_exports_tensors_on_cpu_ranks(tmp_path):
+    from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+    from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+    from mconvert.mcore.parallelism import Parallelism
+    from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
+    from mconvert.verify.distributed import run_ranks
+
+    make_hf_checkpoint(shrink(real_config("qwen3-8b")), tmp_path / "hf", dtype="bfloat16", weight_std=0.1)
+    convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", parallelism=Parallelism(tp=2))
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "export", hf_config_dir=tmp_path / "hf")
+    fault = "model.layers.1.mlp.down_proj.weight"
+    ranks = run_ranks(delivered_by_each_way, str(tmp_path / "mcore"), str(tmp_path / "export"), fault, tp=2, device="cpu", timeout_s=300)
+    assert len(ranks) == 2
+    for found in ranks:
+        for way in test_engine_sync.WAYS:
+            assert found[way] == {"unlike": [], "extra": [], "bytes": True}, (way, found[way])
+        assert found["fault"] == {"unlike": [fault], "extra": [], "bytes": True}

@@ -5,21 +5,16 @@ colocated RL runs them (verl's and NeMo-RL's hybrid engines), on two GPUs under 
 
 vLLM serves the export at TP 2 in these processes (`distributed_executor_backend="external_launcher"`, as verl builds
 it); megatron-core's parallel state is made on the process group vLLM made (TP 2 for a dense model, EP 2 for an MoE)
-and its GPTModel loads the conversion. Three ways then hand the Megatron weights to the engine's `model.load_weights`,
-each timed and measured (GPU memory allocated and host RSS, the peak beyond what was held before), each after the
-engine's weights were perturbed and followed by greedy generation, which must give the export's tokens again:
+and its GPTModel loads the conversion. The three ways of tests/gpu/sync_ways.py (mconvert's `gather_hf_weights`, a
+gather of everything to rank 0 then a send, 512 MB buckets) then hand the Megatron weights to the engine's
+`model.load_weights`, each timed and measured (GPU memory allocated and host RSS, the peak beyond what was held
+before), each after the engine's weights were perturbed and followed by greedy generation, which must give the
+export's tokens again.
 
-- `gather_hf_weights`: mconvert's API, every rank gathering each whole HF tensor from its TP or EP group piece by piece
-  and handing it straight to its engine rank;
-- `rank 0 gathers all`: every tensor gathered whole, the whole model held on rank 0's host, then sent tensor by
-  tensor from rank 0 to every engine rank (NCCL broadcast), as a trainer that gathers a full state dict first does;
-- `512 MB buckets`: the gathered tensors packed on rank 0 into 512 MB buffers, each broadcast to every engine rank
-  and unpacked there into one `load_weights` call (the bucketed transfer of verl and NeMo-RL).
-
-vLLM's multi-latent attention keeps W_UK and W_UV made from kv_b_proj when the model loads: after a `load_weights`,
-its attention layers' `process_weights_after_loading` makes them anew, as RL frameworks call it. Rank 0 writes the
-job's "out" JSON: the export's tokens, each way's synced tokens, timings and memory per rank, and the fault's tokens
-(the mconvert way with one tensor scaled by 1.5).
+vLLM's multi-latent attention makes W_UK and W_UV from kv_b_proj when the model loads (views of it in bf16, copies
+where it is quantized): after each `load_weights` its attention layers' `process_weights_after_loading` makes them
+anew, as RL frameworks call it. Rank 0 writes the job's "out" JSON: the export's tokens, each way's synced tokens,
+timings and memory per rank, and the fault's tokens (the mconvert way with one tensor scaled by 1.5).
 """
 
 from __future__ import annotations
@@ -32,19 +27,19 @@ import time
 import traceback
 from pathlib import Path
 
+from sync_ways import sync_ways
 from vllm_worker import ENGINE, greedy, write
 
-BUCKET_BYTES = 512 << 20
-ALIGN = 256  # each tensor's offset in a bucket, in bytes: a view of any dtype starts aligned
-REPEATS = 3  # timed syncs of each way; the first is also checked by generation
+REPEATS = 3  # timed syncs of each way, after which generation checks what the engine holds
 
 
-def host_peak_reset() -> int:
-    """This process's resident bytes now, its peak (VmHWM) reset to them where the kernel allows (clear_refs 5)."""
+def host_peak_reset() -> int | None:
+    """This process's resident bytes now, its peak (VmHWM) reset to them (clear_refs 5); None where the kernel
+    does not allow the reset (the peak would be the process's whole life's)."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
-        pass
+        return None
     return status_bytes("VmRSS")
 
 
@@ -92,7 +87,6 @@ def main(job: dict) -> None:
 
     from megatron.core import parallel_state
 
-    from mconvert.converters.rank_export import gather_hf_weights
     from mconvert.mcore.checkpoint import RELEASE, read_args
     from mconvert.verify.megatron_side import load_model
 
@@ -103,57 +97,7 @@ def main(job: dict) -> None:
     config = json.loads((Path(job["model"]) / "config.json").read_text())
     result["megatron_bytes_per_rank"] = sum(p.nbytes for p in model.parameters())
 
-    def mconvert_way(scaled: str | None = None) -> int:
-        delivered = 0
-
-        def weights():
-            nonlocal delivered
-            for name, tensor in gather_hf_weights(model, config):
-                delivered += tensor.nbytes
-                yield name, (tensor * 1.5 if name == scaled else tensor)
-
-        load(weights())
-        return delivered
-
-    def rank0_way() -> int:
-        held, meta = {}, []
-        for name, tensor in gather_hf_weights(model, config):
-            meta.append((name, tensor.shape, tensor.dtype))
-            if rank == 0:
-                held[name] = tensor.cpu()
-
-        def weights():
-            for name, shape, dtype in meta:
-                tensor = held.pop(name).cuda() if rank == 0 else torch.empty(shape, dtype=dtype, device="cuda")
-                dist.broadcast(tensor, src=0)
-                yield name, tensor
-
-        load(weights())
-        return sum(shape.numel() * dtype.itemsize for _, shape, dtype in meta)
-
-    def bucketed_way() -> int:
-        bucket = torch.empty(BUCKET_BYTES, dtype=torch.uint8, device="cuda")
-        pending: list[tuple[str, torch.Size, torch.dtype, int]] = []
-        used = delivered = 0
-
-        def send() -> None:
-            dist.broadcast(bucket[:used], src=0)
-            load((name, bucket[at:at + shape.numel() * dtype.itemsize].view(dtype).view(shape)) for name, shape, dtype, at in pending)
-
-        for name, tensor in gather_hf_weights(model, config):
-            size = tensor.nbytes
-            assert size <= BUCKET_BYTES, f"{name}: {size} bytes, more than a bucket"
-            if used + size > BUCKET_BYTES:
-                send()
-                pending, used = [], 0
-            if rank == 0:
-                bucket[used:used + size].copy_(tensor.contiguous().view(-1).view(torch.uint8))
-            pending.append((name, tensor.shape, tensor.dtype, used))
-            used += -(-size // ALIGN) * ALIGN
-            delivered += size
-        if pending:
-            send()
-        return delivered
+    ways = sync_ways(model, config, load, torch.device("cuda"))
 
     def measured(way) -> dict:
         torch.cuda.synchronize()
@@ -167,10 +111,10 @@ def main(job: dict) -> None:
         seconds = time.perf_counter() - began
         dist.barrier()
         return {"seconds": seconds, "bytes": delivered, "gpu_extra": torch.cuda.max_memory_allocated() - base_gpu,
-                "host_extra": max(0, status_bytes("VmHWM") - base_host)}
+                "host_extra": None if base_host is None else max(0, status_bytes("VmHWM") - base_host)}
 
     result["ways"] = {}
-    for way_name, way in (("gather_hf_weights", mconvert_way), ("rank 0 gathers all", rank0_way), ("512 MB buckets", bucketed_way)):
+    for way_name, way in ways.items():
         llm.apply_model(perturb)
         perturbed = greedy(llm, job["prompts"], job["tokens"])
         runs = [measured(way) for _ in range(REPEATS)]
@@ -182,10 +126,10 @@ def main(job: dict) -> None:
             "perturbed": perturbed, "synced": synced, "seconds": seconds, "bytes": runs[0]["bytes"],
             "gb_per_s": runs[0]["bytes"] / 1e9 / seconds,
             "gpu_extra_mib": [max(r["gpu_extra"] for r in rank_runs) / 2**20 for rank_runs in everyone],
-            "host_extra_mib": [max(r["host_extra"] for r in rank_runs) / 2**20 for rank_runs in everyone],
+            "host_extra_mib": [None if None in (h := [r["host_extra"] for r in rank_runs]) else max(h) / 2**20 for rank_runs in everyone],
         }
     llm.apply_model(perturb)
-    mconvert_way(job["fault_tensor"])
+    ways["gather_hf_weights"](job["fault_tensor"])
     result["synced_with_fault"] = greedy(llm, job["prompts"], job["tokens"])
     result["fault_tensor"] = job["fault_tensor"]
     result["seconds"] = round(time.time() - started, 1)
