@@ -90,7 +90,9 @@ class SyncWork:
             with open(worker_log(root, f"sync_{name}"), "w") as out:
                 run = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
                                         str(HERE / "vllm_sync_worker.py"), str(root / f"{name}.json")],
-                                       stdout=out, stderr=subprocess.STDOUT, env=worker_env(), cwd=HERE.parents[1], start_new_session=True)
+                                       stdout=out, stderr=subprocess.STDOUT, cwd=HERE.parents[1], start_new_session=True,
+                                       # The engine in each rank's process, as the external launcher needs (and verl sets).
+                                       env={**worker_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
                 try:
                     run.wait(timeout=max(1.0, min(deadline - time.time(), RUN_LIMIT_S)))
                 except subprocess.TimeoutExpired:
