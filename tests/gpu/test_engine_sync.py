@@ -41,7 +41,7 @@ MODELS = {
                                      moe_intermediate_size=512, n_routed_experts=16, num_experts_per_tok=4, n_group=4,
                                      topk_group=2, n_shared_experts=1, num_attention_heads=16, num_key_value_heads=16,
                                      q_lora_rank=512, vocab_size=32768, num_nextn_predict_layers=0, **VLLM_MLA),
-                 ("--ep", "2"), "model.layers.1.mlp.experts.3.down_proj.weight"),
+                 ("--ep", "2"), "model.layers.1.mlp.shared_experts.down_proj.weight"),
 }
 CASES = [pytest.param(("qwen3", "tp2"), id="qwen3-tp2"), pytest.param(("deepseek", "ep2"), id="deepseek-ep2")]
 # One torchrun's seconds: two engine starts, the Megatron load, ten syncs and eight generations.
