@@ -1,6 +1,7 @@
 """docs/verification.md's GPU tables, made from the JSON lines tests/gpu writes (scripts/gpu/run_gpu_tests.sh).
 
     python scripts/gpu/results_to_docs.py gpu_results.jsonl... [--docs docs/verification.md] [--out FILE]
+    python scripts/gpu/results_to_docs.py gpu_results.jsonl... --docs docs/performance.md
 
 Each table lies between two marker lines of the document,
     <!-- gpu-tests:NAME begin ... -->
@@ -8,7 +9,8 @@ Each table lies between two marker lines of the document,
 and everything between them is replaced (the rest of the document is left as it is): `layouts` (each family at the
 four-GPU layouts: Megatron-LM's load_checkpoint against transformers, mconvert verify), `training` (each
 family's Megatron-LM training steps), `quantized` (transformers running each quantized export on one GPU) and `vllm`
-(vLLM serving the exports, and weight sync into its engine). Where a metric of a case appears more than once, the latest
+(vLLM serving the exports, and weight sync into its engine); in docs/performance.md (--docs), `engine_sync` (weight sync
+into a two-GPU vLLM engine, three ways, with figures). Where a metric of a case appears more than once, the latest
 result stands.
 Each table says the machine, versions and date of its results and the command that reruns them. Writes the
 document in place, or to --out.
@@ -33,12 +35,14 @@ VERIFY = "test_mconvert_verify_passes_at_the_layout"
 TRAINING = "test_megatron_lm_trains_from_the_conversion"
 QUANTIZED_RUNS = "test_transformers_runs_the_quantized_export_within_the_formats_error"
 QUANTIZED_LOADS = "test_transformers_loads_the_fp8_export_as_it_loads_the_release"
+ENGINE_SYNC = "test_engine_sync_with_figures"
 VLLM_SERVES, VLLM_QUANTIZED, VLLM_SYNC = ("test_vllm_serves_the_export", "test_vllm_serves_the_quantized_export_as_the_release",
                                           "test_vllm_weight_sync_into_a_live_engine")
 
 
 def read_results(paths: list[Path]) -> list[dict]:
-    """Every result line, the latest of each (family, layout, test, metric) kept, in the order first seen."""
+    """Every result line, the latest of each (family, layout, test, metric, and the way of a weight sync where it
+    names one) kept, in the order first seen."""
     latest: dict[tuple, dict] = {}
     for path in paths:
         for number, line in enumerate(path.read_text().splitlines(), 1):
@@ -46,7 +50,7 @@ def read_results(paths: list[Path]) -> list[dict]:
                 continue
             try:
                 result = json.loads(line)
-                key = (result["family"], result["layout"], result["test"], result["metric"])
+                key = (result["family"], result["layout"], result["test"], result["metric"], (result.get("details") or {}).get("way"))
             except (json.JSONDecodeError, KeyError, TypeError) as error:
                 raise SystemExit(f"results_to_docs: {path}:{number}: not a result line ({error})") from None
             if key not in latest or result.get("date", "") >= latest[key].get("date", ""):
@@ -177,6 +181,34 @@ def vllm_table(results: list[dict]) -> list[str]:
     return lines
 
 
+def engine_sync_table(results: list[dict]) -> list[str]:
+    """A row per model and way: its figures, and whether the synced engine generated as the export."""
+    lines = ["| model | Megatron layout | way | s | GB/s per engine rank | GPU peak extra, MiB (rank 0, 1) "
+             "| host peak extra, MiB (rank 0, 1) | synced engine = export | result |", "|---|---|---|---|---|---|---|---|---|"]
+    rows: dict[tuple[str, str, str], dict[str, dict]] = {}
+    faults: dict[tuple[str, str], dict] = {}
+    for result in results:
+        if result["test"] != ENGINE_SYNC:
+            continue
+        case = (result["family"], result["layout"])
+        if result["metric"] == "fault_max_logprob_difference":
+            faults[case] = result
+        else:
+            rows.setdefault((*case, result["details"].get("way", "")), {})[result["metric"]] = result
+    for (family, layout, way), metrics in rows.items():
+        figures, synced = metrics.get("sync_gb_per_s"), metrics.get("synced_max_logprob_difference")
+        details = figures["details"] if figures else {}
+        gpu, host = (", ".join("-" if value is None else f"{value:.0f}" for value in details.get(name, [])) or "-"
+                     for name in ("gpu_extra_mib", "host_extra_mib"))
+        seconds = f"{details['seconds']:.3f}" if "seconds" in details else "-"
+        lines.append(f"| {family} | {layout} | {way} | {seconds} | {cell(figures)} | {gpu} | {host} | {cell(synced, '<=')} "
+                     f"| {row_result([figures, synced, faults.get((family, layout))])} |")
+    for (family, layout), fault in faults.items():
+        lines.append(f"| {family} | {layout} | fault: {fault['details'].get('fault', '')} | - | - | - | - | {cell(fault, '>')} "
+                     f"| {row_result([fault])} |")
+    return lines
+
+
 LAYOUTS_TEXT = (
     "Each family's model (tests/gpu/gpu_cases.py: a real config shrunk to hidden 64, 4 heads, 8 experts, random weights "
     "at std 0.1) converted on the CPU at each layout, then on four GPUs: Megatron-LM parses the printed MODEL_ARGS and "
@@ -196,8 +228,9 @@ VLLM_TEXT = (
     "vLLM 0.25.0 (scripts/gpu/vllm_setup.sh) as the client of mconvert's exports, on one GPU (and two at TP 2), bf16, "
     "FlashAttention 3: each family's model (as above, its output layer at std 0.5 for clear greedy choices) through "
     "hf-to-mcore and mcore-to-hf, served by vLLM, its greedy tokens (16 after prompts of 12, 40 and 70 tokens) held to "
-    "transformers' fp32 run fed the same tokens; FP8 block and INT4 pack-quantized releases of a shrunk Qwen3 exported "
-    "with `--quantize as-source`, served beside the release; and mconvert's weight sync from a live megatron-core model "
+    "transformers' fp32 run fed the same tokens (MoE families: within the limit gpu_cases declares for routing in "
+    "bf16); FP8 block and INT4 pack-quantized releases of a shrunk Qwen3 and an MXFP4 release of a shrunk gpt-oss, "
+    "exported with `--quantize as-source`, served beside the release; and mconvert's weight sync from a live megatron-core model "
     "into vLLM's engine (tests/gpu/test_vllm.py). Each check with its fault injected must fail."
 )
 QUANTIZED_TEXT = (
@@ -210,11 +243,24 @@ QUANTIZED_TEXT = (
     "derived: the test's FORMAT_ERROR). The FP8 export loads to the release's weights, every one. Fault injection: the "
     "export with every scale doubled must exceed each limit."
 )
+ENGINE_SYNC_TEXT = (
+    "Weight sync from a live Megatron model into a running vLLM 0.25.0 engine on two GPUs, as colocated RL runs it (a "
+    "Megatron rank and a vLLM TP 2 engine rank in each process, vLLM's external launcher): a dense Qwen3 (hidden 1024, "
+    "8 layers, 0.39 GB in bf16) at Megatron TP 2 and a DeepSeek-V3 MoE at its released attention dims (0.30 GB) at EP "
+    "2, their weights handed to the engine's `load_weights` by mconvert's `gather_hf_weights` (each rank gathers each "
+    "whole HF tensor from its group), by a gather of every tensor to rank 0's host and then a send of each to every "
+    "engine rank, and by 512 MB buckets packed on rank 0 and broadcast (tests/gpu/test_engine_sync.py). Seconds: median "
+    "of 3, slowest rank; GB/s: whole HF tensors delivered to each engine rank; peak extra: beyond what the rank held "
+    "before the sync (GPU: torch.cuda.max_memory_allocated, trainer and engine together; host: peak RSS). After each "
+    "way the engine must generate the export's greedy tokens and logprobs (its weights perturbed first); the fault, one "
+    "tensor scaled by 1.5, must not."
+)
 # name: (the test file, its tests, what they do, the table of their results, the GPUs it needs, its -k)
 SECTIONS = {
     "layouts": ("tests/gpu/test_layouts.py", (LOGITS, VERIFY), LAYOUTS_TEXT, layouts_table, "four GPUs", "FAMILY"),
     "training": ("tests/gpu/test_training.py", (TRAINING,), TRAINING_TEXT, training_table, "one GPU", "FAMILY"),
     "quantized": ("tests/gpu/test_quantized_exports.py", (QUANTIZED_RUNS, QUANTIZED_LOADS), QUANTIZED_TEXT, quantized_table, "one GPU", "quantized_exports"),
+    "engine_sync": ("tests/gpu/test_engine_sync.py", (ENGINE_SYNC,), ENGINE_SYNC_TEXT, engine_sync_table, "two GPUs and vLLM installed", "engine_sync"),
     "vllm": ("tests/gpu/test_vllm.py", (VLLM_SERVES, VLLM_QUANTIZED, VLLM_SYNC), VLLM_TEXT, vllm_table, "one GPU (two for TP 2) and vLLM installed", "vllm"),
 }
 

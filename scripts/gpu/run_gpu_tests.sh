@@ -18,12 +18,13 @@
 # vLLM (tests/gpu/test_vllm.py) travels as Transformer Engine does, by scripts/gpu/vllm_setup.sh: its chunks
 # (build/vllmpc/N, a call each, `bash scripts/gpu/vllm_setup.sh chunk N`), then this script, which installs it into
 # $VLLM_SITE (default /tmp/site-vllm, on the path of the vLLM processes only) where its chunks lie in /tmp/vllmpc or
-# build/vllmpc, e.g. `bash scripts/gpu/run_gpu_tests.sh -k vllm` carrying the last chunk.
+# build/vllmpc, e.g. `bash scripts/gpu/run_gpu_tests.sh -k vllm` carrying the last chunk. The weight sync into a two-GPU
+# vLLM engine with its figures (tests/gpu/test_engine_sync.py) likewise: `-k engine_sync`, on a machine of two GPUs.
 #
 # Results and logs in $OUT (default ./gpu-out): gpu_results.jsonl (a JSON line a checked metric, written as each test
-# ends), verification.md (docs/verification.md with its GPU tables made from them: scripts/gpu/results_to_docs.py),
+# ends), verification.md and performance.md (docs/ with their GPU tables made from them: scripts/gpu/results_to_docs.py),
 # gpu_tests.log (the installs and pytest, as they go), gpu_logs.tar.gz (the torchruns', jobs' and training runs' logs),
-# vllm_serve.log, vllm_serve_quantized.log and vllm_sync.log (the vLLM processes', as they go).
+# vllm_serve.log, vllm_serve_quantized.log, vllm_sync.log and vllm_sync_MODEL.log (the vLLM processes', as they go).
 # RUN_BUDGET_S (default 580): the whole command's seconds; no job starts in its last 100, pytest stops 20 s before it.
 # PYTHON (default python3): the interpreter, the GPU machine's (Python 3.12 with torch). MCONVERT_COMMIT: the commit each
 # result names where the tree has no .git (a lent machine's copy).
@@ -135,6 +136,7 @@ MCONVERT_GPU_RESULTS=$OUT/gpu_results.jsonl MCONVERT_GPU_WORK=$work MCONVERT_GPU
 code=${PIPESTATUS[0]}
 note "pytest: exit $code"
 "$PYTHON" scripts/gpu/results_to_docs.py "$OUT/gpu_results.jsonl" --out "$OUT/verification.md" >> "$log" 2>&1
+"$PYTHON" scripts/gpu/results_to_docs.py "$OUT/gpu_results.jsonl" --docs docs/performance.md --out "$OUT/performance.md" >> "$log" 2>&1
 (cd "$work" && find . \( -name '*.log' -o -name '*.error' -o -name '*.json' -o -name '*.jsonl' -o -name '*.exit' -o -name ended \) \
   -size -4M -print0 | tar -czf "$OUT/gpu_logs.tar.gz" --null -T -) 2>> "$log"
 exit $code

@@ -131,8 +131,8 @@ def environment() -> dict:
 def record(request, environment, tmp_path_factory):
     """record(metric, value, threshold, passed, **details): one JSON line of this test's case to the results file."""
     params = request.node.callspec.params
-    if "case" in params or "vllm_case" in params:  # (family, layout)
-        family, layout = params.get("case") or params["vllm_case"]
+    if "case" in params or "vllm_case" in params or "sync_case" in params:  # (family, layout)
+        family, layout = params.get("case") or params.get("vllm_case") or params["sync_case"]
     elif "quantized" in params:  # test_quantized_exports.py: (release, export or fault)
         family, layout = params["quantized"]
     elif "training_family" in params:  # at its case's training layout

@@ -94,6 +94,11 @@ class Family:
     training: str | None = TRAINING_LAYOUT
     # The HF model holds the multi-token prediction layers its config names (mconvert.synthetic.add_mtp_layers).
     mtp: bool = False
+    # tests/gpu/test_vllm.py: config fields of its vLLM case (after `overrides`), where vLLM's kernels take fewer
+    # shapes than mconvert's; and the largest difference it allows between vLLM's bf16 logprobs of its greedy tokens
+    # and transformers' fp32 ones (None: the test's LOGPROB).
+    vllm_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    vllm_logprob: float | None = None
 
 
 # Gated delta-net: megatron-core's layers import flash-linear-attention (scripts/gpu/run_gpu_tests.sh installs it, and
@@ -120,14 +125,27 @@ GEMMA3_LAYER_TYPES = ["sliding_attention", "full_attention", "sliding_attention"
 # two, as the released models have (128); the shrunk value head's 12 would stop it.
 MLA_ROPE_FUSION = {"v_head_dim": 16}
 
+# vLLM 0.25.0's MLA backends take DeepSeek-V3's latent head only: MLACommonBackend.get_supported_head_sizes() is
+# [320, 576] (kv_lora_rank + qk_rope_head_dim; FlashAttention MLA, vLLM's choice on Hopper, and FlashMLA inherit it),
+# so the shrunk 24 + 8 = 32 was refused. DeepSeek-V3's released attention dims, the rest of the model shrunk.
+VLLM_MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
+
+# Qwen3-MoE in vLLM: bf16 router logits (transformers' fp32) meet near-ties between experts' scores, and a position
+# whose top-k experts differ gets another mixture: measured on 2 x H200 (2026-11-27), vLLM's tokens within 0.037 of
+# transformers' best, their logprobs parted by 0.34 (TP 1) and 0.37 (TP 2); the fault (layer 0's MLP negated) by 21.9.
+# 0.5 keeps the fault 40 times past the limit; the dense families keep 0.25. DeepSeek-V3's router (bf16 in vLLM, group-
+# limited top-k) takes the same limit for the same reason, before a measurement of its own.
+MOE_ROUTING_LOGPROB = 0.5
+
 FAMILIES = [
     Family("llama", "llama-3.1-8b", **DENSE),
     Family("qwen2", "qwen2.5-7b-instruct", **DENSE),
     Family("qwen3", "qwen3-8b", **DENSE),
     Family("qwen2_moe", "qwen1.5-moe-a2.7b"),
-    Family("qwen3_moe", "qwen3-30b-a3b"),
+    Family("qwen3_moe", "qwen3-30b-a3b", vllm_logprob=MOE_ROUTING_LOGPROB),
     Family("mixtral", "mixtral-8x7b-v0.1"),
-    Family("deepseek", "deepseek-v3", overrides=MLA_ROPE_FUSION),
+    Family("deepseek", "deepseek-v3", overrides=MLA_ROPE_FUSION, vllm_overrides=VLLM_MLA,
+           vllm_logprob=MOE_ROUTING_LOGPROB),
     # Kimi-K2.5's language model (its vision tower is left out, and copied back by the export).
     Family("kimi_k25", "kimi-k2.5", overrides=MLA_ROPE_FUSION),
     Family("glm4_moe", "glm-4.5-air"),

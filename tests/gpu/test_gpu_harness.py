@@ -1,7 +1,7 @@
 """The GPU evidence's harness, on the CPU (no GPU mark: the CPU suite runs these): the case table covers every family
 mconvert converts, the GPU tests are collected and skipped without GPUs (and without importing torch), the results
-file's lines make docs/verification.md's tables (scripts/gpu/results_to_docs.py), and the launcher's dry run selects
-what `-k` names."""
+file's lines make docs/verification.md's tables (scripts/gpu/results_to_docs.py), the launcher's dry run selects
+what `-k` names, and the weight sync's three ways (tests/gpu/sync_ways.py) deliver the export's tensors on CPU ranks."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_engine_sync
 import test_vllm
 from gpu_cases import EIGHT_GPUS, FAMILIES, FAMILY, LAYOUTS, SHOWN_LAYOUTS, layout_cases, training_cases
 
@@ -57,7 +58,8 @@ def test_without_gpus_the_gpu_tests_are_skipped_with_the_count_and_nothing_heavy
     quantized = 4 + 1  # test_quantized_exports.py: two releases, each as exported and with a fault; the FP8 weights
     vllm = len(test_vllm.SERVED) + len(test_vllm.TP2) + len(test_vllm.QUANTIZED) + 1  # tests/gpu/test_vllm.py
     mxfp4 = 1  # test_mxfp4_quantizer.py
-    assert f"{2 * layouts + families + quantized + vllm + mxfp4} skipped" in run.stdout, run.stdout[-2000:]
+    sync = len(test_engine_sync.CASES)
+    assert f"{2 * layouts + families + quantized + vllm + mxfp4 + sync} skipped" in run.stdout, run.stdout[-2000:]
     assert "needs 4 CUDA GPU(s), 0 visible" in run.stdout and "needs 1 CUDA GPU(s), 0 visible" in run.stdout
     assert "dense: no experts" in run.stdout  # the case table's reasons, where the GPU count does not come first
     assert "imported: []" in run.stdout
@@ -178,6 +180,28 @@ def test_the_generator_makes_the_vllm_table(tmp_path):
                for line in lines), lines
 
 
+ENGINE_SYNC = "test_engine_sync_with_figures"
+
+
+def sync_figures(way, gb_per_s, synced, passed=True):
+    figures = dict(way=way, seconds=0.25, gpu_extra_mib=[812.4, 790.0], host_extra_mib=[12.0, 3.0])
+    return [result("deepseek", "ep2", ENGINE_SYNC, "sync_gb_per_s", gb_per_s, None, True, **figures),
+            result("deepseek", "ep2", ENGINE_SYNC, "synced_max_logprob_difference", synced, 1e-3, passed, way=way)]
+
+
+def test_the_generator_makes_the_engine_sync_table(tmp_path):
+    sample = [*sync_figures("gather_hf_weights", 1.2, 0.0), *sync_figures("512 MB buckets", 0.9, 0.5, passed=False),
+              result("deepseek", "ep2", ENGINE_SYNC, "fault_max_logprob_difference", 2.0, 1e-3, True, fault="x scaled by 1.5")]
+    run = generate(tmp_path, "<!-- gpu-tests:engine_sync begin -->\n<!-- gpu-tests:engine_sync end -->\n", sample)
+    assert run.returncode == 0, run.stderr
+    lines = (tmp_path / "doc.md").read_text().splitlines()
+    assert "| deepseek | ep2 | gather_hf_weights | 0.250 | 1.2 | 812, 790 | 12, 3 | 0 (<= 0.001) | PASS |" in lines, lines
+    # A way whose engine did not generate as the export fails its row; the fault has a row of its own.
+    assert "| deepseek | ep2 | 512 MB buckets | 0.250 | 0.9 | 812, 790 | 12, 3 | **0.5 (<= 0.001)** | **FAIL** |" in lines, lines
+    assert "| deepseek | ep2 | fault: x scaled by 1.5 | - | - | - | - | 2 (> 0.001) | PASS |" in lines, lines
+    assert "Command: `bash scripts/gpu/run_gpu_tests.sh -k engine_sync` (tests/gpu/test_engine_sync.py)." in lines
+
+
 def test_the_generator_refuses_a_section_without_its_end_marker_in_one_line(tmp_path):
     run = generate(tmp_path, DOC.replace("<!-- gpu-tests:training end -->\n", ""), SAMPLE)
     assert run.returncode == 1 and run.stderr.strip() == f"results_to_docs: {tmp_path / 'doc.md'}: section training has no end marker"
@@ -216,3 +240,51 @@ def test_the_launchers_dry_run_shows_what_it_would_run_and_selects_by_k(tmp_path
     # Three layouts, training, and vLLM serving the export at TP 1 and TP 2.
     assert len(collected) == 2 * 3 + 1 + 2 and all("qwen3_moe" in line for line in collected)
     assert (tmp_path / "gpu_tests.log").exists()
+
+
+def delivered_by_each_way(mcore: str, export: str, fault: str) -> dict:
+    """On each CPU rank (gloo): the conversion loaded at its layout, and what each way of sync_ways hands `load`,
+    against the export's tensors; then the fault's. Every rank's findings, gathered."""
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from sync_ways import sync_ways
+
+    from mconvert.mcore.checkpoint import RELEASE, read_args
+    from mconvert.verify.megatron_side import load_model
+
+    (model,) = load_model(mcore, read_args(Path(mcore) / RELEASE), torch.bfloat16, device="cpu", transformer_impl="local")
+    config = json.loads((Path(export) / "config.json").read_text())
+    want = {name: tensor for path in Path(export).glob("*.safetensors") for name, tensor in load_file(path).items()}
+    received: dict = {}
+    # Buckets of 256 KiB: the shrunk model's largest tensor (128 KiB) fits, and its weights take several.
+    ways = sync_ways(model, config, lambda weights: received.update((name, tensor.clone()) for name, tensor in weights), torch.device("cpu"),
+                     bucket_bytes=256 << 10)
+    found = {}
+    for name, way in [*ways.items(), ("fault", lambda: ways["gather_hf_weights"](fault))]:
+        received.clear()
+        delivered = way()
+        found[name] = {"unlike": sorted(n for n in want if n not in received or not torch.equal(received[n], want[n])),
+                       "extra": sorted(set(received) - set(want)), "bytes": delivered == sum(t.nbytes for t in received.values())}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, found)
+    return everyone
+
+
+def test_each_sync_way_delivers_the_exports_tensors_on_cpu_ranks(tmp_path):
+    from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+    from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+    from mconvert.mcore.parallelism import Parallelism
+    from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
+    from mconvert.verify.distributed import run_ranks
+
+    make_hf_checkpoint(shrink(real_config("qwen3-8b")), tmp_path / "hf", dtype="bfloat16", weight_std=0.1)
+    convert_hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", parallelism=Parallelism(tp=2))
+    convert_mcore_to_hf(tmp_path / "mcore", tmp_path / "export", hf_config_dir=tmp_path / "hf")
+    fault = "model.layers.1.mlp.down_proj.weight"
+    ranks = run_ranks(delivered_by_each_way, str(tmp_path / "mcore"), str(tmp_path / "export"), fault, tp=2, device="cpu", timeout_s=300)
+    assert len(ranks) == 2
+    for found in ranks:
+        for way in test_engine_sync.WAYS:
+            assert found[way] == {"unlike": [], "extra": [], "bytes": True}, (way, found[way])
+        assert found["fault"] == {"unlike": [fault], "extra": [], "bytes": True}
