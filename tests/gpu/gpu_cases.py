@@ -134,7 +134,9 @@ VLLM_MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128
 # whose top-k experts differ gets another mixture: measured on 2 x H200 (2026-11-27), vLLM's tokens within 0.037 of
 # transformers' best, their logprobs parted by 0.34 (TP 1) and 0.37 (TP 2); the fault (layer 0's MLP negated) by 21.9.
 # 0.5 keeps the fault 40 times past the limit; the dense families keep 0.25. DeepSeek-V3's router (bf16 in vLLM, group-
-# limited top-k) takes the same limit for the same reason, before a measurement of its own.
+# limited top-k) takes the same limit for the same reason: measured then (2 x H200, 2026-11-27), its logprobs parted by
+# 0.18 and one token trailed transformers' best by 0.35 (a near-tie that routing flipped), the fault by 10.1. Both the
+# logprob difference and the trailing gap of an MoE family are held to it.
 MOE_ROUTING_LOGPROB = 0.5
 
 FAMILIES = [
