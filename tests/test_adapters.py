@@ -29,6 +29,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "megatron_bridge_lora"
 BASE = FIXTURE / "hf"
 # fp32 on both sides: the logits agree to about 2e-6 (of values up to 3.7), a wrong adapter moves them by 0.1 or more.
 LOGITS_TOLERANCE = 1e-4
+MOE_EXPERTS = 4  # the moe-lora fixture's
 WEIGHT_TOLERANCE = 1e-6
 
 
@@ -37,24 +38,32 @@ def read_hf(directory: Path) -> dict[str, torch.Tensor]:
     return {name: as_torch(checkpoint.read(name)) for name in checkpoint.tensors}
 
 
+def saved(save: int | str) -> Path:
+    """A fixture save's directory: the LoRA one at TP `save`, or the one of that name (`canonical-tp2`)."""
+    return FIXTURE / (f"tp{save}" if isinstance(save, int) else save)
+
+
+def base_of(save: int | str) -> Path:
+    """The HF base model of a fixture save: its own (`moe-lora/hf`), else the dense one."""
+    return saved(save) / "hf" if (saved(save) / "hf").is_dir() else BASE
+
+
 def export(save: int | str, out: Path) -> Path:
-    """adapter-to-hf of a fixture save: the LoRA one at TP `save`, or the one of that name (`canonical-tp2`)."""
-    save = f"tp{save}" if isinstance(save, int) else save
-    code = main(["adapter-to-hf", "--load-dir", str(FIXTURE / save / "checkpoint"), "--hf-config", str(BASE), "--save-dir", str(out)])
+    code = main(["adapter-to-hf", "--load-dir", str(saved(save) / "checkpoint"), "--hf-config", str(base_of(save)), "--save-dir", str(out)])
     assert code == 0
     return out
 
 
-def peft_model(adapter: Path):
-    base = transformers.AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32)
+def peft_model(adapter: Path, base_dir: Path = BASE):
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     return peft.PeftModel.from_pretrained(base, adapter).eval()
 
 
 def logits_error(adapter: Path, save: int | str) -> float:
     """Largest difference between peft's logits of base + adapter and Megatron-Bridge's for the same tokens."""
-    reference = load_file(FIXTURE / (f"tp{save}" if isinstance(save, int) else save) / "logits.safetensors")
+    reference = load_file(saved(save) / "logits.safetensors")
     with torch.no_grad():
-        logits = peft_model(adapter)(reference["tokens"]).logits
+        logits = peft_model(adapter, base_of(save))(reference["tokens"]).logits
     return (logits - reference["logits"]).abs().max().item()
 
 
@@ -88,9 +97,9 @@ def test_peft_gives_megatron_bridges_logits_with_the_exported_adapter(save, tmp_
         q, k = (tensors[f"base_model.model.model.layers.0.self_attn.{p}_proj.lora_A.weight"] for p in "qk")
         assert not torch.equal(q, k)
     # The adapter matters: the base alone is far from Megatron-Bridge's model with it.
-    reference = load_file(FIXTURE / (f"tp{save}" if isinstance(save, int) else save) / "logits.safetensors")
+    reference = load_file(saved(save) / "logits.safetensors")
     with torch.no_grad():
-        base = transformers.AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32)(reference["tokens"]).logits
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_of(save), dtype=torch.float32)(reference["tokens"]).logits
     assert (base - reference["logits"]).abs().max().item() > 0.1
 
 
@@ -172,18 +181,59 @@ def test_each_canonical_and_dora_fault_fails_the_check(fault, tmp_path, monkeypa
     assert logits_error(adapter, "dora-tp1") > 100 * LOGITS_TOLERANCE
 
 
-@pytest.mark.parametrize(
-    "save, expected",
-    [
-        ("experts", "'decoder.layers.mlp.experts.experts.linear_fc1.adapter.linear_in.weight': adapters on experts are not exported yet"),
-        ("router", "'decoder.layers.mlp.router.adapter.linear_in.weight': adapters on the MoE router are not exported yet"),
-    ],
-)
-def test_megatron_bridges_moe_adapters_are_refused_in_one_line(save, expected, tmp_path, capsys):
-    """Megatron-Bridge's own saves of a Qwen3-MoE model's LoRA on its experts, and on its router."""
+def _expert_major(adapter: Path) -> None:
+    """The experts' lora_B written expert-major ([out, E, r], as Megatron-Bridge 0.6's own HF export of grouped experts
+    writes it), which PEFT reads rank-major ([out, r, E])."""
+    tensors = load_file(adapter / ADAPTER_WEIGHTS)
+    for name in [n for n in tensors if ".experts." in n and n.endswith("lora_B.weight")]:
+        b = tensors[name]
+        tensors[name] = b.reshape(b.shape[0], -1, MOE_EXPERTS).transpose(1, 2).reshape(b.shape[0], -1).contiguous()
+    save_file(tensors, str(adapter / ADAPTER_WEIGHTS))
+
+
+def _experts_shifted(adapter: Path) -> None:
+    """Each expert's adapter given to the next expert (an expert-parallel offset gone wrong)."""
+    tensors = load_file(adapter / ADAPTER_WEIGHTS)
+    for name in [n for n in tensors if ".experts." in n]:
+        t = tensors[name]
+        tensors[name] = (t.reshape(MOE_EXPERTS, -1, t.shape[1]).roll(1, 0).reshape(t.shape) if "lora_A" in name
+                         else t.reshape(t.shape[0], -1, MOE_EXPERTS).roll(1, 2).reshape(t.shape)).contiguous()
+    save_file(tensors, str(adapter / ADAPTER_WEIGHTS))
+
+
+def test_peft_gives_megatron_bridges_logits_with_its_expert_adapters(tmp_path):
+    """Megatron-Bridge's LoRA on a Qwen3-MoE model's attention and on every expert's linear_fc1 and linear_fc2 (one
+    adapter per expert): PEFT adapts transformers' fused gate_up_proj and down_proj as parameters."""
+    adapter = export("moe-lora", tmp_path / "adapter")
+    config = json.loads((adapter / ADAPTER_CONFIG).read_text())
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8.0, ["k_proj", "o_proj", "q_proj", "v_proj"])
+    assert config["target_parameters"] == [f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("down_proj", "gate_up_proj")]
+    assert logits_error(adapter, "moe-lora") < LOGITS_TOLERANCE
+    reference = load_file(saved("moe-lora") / "logits.safetensors")
+    with torch.no_grad():
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_of("moe-lora"), dtype=torch.float32)(reference["tokens"]).logits
+        assert (base - reference["logits"]).abs().max().item() > 0.1
+        # The experts' adapters matter on their own: without them the logits are off too.
+        model = peft_model(adapter, base_of("moe-lora"))
+        for module in model.modules():
+            if isinstance(module, peft.tuners.lora.ParamWrapper):
+                module.scaling = {name: 0.0 for name in module.scaling}
+        assert (model(reference["tokens"]).logits - reference["logits"]).abs().max().item() > 100 * LOGITS_TOLERANCE
+
+
+@pytest.mark.parametrize("fault", [_expert_major, _experts_shifted])
+def test_each_expert_fault_fails_the_check(fault, tmp_path):
+    adapter = export("moe-lora", tmp_path / "adapter")
+    fault(adapter)
+    assert logits_error(adapter, "moe-lora") > 100 * LOGITS_TOLERANCE
+
+
+def test_megatron_bridges_router_adapters_are_refused_in_one_line(tmp_path, capsys):
+    """Megatron-Bridge's own save of a Qwen3-MoE model's LoRA on its router (transformers' router is no nn.Linear)."""
     moe = FIXTURE / "moe"
-    code = main(["adapter-to-hf", "--load-dir", str(moe / save / "checkpoint"), "--hf-config", str(moe), "--save-dir", str(tmp_path / "out")])
+    code = main(["adapter-to-hf", "--load-dir", str(moe / "router" / "checkpoint"), "--hf-config", str(moe), "--save-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
+    expected = "'decoder.layers.mlp.router.adapter.linear_in.weight': adapters on the MoE router are not exported yet"
     assert code == 1 and expected in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
 
@@ -231,20 +281,18 @@ def test_what_is_not_exported_is_refused_in_one_line(run_config, base_overrides,
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("save", SAVES)
+@pytest.mark.parametrize("save", [*SAVES, "moe-lora"])
 def test_the_merged_export_is_megatron_bridges_model_with_the_adapter(save, tmp_path, capsys):
     """mcore-to-hf of the base (converted at TP 2) with the adapter merged in: transformers' logits of it are
     Megatron-Bridge's model-with-adapter logits; for LoRA at TP 1 its weights are Megatron-Bridge's merged weights."""
     from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
     from mconvert.mcore.parallelism import Parallelism
 
-    convert_hf_to_mcore(BASE, tmp_path / "base", parallelism=Parallelism(tp=2))
-    name = f"tp{save}" if isinstance(save, int) else save
-    adapter = FIXTURE / name / "checkpoint"
+    convert_hf_to_mcore(base_of(save), tmp_path / "base", parallelism=Parallelism(tp=2))
     out = tmp_path / "merged"
-    flags = ["--load-dir", str(tmp_path / "base"), "--adapter", str(adapter), "--hf-config", str(BASE), "--dtype", "fp32"]
+    flags = ["--load-dir", str(tmp_path / "base"), "--adapter", str(saved(save) / "checkpoint"), "--hf-config", str(base_of(save)), "--dtype", "fp32"]
     assert main(["mcore-to-hf", *flags, "--save-dir", str(out)]) == 0, capsys.readouterr().err
-    reference = load_file(FIXTURE / name / "logits.safetensors")
+    reference = load_file(saved(save) / "logits.safetensors")
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         assert (model(reference["tokens"]).logits - reference["logits"]).abs().max().item() < LOGITS_TOLERANCE

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from mconvert.converters.bridge_adapters import ADAPTER, ROW_SPLITS, AdapterSave, LoraSettings, merged, read_lora_settings
+from mconvert.converters.expert_adapters import expert_peft_tensors
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.errors import ConversionError
 from mconvert.formats.dcp import DCPCheckpoint
@@ -40,10 +41,12 @@ def _hf_modules(family: Family, spec: ModelSpec, layer: int) -> dict[str, tuple[
     }
 
 
-def peft_tensors(dcp: DCPCheckpoint, family: Family, spec: ModelSpec, settings: LoraSettings) -> tuple[dict[str, np.ndarray], list[str]]:
+def peft_tensors(
+    dcp: DCPCheckpoint, family: Family, spec: ModelSpec, settings: LoraSettings
+) -> tuple[dict[str, np.ndarray], list[str], list[str]]:
     """The PEFT adapter's tensors (`base_model.model.<module>.lora_A.weight`, `...lora_B.weight`, DoRA's
-    `...lora_magnitude_vector`) and the HF modules they adapt, from the Megatron-Bridge save `dcp`; every adapter key
-    of the save must be exported."""
+    `...lora_magnitude_vector`), the HF modules they adapt and the fused expert parameters, from the Megatron-Bridge
+    save `dcp`; every adapter key of the save must be exported."""
     save = AdapterSave(dcp, settings, spec)
     if not save.stored:
         raise ConversionError(f"{dcp.directory}: holds no adapter ('*{ADAPTER}*' keys)")
@@ -51,7 +54,11 @@ def peft_tensors(dcp: DCPCheckpoint, family: Family, spec: ModelSpec, settings: 
         raise ConversionError(f"{dcp.directory}: adapters of multi-token prediction or hybrid layers are not exported yet")
     tensors: dict[str, np.ndarray] = {}
     modules: list[str] = []
+    params: list[str] = []
     for layer in range(spec.num_layers):
+        expert_tensors, expert_params = expert_peft_tensors(save, family, spec, layer)
+        tensors.update(expert_tensors)
+        params += expert_params
         for module, (entry, prefix) in _hf_modules(family, spec, layer).items():
             key, offsets = layer_key(module + ".weight", layer, spec)
             key = key.removesuffix(".weight")
@@ -73,15 +80,14 @@ def peft_tensors(dcp: DCPCheckpoint, family: Family, spec: ModelSpec, settings: 
                 modules.append(hf_module)
     if save.left:
         key = min(save.left)
-        if ".experts." in key:
-            raise ConversionError(f"'{key}': adapters on experts are not exported yet")
         raise ConversionError(f"'{key}': an adapter on a module that no {family.name} HF module of this model is (or part of one)")
-    return tensors, modules
+    return tensors, modules, params
 
 
-def adapter_config(settings: LoraSettings, modules: list[str], base: str, layers: int) -> dict[str, Any]:
+def adapter_config(settings: LoraSettings, modules: list[str], base: str, layers: int, params: list[str] = ()) -> dict[str, Any]:
     """PEFT's LoraConfig as it saves it: its target modules by their last names where each of the model's `layers`
-    has the same ones (PEFT would put an adapter on every module of such a name), else by their whole names."""
+    has the same ones (PEFT would put an adapter on every module of such a name), else by their whole names; the
+    fused expert parameters (`params`) by their whole names."""
     by_layer: dict[str, set[str]] = {}
     for module in modules:
         layer_prefix, _, name = module.rpartition(".layers.")
@@ -97,8 +103,11 @@ def adapter_config(settings: LoraSettings, modules: list[str], base: str, layers
         "lora_alpha": settings.alpha,
         "use_rslora": False,
         "use_dora": settings.kind == "dora",
-        "lora_dropout": settings.dropout,
+        # PEFT's ParamWrapper refuses a dropout (it cannot apply one to x inside the experts' matmuls); dropout acts
+        # in training only, so an adapter of expert parameters is written without.
+        "lora_dropout": 0.0 if params else settings.dropout,
         "target_modules": targets,
+        **({"target_parameters": sorted(params)} if params else {}),
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -183,12 +192,12 @@ def export_adapter(
         raise ConversionError(f"{directory}: no .metadata (not a torch_dist adapter save)")
     settings = read_lora_settings(directory, "adapter-to-hf")
     family, spec = get_mapping(read_hf_config(Path(hf_config_dir), "--hf-config"), source="--hf-config config.json")
-    tensors, modules = peft_tensors(DCPCheckpoint(directory), family, spec, settings)
+    tensors, modules, params = peft_tensors(DCPCheckpoint(directory), family, spec, settings)
     check_target(save_dir, overwrite)
     from safetensors.numpy import save_file
 
     with atomic_directory(save_dir, overwrite) as work:
         save_file({name: np.ascontiguousarray(t) for name, t in tensors.items()}, str(work / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        config = adapter_config(settings, modules, base_name or str(Path(hf_config_dir).absolute()), spec.num_layers)
+        config = adapter_config(settings, modules, base_name or str(Path(hf_config_dir).absolute()), spec.num_layers, params)
         (work / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    return AdapterExport(family, settings, modules, len(tensors))
+    return AdapterExport(family, settings, modules + params, len(tensors))

@@ -143,6 +143,11 @@ class AdapterSave:
         subs = CANONICAL.get(module.rsplit(".", 1)[-1]) if self.settings.kind == "canonical" else None
         if subs is None:
             return self._fused(module, offsets, entry)
+        if len(subs) != len(entry.hf_names):  # transformers' fused experts: gate and up in one parameter
+            raise ConversionError(
+                f"'{module}{ADAPTER}{subs[0]}': CanonicalLoRA's per-projection adapters of one HF tensor "
+                f"({entry.hf_names[0]}) are not exported yet"
+            )
         out, into = entry.split.shape(self.spec, entry)
         parts = []
         for sub, hf_name, (rows, *_) in zip(subs, entry.hf_names, entry.hf_shapes((out, into), self.spec)):
