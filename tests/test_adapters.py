@@ -44,8 +44,8 @@ def saved(save: int | str) -> Path:
 
 
 def base_of(save: int | str) -> Path:
-    """The HF base model of a fixture save: its own (`moe-lora/hf`), else the dense one."""
-    return saved(save) / "hf" if (saved(save) / "hf").is_dir() else BASE
+    """The HF base model of a fixture save: the MoE saves' (`moe-lora/hf`), else the dense one."""
+    return FIXTURE / "moe-lora" / "hf" if str(save).startswith("moe-lora") else BASE
 
 
 def export(save: int | str, out: Path) -> Path:
@@ -201,20 +201,22 @@ def _experts_shifted(adapter: Path) -> None:
     save_file(tensors, str(adapter / ADAPTER_WEIGHTS))
 
 
-def test_peft_gives_megatron_bridges_logits_with_its_expert_adapters(tmp_path):
+@pytest.mark.parametrize("save", ["moe-lora", "moe-lora-ep2"])
+def test_peft_gives_megatron_bridges_logits_with_its_expert_adapters(save, tmp_path):
     """Megatron-Bridge's LoRA on a Qwen3-MoE model's attention and on every expert's linear_fc1 and linear_fc2 (one
-    adapter per expert): PEFT adapts transformers' fused gate_up_proj and down_proj as parameters."""
-    adapter = export("moe-lora", tmp_path / "adapter")
+    adapter per expert), saved at EP 1 and EP 2: PEFT adapts transformers' fused gate_up_proj and down_proj as
+    parameters."""
+    adapter = export(save, tmp_path / "adapter")
     config = json.loads((adapter / ADAPTER_CONFIG).read_text())
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8.0, ["k_proj", "o_proj", "q_proj", "v_proj"])
     assert config["target_parameters"] == [f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("down_proj", "gate_up_proj")]
-    assert logits_error(adapter, "moe-lora") < LOGITS_TOLERANCE
-    reference = load_file(saved("moe-lora") / "logits.safetensors")
+    assert logits_error(adapter, save) < LOGITS_TOLERANCE
+    reference = load_file(saved(save) / "logits.safetensors")
     with torch.no_grad():
-        base = transformers.AutoModelForCausalLM.from_pretrained(base_of("moe-lora"), dtype=torch.float32)(reference["tokens"]).logits
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_of(save), dtype=torch.float32)(reference["tokens"]).logits
         assert (base - reference["logits"]).abs().max().item() > 0.1
         # The experts' adapters matter on their own: without them the logits are off too.
-        model = peft_model(adapter, base_of("moe-lora"))
+        model = peft_model(adapter, base_of(save))
         for module in model.modules():
             if isinstance(module, peft.tuners.lora.ParamWrapper):
                 module.scaling = {name: 0.0 for name in module.scaling}
@@ -281,7 +283,7 @@ def test_what_is_not_exported_is_refused_in_one_line(run_config, base_overrides,
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("save", [*SAVES, "moe-lora"])
+@pytest.mark.parametrize("save", [*SAVES, "moe-lora", "moe-lora-ep2"])
 def test_the_merged_export_is_megatron_bridges_model_with_the_adapter(save, tmp_path, capsys):
     """mcore-to-hf of the base (converted at TP 2) with the adapter merged in: transformers' logits of it are
     Megatron-Bridge's model-with-adapter logits; for LoRA at TP 1 its weights are Megatron-Bridge's merged weights."""
