@@ -48,6 +48,12 @@ def base_of(save: int | str) -> Path:
     return FIXTURE / "moe-lora" / "hf" if str(save).startswith("moe-lora") else BASE
 
 
+def logits_of(save: int | str) -> dict[str, torch.Tensor]:
+    """Megatron-Bridge's tokens and model-with-adapter logits of a fixture save (the EP 2 MoE save holds the EP 1
+    save's adapter, whose logits it is checked against)."""
+    return load_file(saved("moe-lora" if save == "moe-lora-ep2" else save) / "logits.safetensors")
+
+
 def export(save: int | str, out: Path) -> Path:
     code = main(["adapter-to-hf", "--load-dir", str(saved(save) / "checkpoint"), "--hf-config", str(base_of(save)), "--save-dir", str(out)])
     assert code == 0
@@ -61,7 +67,7 @@ def peft_model(adapter: Path, base_dir: Path = BASE):
 
 def logits_error(adapter: Path, save: int | str) -> float:
     """Largest difference between peft's logits of base + adapter and Megatron-Bridge's for the same tokens."""
-    reference = load_file(saved(save) / "logits.safetensors")
+    reference = logits_of(save)
     with torch.no_grad():
         logits = peft_model(adapter, base_of(save))(reference["tokens"]).logits
     return (logits - reference["logits"]).abs().max().item()
@@ -97,7 +103,7 @@ def test_peft_gives_megatron_bridges_logits_with_the_exported_adapter(save, tmp_
         q, k = (tensors[f"base_model.model.model.layers.0.self_attn.{p}_proj.lora_A.weight"] for p in "qk")
         assert not torch.equal(q, k)
     # The adapter matters: the base alone is far from Megatron-Bridge's model with it.
-    reference = load_file(saved(save) / "logits.safetensors")
+    reference = logits_of(save)
     with torch.no_grad():
         base = transformers.AutoModelForCausalLM.from_pretrained(base_of(save), dtype=torch.float32)(reference["tokens"]).logits
     assert (base - reference["logits"]).abs().max().item() > 0.1
@@ -211,7 +217,7 @@ def test_peft_gives_megatron_bridges_logits_with_its_expert_adapters(save, tmp_p
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8.0, ["k_proj", "o_proj", "q_proj", "v_proj"])
     assert config["target_parameters"] == [f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("down_proj", "gate_up_proj")]
     assert logits_error(adapter, save) < LOGITS_TOLERANCE
-    reference = load_file(saved(save) / "logits.safetensors")
+    reference = logits_of(save)
     with torch.no_grad():
         base = transformers.AutoModelForCausalLM.from_pretrained(base_of(save), dtype=torch.float32)(reference["tokens"]).logits
         assert (base - reference["logits"]).abs().max().item() > 0.1
@@ -294,7 +300,7 @@ def test_the_merged_export_is_megatron_bridges_model_with_the_adapter(save, tmp_
     out = tmp_path / "merged"
     flags = ["--load-dir", str(tmp_path / "base"), "--adapter", str(saved(save) / "checkpoint"), "--hf-config", str(base_of(save)), "--dtype", "fp32"]
     assert main(["mcore-to-hf", *flags, "--save-dir", str(out)]) == 0, capsys.readouterr().err
-    reference = load_file(saved(save) / "logits.safetensors")
+    reference = logits_of(save)
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
         assert (model(reference["tokens"]).logits - reference["logits"]).abs().max().item() < LOGITS_TOLERANCE
@@ -341,7 +347,7 @@ def test_each_fault_in_the_merged_export_fails_the_check(fault, save, tmp_path, 
     convert_hf_to_mcore(BASE, tmp_path / "base")
     flags = ["--load-dir", str(tmp_path / "base"), "--adapter", str(FIXTURE / save / "checkpoint"), "--dtype", "fp32"]
     assert main(["mcore-to-hf", *flags, "--save-dir", str(tmp_path / "merged")]) == 0, capsys.readouterr().err
-    reference = load_file(FIXTURE / save / "logits.safetensors")
+    reference = logits_of(save)
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
     with torch.no_grad():
         assert (model(reference["tokens"]).logits - reference["logits"]).abs().max().item() > 100 * LOGITS_TOLERANCE
