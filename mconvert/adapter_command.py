@@ -28,7 +28,8 @@ def _adapter_to_hf(options: argparse.Namespace) -> int:
     )
     settings = result.settings
     print(
-        f"wrote {options.save_dir}: a PEFT {'DoRA' if settings.kind == 'dora' else 'LoRA'} adapter of {len(result.modules)} {result.family.name} modules "
+        f"wrote {options.save_dir}: a PEFT {'DoRA' if settings.kind == 'dora' else 'LoRA'} adapter of {len(result.modules)} {result.family.name} modules"
+        f"{f' and {len(result.params)} expert parameters' if result.params else ''} "
         f"(r={settings.dim}, lora_alpha={settings.alpha:g}, scale {settings.scale:g}), {result.tensors} tensors"
     )
     print("next:")

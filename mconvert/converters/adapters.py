@@ -176,6 +176,7 @@ class AdapterExport:
     family: Family
     settings: LoraSettings
     modules: list[str]
+    params: list[str]  # fused expert parameters, PEFT's target_parameters
     tensors: int
 
 
@@ -200,4 +201,4 @@ def export_adapter(
         save_file({name: np.ascontiguousarray(t) for name, t in tensors.items()}, str(work / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         config = adapter_config(settings, modules, base_name or str(Path(hf_config_dir).absolute()), spec.num_layers, params)
         (work / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    return AdapterExport(family, settings, modules + params, len(tensors))
+    return AdapterExport(family, settings, modules, params, len(tensors))
