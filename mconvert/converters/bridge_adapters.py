@@ -105,9 +105,10 @@ def read_layer(dcp: DCPCheckpoint, key: str, offsets: tuple[int, ...], ndim: int
     return region.reshape(shape[len(offsets):])
 
 
-def saved_tp(dcp: DCPCheckpoint, key: str, offsets: tuple[int, ...]) -> int:
-    """The TP size `key` (a lora_A) was saved at: each TP rank stores its shard of it, split on the rank (column-parallel
-    linears) or the input (row-parallel ones), as a chunk of its own, so the layer's stored chunks are the TP ranks."""
+def stored_chunks(dcp: DCPCheckpoint, key: str, offsets: tuple[int, ...]) -> int:
+    """How many chunks the layer (expert) at `offsets` of the stacked `key` is stored in. Each TP rank stores its shard
+    of a lora_A, split on the rank (column-parallel linears) or the input (row-parallel ones), as a chunk of its own:
+    a lora_A's count is the TP size the save was made at."""
     shape = dcp.shapes[key]
     return len(dcp.chunks_of(key, (*offsets, 0, 0), (*(1,) * len(offsets), *shape[len(offsets):])))
 
@@ -161,6 +162,12 @@ class AdapterSave:
                     f"a {[rows, into]} weight of the base model"
                 )
             if module.endswith("linear_fc1"):
+                row_blocks = stored_chunks(self.dcp, f"{name}.{LORA_B}", offsets)
+                if row_blocks != 2 * tp:  # the SwiGLU sharding's 2 x TP blocks are what the reordering undoes
+                    raise ConversionError(
+                        f"'{name}.{LORA_B}': stored in {row_blocks} row blocks at TP {tp}, not the 2 x TP of "
+                        "Megatron-Bridge 0.6's gate/up sharding (a layout adapter-to-hf does not know)"
+                    )
                 b = _gated_half_rows(b, tp)
             parts.append(Part(hf_name, a, b))
         return parts
@@ -172,7 +179,7 @@ class AdapterSave:
         dim = self.settings.dim
         if a.shape[0] != dim or b.shape[1] != dim:
             raise ConversionError(f"'{a_key}' {list(a.shape)} and '{b_key}' {list(b.shape)}: not rank {dim}, the dim of {RUN_CONFIG}")
-        return a, b, saved_tp(self.dcp, a_key, offsets)
+        return a, b, stored_chunks(self.dcp, a_key, offsets)
 
     def _fused(self, module: str, offsets: tuple[int, ...], entry: Any) -> list[Part]:
         name = module + ADAPTER.rstrip(".")
