@@ -155,6 +155,24 @@ def test_each_fault_fails_the_checks(fault, tmp_path, monkeypatch):
     assert merged_error(adapter) > 100 * WEIGHT_TOLERANCE
 
 
+def test_canonical_gate_up_rows_in_another_layout_are_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """The gate/up reordering undoes 2 x TP stored row blocks; a lora_B stored otherwise (here: said to be in TP
+    blocks, as a save without the SwiGLU sharding would be) is refused, not reordered."""
+    from mconvert.converters import bridge_adapters
+
+    counted = bridge_adapters.stored_chunks
+    monkeypatch.setattr(
+        bridge_adapters, "stored_chunks",
+        lambda dcp, key, offsets: counted(dcp, key, offsets) // (2 if "adapter_gate.linear_out" in key else 1),
+    )
+    save = saved("canonical-tp2") / "checkpoint"
+    assert main(["adapter-to-hf", "--load-dir", str(save), "--hf-config", str(BASE), "--save-dir", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    expected = "'decoder.layers.mlp.linear_fc1.adapter.adapter_gate.linear_out.weight': stored in 2 row blocks at TP 2, not the 2 x TP"
+    assert expected in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
 def _magnitudes_dropped(adapter: Path) -> None:
     """A plain LoRA adapter written for a DoRA save: the magnitudes left out."""
     tensors = load_file(adapter / ADAPTER_WEIGHTS)
