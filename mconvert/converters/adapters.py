@@ -9,6 +9,7 @@ are PEFT's `lora_magnitude_vector` as they are.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,7 @@ def peft_tensors(
     return tensors, modules, params
 
 
-def adapter_config(settings: LoraSettings, modules: list[str], base: str, layers: int, params: list[str] = ()) -> dict[str, Any]:
+def adapter_config(settings: LoraSettings, modules: list[str], base: str, layers: int, params: Sequence[str] = ()) -> dict[str, Any]:
     """PEFT's LoraConfig as it saves it: its target modules by their last names where each of the model's `layers`
     has the same ones (PEFT would put an adapter on every module of such a name), else by their whole names; the
     fused expert parameters (`params`) by their whole names."""
