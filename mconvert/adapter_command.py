@@ -1,4 +1,4 @@
-"""`mconvert adapter-to-hf`: a LoRA adapter that Megatron-Bridge saved, as an HF PEFT adapter."""
+"""`mconvert adapter-to-hf`: a LoRA, CanonicalLoRA or DoRA adapter that Megatron-Bridge saved, as an HF PEFT adapter."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def add_adapter_to_hf(commands: argparse._SubParsersAction) -> None:
-    to_peft = commands.add_parser("adapter-to-hf", help="Megatron-Bridge LoRA adapter save (torch_dist) -> HF PEFT adapter")
+    to_peft = commands.add_parser("adapter-to-hf", help="Megatron-Bridge LoRA, CanonicalLoRA or DoRA adapter save (torch_dist) -> HF PEFT adapter")
     to_peft.add_argument("--load-dir", required=True, help="the adapter-only checkpoint directory (with latest_checkpointed_iteration.txt)")
     to_peft.add_argument("--save-dir", required=True, help="where to write adapter_config.json and adapter_model.safetensors")
     to_peft.add_argument("--iteration", type=int, default=None, help="the iter_NNNNNNN to convert (default: the tracker file's)")
@@ -28,7 +28,8 @@ def _adapter_to_hf(options: argparse.Namespace) -> int:
     )
     settings = result.settings
     print(
-        f"wrote {options.save_dir}: a PEFT LoRA adapter of {len(result.modules)} {result.family.name} modules "
+        f"wrote {options.save_dir}: a PEFT {'DoRA' if settings.kind == 'dora' else 'LoRA'} adapter of {len(result.modules)} {result.family.name} modules"
+        f"{f' and {len(result.params)} expert parameters' if result.params else ''} "
         f"(r={settings.dim}, lora_alpha={settings.alpha:g}, scale {settings.scale:g}), {result.tensors} tensors"
     )
     print("next:")

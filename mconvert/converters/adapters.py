@@ -1,86 +1,35 @@
-"""LoRA adapters saved by Megatron-Bridge, as HF PEFT adapters (`adapter-to-hf`) or merged into an export
-(`mcore-to-hf --adapter`).
+"""Megatron-Bridge's adapter saves (LoRA, CanonicalLoRA, DoRA; bridge_adapters reads them) as HF PEFT adapters
+(`adapter-to-hf`) or merged into an export (`mcore-to-hf --adapter`).
 
-Megatron-Bridge's `LoRA` wraps a Megatron linear with a ParallelLinearAdapter whose `linear_in` is lora_A
-([rank, in]) and `linear_out` lora_B ([out, rank]); its output, alpha / dim x B A x, is added to the linear's. Its
-adapter-only save (`save_checkpoint` with a `peft` config) is torch_dist holding only `<module>.adapter.linear_in.weight`
-and `<module>.adapter.linear_out.weight` keys, stacked over the layers as the base weights are and stored in their
-global shapes, whatever the TP it was saved at; `run_config.yaml`'s `peft:` section holds the LoRA's settings.
-
-A fused Megatron linear is several HF modules, each with an adapter of its own in PEFT: lora_B's rows split as the
-base weight's rows do (the family table's entry for the weight, applied to lora_B: q/k/v by query group, fc1 in
-halves), and lora_A, which reads the input they share, is each one's. PEFT's scaling is lora_alpha / r, the same
-alpha / dim as Megatron-Bridge's (which has no rank-stabilized variant).
+A fused Megatron linear is several HF modules, each with an adapter of its own in PEFT. PEFT's scaling is
+lora_alpha / r, the same alpha / dim as Megatron-Bridge's (which has no rank-stabilized variant); DoRA's magnitudes
+are PEFT's `lora_magnitude_vector` as they are.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from mconvert.converters.bridge_adapters import ADAPTER, ROW_SPLITS, AdapterSave, LoraSettings, merged, read_lora_settings
+from mconvert.converters.expert_adapters import expert_peft_tensors
 from mconvert.converters.output import atomic_directory, check_target
-from mconvert.dependencies import ADAPTERS, ADAPTERS_INSTALL, require
 from mconvert.errors import ConversionError
 from mconvert.formats.dcp import DCPCheckpoint
 from mconvert.formats.hf_checkpoint import read_hf_config
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
-from mconvert.mappings.transforms import Concat, QKVInterleave, Rename
 from mconvert.mcore.checkpoint import iteration_dir
 from mconvert.mcore.layout import layer_key
 
-RUN_CONFIG = "run_config.yaml"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-LORA_A, LORA_B = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
-# Megatron-Bridge's PEFT classes by their run_config `_target_`; only LoRA is exported so far.
-LORA_TARGET = "megatron.bridge.peft.lora.LoRA"
-# Entries whose HF tensors are row ranges of the Megatron weight (or the weight itself): lora_B splits as they do.
-ROW_SPLITS = (Rename, Concat, QKVInterleave)
-
-
-@dataclass(frozen=True)
-class LoraSettings:
-    """The LoRA of a Megatron-Bridge run, from its run_config.yaml `peft:` section."""
-
-    dim: int
-    alpha: float
-    dropout: float
-
-    @property
-    def scale(self) -> float:
-        return self.alpha / self.dim
-
-
-def read_lora_settings(directory: Path, command: str) -> LoraSettings:
-    require(ADAPTERS, command, ADAPTERS_INSTALL)
-    import yaml
-
-    path = directory / RUN_CONFIG
-    if not path.is_file():
-        raise ConversionError(f"{directory}: no {RUN_CONFIG} (Megatron-Bridge writes the LoRA's settings there)")
-    try:
-        run_config = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConversionError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
-    peft = run_config.get("peft") if isinstance(run_config, dict) else None
-    if not isinstance(peft, dict):
-        raise ConversionError(f"{path}: no peft: section (not an adapter save of a Megatron-Bridge PEFT run)")
-    target = peft.get("_target_")
-    if target != LORA_TARGET:
-        raise ConversionError(f"{path}: peft is {target}; adapter-to-hf exports {LORA_TARGET} adapters only")
-    try:
-        settings = LoraSettings(dim=int(peft["dim"]), alpha=float(peft["alpha"]), dropout=float(peft.get("dropout") or 0.0))
-    except (KeyError, TypeError, ValueError) as e:
-        raise ConversionError(f"{path}: peft: section without a usable dim and alpha ({e!r})") from None
-    if settings.dim <= 0:
-        raise ConversionError(f"{path}: peft: dim is {settings.dim}")
-    return settings
 
 
 def _hf_modules(family: Family, spec: ModelSpec, layer: int) -> dict[str, tuple[Any, str]]:
@@ -95,66 +44,51 @@ def _hf_modules(family: Family, spec: ModelSpec, layer: int) -> dict[str, tuple[
 
 def peft_tensors(
     dcp: DCPCheckpoint, family: Family, spec: ModelSpec, settings: LoraSettings
-) -> tuple[dict[str, np.ndarray], list[str]]:
-    """The PEFT adapter's tensors (`base_model.model.<module>.lora_A.weight`, `...lora_B.weight`) and the HF modules
-    they adapt, from the Megatron-Bridge save `dcp`; every adapter key of the save must be exported."""
-    stored = {key for key in dcp.shapes if key.endswith((LORA_A, LORA_B))}
-    left = set(stored)
-    if not stored:
-        raise ConversionError(f"{dcp.directory}: holds no LoRA adapter ('*{LORA_A}' keys)")
-    if any(key.startswith("mtp.") for key in stored) or spec.layer_blocks:
+) -> tuple[dict[str, np.ndarray], list[str], list[str]]:
+    """The PEFT adapter's tensors (`base_model.model.<module>.lora_A.weight`, `...lora_B.weight`, DoRA's
+    `...lora_magnitude_vector`), the HF modules they adapt and the fused expert parameters, from the Megatron-Bridge
+    save `dcp`; every adapter key of the save must be exported."""
+    save = AdapterSave(dcp, settings, spec)
+    if not save.stored:
+        raise ConversionError(f"{dcp.directory}: holds no adapter ('*{ADAPTER}*' keys)")
+    if any(key.startswith("mtp.") for key in save.stored) or spec.layer_blocks:
         raise ConversionError(f"{dcp.directory}: adapters of multi-token prediction or hybrid layers are not exported yet")
     tensors: dict[str, np.ndarray] = {}
     modules: list[str] = []
+    params: list[str] = []
     for layer in range(spec.num_layers):
+        expert_tensors, expert_params = expert_peft_tensors(save, family, spec, layer)
+        tensors.update(expert_tensors)
+        params += expert_params
         for module, (entry, prefix) in _hf_modules(family, spec, layer).items():
-            (a_key, offsets), (b_key, _) = layer_key(module + LORA_A, layer, spec), layer_key(module + LORA_B, layer, spec)
-            if a_key not in stored and b_key not in stored:
+            key, offsets = layer_key(module + ".weight", layer, spec)
+            key = key.removesuffix(".weight")
+            if not save.has(key):
                 continue
             if ".router" in module:  # transformers' routers are modules of their own, not the nn.Linear PEFT adapts
-                raise ConversionError(f"'{a_key}': adapters on the MoE router are not exported yet")
+                raise ConversionError(f"'{min(k for k in save.stored if k.startswith(key))}': adapters on the MoE router are not exported yet")
             if not isinstance(entry, ROW_SPLITS):
                 raise ConversionError(
-                    f"'{a_key}': PEFT holds one adapter per HF module, and {module}'s weight is not rows of HF modules ({type(entry).__name__})"
+                    f"'{key}{ADAPTER}': PEFT holds one adapter per HF module, and {module}'s weight is not rows of HF modules ({type(entry).__name__})"
                 )
-            a, b = (_read_layer(dcp, key, offsets) for key in (a_key, b_key))
-            left -= {a_key, b_key}
-            if a.shape[0] != settings.dim or b.shape[1] != settings.dim:
-                raise ConversionError(
-                    f"'{a_key}' {list(a.shape)} and '{b_key}' {list(b.shape)}: not rank {settings.dim}, the dim of {RUN_CONFIG}"
-                )
-            out, into = entry.split.shape(spec, entry)
-            if (b.shape[0], a.shape[1]) != (out, into):
-                raise ConversionError(
-                    f"'{a_key}' {list(a.shape)} and '{b_key}' {list(b.shape)} do not adapt a {[out, into]} weight, "
-                    f"{module}'s in the --hf-config model"
-                )
-            for hf_name, b_part in zip(entry.hf_names, entry.to_hf(b, spec)):
-                name = f"base_model.model.{prefix}{hf_name.removesuffix('.weight')}"
-                tensors[f"{name}.lora_A.weight"] = a.copy()  # each module's own (safetensors stores no shared memory)
-                tensors[f"{name}.lora_B.weight"] = b_part
-                modules.append(f"{prefix}{hf_name.removesuffix('.weight')}")
-    if left:
-        key = sorted(left)[0]
-        if ".experts." in key:
-            raise ConversionError(f"'{key}': adapters on experts are not exported yet")
-        raise ConversionError(f"'{key}': an adapter on a module that no {family.name} HF module of this model is (or its lora_A or lora_B alone)")
-    return tensors, modules
+            for part in save.parts(key, offsets, entry):
+                hf_module = f"{prefix}{part.hf_name.removesuffix('.weight')}"
+                name = f"base_model.model.{hf_module}"
+                tensors[f"{name}.lora_A.weight"] = part.a.copy()  # each module's own (safetensors stores no shared memory)
+                tensors[f"{name}.lora_B.weight"] = part.b
+                if part.magnitude is not None:
+                    tensors[f"{name}.lora_magnitude_vector"] = part.magnitude
+                modules.append(hf_module)
+    if save.left:
+        key = min(save.left)
+        raise ConversionError(f"'{key}': an adapter on a module that no {family.name} HF module of this model is (or part of one)")
+    return tensors, modules, params
 
 
-def _read_layer(dcp: DCPCheckpoint, key: str, offsets: tuple[int, ...]) -> np.ndarray:
-    if key not in dcp.shapes:
-        raise ConversionError(f"{dcp.directory}: '{key}' is missing (its lora_A or lora_B is there)")
-    shape = dcp.shapes[key]
-    if len(shape) != len(offsets) + 2:
-        raise ConversionError(f"{dcp.directory}: '{key}' has shape {list(shape)}, not a stack of matrices")
-    region = dcp.read_region(key, (*offsets, 0, 0), (*(1,) * len(offsets), *shape[len(offsets):]))
-    return region.reshape(shape[len(offsets):])
-
-
-def adapter_config(settings: LoraSettings, modules: list[str], base: str, layers: int) -> dict[str, Any]:
+def adapter_config(settings: LoraSettings, modules: list[str], base: str, layers: int, params: Sequence[str] = ()) -> dict[str, Any]:
     """PEFT's LoraConfig as it saves it: its target modules by their last names where each of the model's `layers`
-    has the same ones (PEFT would put an adapter on every module of such a name), else by their whole names."""
+    has the same ones (PEFT would put an adapter on every module of such a name), else by their whole names; the
+    fused expert parameters (`params`) by their whole names."""
     by_layer: dict[str, set[str]] = {}
     for module in modules:
         layer_prefix, _, name = module.rpartition(".layers.")
@@ -169,8 +103,12 @@ def adapter_config(settings: LoraSettings, modules: list[str], base: str, layers
         "r": settings.dim,
         "lora_alpha": settings.alpha,
         "use_rslora": False,
-        "lora_dropout": settings.dropout,
+        "use_dora": settings.kind == "dora",
+        # PEFT's ParamWrapper refuses a dropout (it cannot apply one to x inside the experts' matmuls); dropout acts
+        # in training only, so an adapter of expert parameters is written without.
+        "lora_dropout": 0.0 if params else settings.dropout,
         "target_modules": targets,
+        **({"target_parameters": sorted(params)} if params else {}),
         "bias": "none",
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -185,12 +123,13 @@ def _short_names_unique(modules: list[str]) -> bool:
 
 @dataclass
 class MergedTensors:
-    """A Megatron checkpoint's weights with a Megatron-Bridge LoRA merged in, a piece at a time: W + alpha / dim x B A
-    computed in fp32, which the export then rounds once to its dtype. Pieces the adapter does not touch are the base's."""
+    """A Megatron checkpoint's weights with a Megatron-Bridge adapter merged in, a piece at a time: each HF module's
+    part of the weight merged with its adapter in fp32 (`bridge_adapters.merged`) and joined back as the table entry
+    joins them, which the export then rounds once to its dtype. Pieces the adapter does not touch are the base's."""
 
     base: Any  # a converters.mcore_sources.MegatronTensors
-    adapter: DCPCheckpoint
-    scale: float
+    adapter: AdapterSave
+    spec: ModelSpec
 
     def __getattr__(self, name: str) -> Any:  # args, location, format, weights_dtype, stored_shapes: the base's
         return getattr(self.base, name)
@@ -198,37 +137,39 @@ class MergedTensors:
     def read_piece(self, piece: Any, into: np.ndarray | None = None) -> np.ndarray:
         region = self.base.read_piece(piece, into)
         module = piece.key.removesuffix(".weight")
-        if module + LORA_A not in self.adapter.shapes:
+        if not self.adapter.has(module):
             return region
-        a, b = (_read_layer(self.adapter, module + part, piece.offsets) for part in (LORA_A, LORA_B))
-        f32 = np.float32
-        return np.asarray(region, dtype=f32) + f32(self.scale) * (np.asarray(b, dtype=f32) @ np.asarray(a, dtype=f32))
+        weights = dict(zip(piece.entry.hf_names, piece.entry.to_hf(region, self.spec)))
+        for part in self.adapter.parts(module, piece.offsets, piece.entry):
+            weights[part.hf_name] = merged(weights[part.hf_name], part, self.adapter.settings.scale)
+        return piece.entry.to_mcore([np.asarray(weights[name], dtype=np.float32) for name in piece.entry.hf_names], self.spec)
 
     def byte_span(self, key: str, *region: Any) -> Any:
-        return None if key.removesuffix(".weight") + LORA_A in self.adapter.shapes else self.base.byte_span(key, *region)
+        return None if self.adapter.has(key.removesuffix(".weight")) else self.base.byte_span(key, *region)
 
 
 def merged_with_adapter(source: Any, adapter_dir: str | Path, plan: Any) -> MergedTensors:
-    """`source` with the LoRA adapter saved in `adapter_dir` (Megatron-Bridge's adapter-only save) merged in; every
-    adapter must be on a weight of the plan, of its shape."""
+    """`source` with the adapter saved in `adapter_dir` (Megatron-Bridge's adapter-only save) merged in; every
+    adapter must be on a weight of the plan that is rows of HF modules, of its shape."""
     directory = iteration_dir(Path(adapter_dir))
     if not (directory / ".metadata").is_file():
         raise ConversionError(f"--adapter {directory}: no .metadata (not a torch_dist adapter save)")
     settings, dcp = read_lora_settings(directory, "mcore-to-hf --adapter"), DCPCheckpoint(directory)
-    shapes = source.stored_shapes(plan)
-    adapted = {key.removesuffix(LORA_A) for key in dcp.shapes if key.endswith(LORA_A)}
-    if not adapted:
-        raise ConversionError(f"--adapter {directory}: holds no LoRA adapter ('*{LORA_A}' keys)")
-    for module in sorted(adapted | {key.removesuffix(LORA_B) for key in dcp.shapes if key.endswith(LORA_B)}):
-        weight = shapes.get(module + ".weight")
-        a, b = dcp.shapes.get(module + LORA_A), dcp.shapes.get(module + LORA_B)
-        if weight is None or a is None or b is None:
-            raise ConversionError(f"--adapter {directory}: '{module}{LORA_A}' adapts no weight of {source.location} (or lacks its lora_A or lora_B)")
-        if (a[:-2], b[:-2], b[-2], a[-1], a[-2], b[-1]) != (weight[:-2], weight[:-2], weight[-2], weight[-1], settings.dim, settings.dim):
-            raise ConversionError(
-                f"--adapter {directory}: '{module}' lora_A {list(a)} and lora_B {list(b)} do not adapt its weight {list(weight)} at rank {settings.dim}"
-            )
-    return MergedTensors(source, dcp, settings.scale)
+    save = AdapterSave(dcp, settings, plan.spec)
+    if not save.stored:
+        raise ConversionError(f"--adapter {directory}: holds no adapter ('*{ADAPTER}*' keys)")
+    for piece in plan.pieces:
+        module = piece.key.removesuffix(".weight")
+        if piece.key.endswith(".weight") and not piece.copy and save.has(module):
+            if not isinstance(piece.entry, ROW_SPLITS):
+                raise ConversionError(f"--adapter {directory}: '{module}{ADAPTER}': {module}'s weight is not rows of HF modules")
+            try:
+                save.parts(module, piece.offsets, piece.entry)  # reads each adapter once up front: its shapes checked
+            except ConversionError as e:
+                raise ConversionError(f"--adapter {directory}: {e}") from None
+    if save.left:
+        raise ConversionError(f"--adapter {directory}: '{min(save.left)}' adapts no weight of {source.location}")
+    return MergedTensors(source, save, plan.spec)
 
 
 @dataclass(frozen=True)
@@ -236,6 +177,7 @@ class AdapterExport:
     family: Family
     settings: LoraSettings
     modules: list[str]
+    params: list[str]  # fused expert parameters, PEFT's target_parameters
     tensors: int
 
 
@@ -252,12 +194,12 @@ def export_adapter(
         raise ConversionError(f"{directory}: no .metadata (not a torch_dist adapter save)")
     settings = read_lora_settings(directory, "adapter-to-hf")
     family, spec = get_mapping(read_hf_config(Path(hf_config_dir), "--hf-config"), source="--hf-config config.json")
-    tensors, modules = peft_tensors(DCPCheckpoint(directory), family, spec, settings)
+    tensors, modules, params = peft_tensors(DCPCheckpoint(directory), family, spec, settings)
     check_target(save_dir, overwrite)
     from safetensors.numpy import save_file
 
     with atomic_directory(save_dir, overwrite) as work:
         save_file({name: np.ascontiguousarray(t) for name, t in tensors.items()}, str(work / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-        config = adapter_config(settings, modules, base_name or str(Path(hf_config_dir).absolute()), spec.num_layers)
+        config = adapter_config(settings, modules, base_name or str(Path(hf_config_dir).absolute()), spec.num_layers, params)
         (work / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    return AdapterExport(family, settings, modules, len(tensors))
+    return AdapterExport(family, settings, modules, params, len(tensors))
