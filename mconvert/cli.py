@@ -201,8 +201,6 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
         f"{plan.dtype.name}{f', the LoRA adapter of {options.adapter} merged in' if options.adapter else ''}, "
         + _summary(started, iteration_dir(run.load_dir, run.iteration), save_dir)
     )
-    if run.config_from and options.hf_config is None:
-        print(f"read {run.tool}'s save in {run.load_dir}, the model's config from {run.config_dir} ({run.config_from})")
     print(*result.notes, sep="\n")  # what the export's tensors were checked against, what it left out
     if result.quantized:
         print(f"wrote {result.quantized} tensors {result.quantized_as}, and the quantization_config, as {options.hf_config} stores them")

@@ -23,7 +23,7 @@ import numpy as np
 from mconvert.converters.adapters import merged_with_adapter
 from mconvert.converters.bridge_saves import SavedTensor, vision_tower
 from mconvert.converters.quantized_export import Unquantized, quantized_export
-from mconvert.converters.save_folders import RunSave, config_in_args, find_run_save, with_config
+from mconvert.converters.save_folders import RunSave, config_in_args, find_run_save, named_config
 from mconvert.converters.manifest import hashed_while_written
 from mconvert.converters.mcore_sources import MegatronTensors, open_megatron_checkpoint, piece_region, stored_key
 from mconvert.converters.original import copied_back, original_tensors
@@ -317,10 +317,10 @@ def convert_mcore_to_hf(
     shard_bytes = parse_size(max_shard_size)
     check_workers(workers)
     check_target(save_dir, overwrite)
-    run = find_run_save(load_dir, iteration)
+    run = find_run_save(load_dir, iteration, config=hf_config_dir is None)
     source = open_megatron_checkpoint(run.load_dir, run.iteration)
     if hf_config_dir is None:  # the config the run's records name (its tool's, or slime's args)
-        run = with_config(run, config_in_args(source.args))
+        run = named_config(run, config_in_args(source.args))
         hf_config_dir = run.config_dir
     reference = read_hf_config(Path(hf_config_dir), "--hf-config") if hf_config_dir is not None else None
     original = original_tensors(hf_config_dir, reference)
@@ -331,6 +331,8 @@ def convert_mcore_to_hf(
     export = quantized_export(quantize, hf_config_dir, reference, plan)
     config = export.config(config)
     notes = whole_export_notes(plan, config, [*plan.hf_shapes(), *beside], mtp_layers_stored(source.stored_shapes(plan)))
+    if run.config_from:
+        notes = (f"read {run.tool}'s save in {run.load_dir}, the model's config from {run.config_dir} ({run.config_from})", *notes)
 
     with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
         hf_shapes = plan.hf_shapes()

@@ -116,27 +116,22 @@ def swift_record(load_dir: Path) -> tuple[str, str] | None:
     return None
 
 
-def swift_args(load_dir: Path) -> dict[str, Any] | None:
-    """ms-swift's args.json of a save folder (what it was trained with: its TP size among them), or None."""
-    path = load_dir / SWIFT_ARGS
-    return json.loads(path.read_text()) if path.exists() else None
-
-
 def config_in_args(args: argparse.Namespace | None) -> tuple[str, str] | None:
     """(HF model, record) stored Megatron-LM args name: slime's `--hf-checkpoint`."""
     value = getattr(args, "hf_checkpoint", None)
     return (value, "the checkpoint's args' hf_checkpoint (slime)") if isinstance(value, str) and value else None
 
 
-def with_config(save: RunSave, record: tuple[str, str] | None) -> RunSave:
+def named_config(save: RunSave, record: tuple[str, str] | None) -> RunSave:
     if record is None or save.config_dir is not None:
         return save
     reference, where = record
     return RunSave(save.load_dir, save.iteration, save.tool, hf_folder(reference, where), where)
 
 
-def find_run_save(top: str | Path, iteration: int | None = None) -> RunSave:
-    """The Megatron save under a run's folder `top` and the HF config folder its records name."""
+def find_run_save(top: str | Path, iteration: int | None = None, config: bool = True) -> RunSave:
+    """The Megatron save under a run's folder `top` and, with `config`, the HF config folder its records name."""
+    with_config = named_config if config else (lambda save, record: save)
     top = Path(top)
     if not top.is_dir():
         raise ConversionError(f"{top}: not a directory")
