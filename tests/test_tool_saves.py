@@ -21,7 +21,14 @@ from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 from tests.cli_runner import assert_one_line_error, run_cli
 from tests.tool_saves import (
-    bridge_vision_language_save, copy_hf_config, hf_tensors, model_tensors, with_args, without_args, write_torch_dist,
+    bridge_vision_language_save,
+    copy_hf_config,
+    hf_tensors,
+    model_tensors,
+    swift_qwen3_next_save,
+    with_args,
+    without_args,
+    write_torch_dist,
 )
 
 IMAGE, START, END = 900, 902, 903
@@ -185,3 +192,89 @@ def test_megatron_lm_save_without_args_asks_for_hf_config_and_slimes_args_name_i
     assert out.returncode == 0, out.stderr
     assert_same_tensors(hf, tmp_path / "back2")
     assert json.loads((tmp_path / "back2" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory):
+    """A random-init Qwen3-Next (three delta-net layers, one of gated full attention), mconvert's torch_dist of it
+    at TP 2, and ms-swift's save of it."""
+    out = tmp_path_factory.mktemp("qwen3_next")
+    hf = make_hf_checkpoint(shrink(real_config("qwen3-next-80b-a3b-instruct"), layers=4), out / "hf", weight_std=0.1)
+    convert_hf_to_mcore(hf, out / "mcore", parallelism=Parallelism(tp=2))
+    return hf, out / "mcore", swift_qwen3_next_save(hf, out / "mcore", out / "swift")
+
+
+def causal_logits(hf_dir) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.randint(0, 1000, (1, 160), generator=torch.Generator().manual_seed(0))).logits
+
+
+def test_ms_swift_qwen3_next_save_exports_bit_exact_without_hf_config(qwen3_next, tmp_path):
+    hf, _, swift = qwen3_next
+    out = run_cli("mcore-to-hf", "--load-dir", swift, "--save-dir", tmp_path / "back")
+    assert out.returncode == 0, out.stderr
+    assert "read ms-swift's save" in out.stdout and "args.json's model" in out.stdout
+    assert_same_tensors(hf, tmp_path / "back")
+    assert torch.equal(causal_logits(tmp_path / "back"), causal_logits(hf))
+
+
+@pytest.mark.parametrize("fault, moved", [
+    ("qkv", ["model.layers.3.self_attn.q_proj.weight"]),
+    ("norm", [f"model.layers.{layer}.linear_attn.norm.weight" for layer in range(3)]),
+])
+def test_ms_swift_layout_faults_move_the_tensors_they_concern(qwen3_next, tmp_path, monkeypatch, fault, moved):
+    """Each difference of ms-swift's layout read as megatron-core's moves the tensors it concerns: the gated QKV's
+    rows left in mcore-bridge's order, the norm's w taken for megatron-core's w - 1."""
+    from mconvert.converters import swift_saves
+
+    hf, _, swift = qwen3_next
+    if fault == "qkv":
+        monkeypatch.setattr(swift_saves, "gated_qkv_as_megatron_cores", lambda stored, spec: stored)
+    elif fault == "norm":
+        monkeypatch.setattr(swift_saves, "OUT_NORM", "self_attention.out_norm.nothing")
+    convert_mcore_to_hf(swift, tmp_path / "back")
+    a, b = hf_tensors(hf), hf_tensors(tmp_path / "back")
+    assert sorted(name for name in a if not torch.equal(a[name], b[name])) == sorted(moved)
+
+
+def rewritten(save, change) -> None:
+    """ms-swift's save with its tensors changed by `change` (a dict of them, edited in place)."""
+    tensors = model_tensors(save)
+    change(tensors)
+    directory = save / "iter_0000002"
+    shutil.rmtree(directory)
+    write_torch_dist(tensors, directory, tracker="2")
+
+
+def test_a_fused_in_proj_in_megatron_cores_section_order_moves_the_projections(qwen3_next, tmp_path):
+    """The fused in_proj laid out as megatron-core's GatedDeltaNet holds it on one TP rank (every key head's q rows,
+    then every head's k rows, ..., not per key head): read as ms-swift's, the input projections move, nothing else."""
+    hf, _, swift = qwen3_next
+    shutil.copytree(swift, tmp_path / "swift")
+    sizes = [16, 16, 48, 48, 2, 2]  # one key head's q, k, v, z, b, a rows (the shrunk Qwen3-Next's 2 key heads)
+
+    def section_order(tensors):
+        for key in [key for key in tensors if key.endswith("self_attention.in_proj.weight")]:
+            heads = [torch.split(head, sizes) for head in tensors[key].reshape(2, -1, 64)]
+            tensors[key] = torch.cat([heads[head][section] for section in range(6) for head in range(2)])
+
+    rewritten(tmp_path / "swift", section_order)
+    convert_mcore_to_hf(tmp_path / "swift", tmp_path / "back")
+    a, b = hf_tensors(hf), hf_tensors(tmp_path / "back")
+    assert sorted(name for name in a if not torch.equal(a[name], b[name])) == [
+        f"model.layers.{layer}.linear_attn.{name}.weight" for layer in range(3) for name in ("in_proj_ba", "in_proj_qkvz")
+    ]
+
+
+def test_a_missing_or_cut_fused_tensor_is_named_in_one_line(qwen3_next, tmp_path):
+    _, _, swift = qwen3_next
+    shutil.copytree(swift, tmp_path / "missing")
+    rewritten(tmp_path / "missing", lambda tensors: tensors.pop("decoder.layers.1.self_attention.conv1d.weight"))
+    failed = run_cli("mcore-to-hf", "--load-dir", tmp_path / "missing", "--save-dir", tmp_path / "back")
+    assert_one_line_error(failed, "decoder.layers.1.self_attention.conv1d.weight.query", "missing")
+    shutil.copytree(swift, tmp_path / "cut")
+    key = "decoder.layers.2.self_attention.in_proj.weight"
+    rewritten(tmp_path / "cut", lambda tensors: tensors.update({key: tensors[key][:-4]}))
+    failed = run_cli("mcore-to-hf", "--load-dir", tmp_path / "cut", "--save-dir", tmp_path / "back")
+    assert_one_line_error(failed, key, "260 rows", "264")

@@ -15,10 +15,10 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from mconvert.converters.bridge_saves import BLOCK_NAMES, TOWER_NAMES
+from mconvert.dtypes import as_torch
 from mconvert.formats.dcp import DCPCheckpoint
 from mconvert.mcore.checkpoint import iteration_dir
 from mconvert.mcore.layout import OPTIMIZER_KEY
-from mconvert.dtypes import as_torch
 
 VISION = "model.visual."
 
@@ -27,7 +27,7 @@ def hf_tensors(hf_dir: Path, prefix: str = "") -> dict[str, torch.Tensor]:
     tensors = {}
     for path in sorted(Path(hf_dir).glob("*.safetensors")):
         with safe_open(str(path), "pt") as f:
-            tensors.update({name: f.get_tensor(name) for name in f.keys() if name.startswith(prefix)})
+            tensors.update({name: f.get_tensor(name) for name in f.keys() if name.startswith(prefix)})  # noqa: SIM118 (safe_open is no dict)
     return tensors
 
 
@@ -119,3 +119,38 @@ def with_args(mcore_dir: Path, **fields) -> None:
         setattr(args, name, value)
     common["args"] = args
     torch.save(common, path)
+
+
+def swift_qwen3_next_save(hf_dir: Path, mcore_dir: Path, out: Path, iteration: int = 2, tp: int = 2) -> Path:
+    """ms-swift 4.6.0's save of Qwen3-Next under mcore-bridge 1.6.5's default GatedDeltaNet and GatedSelfAttention:
+    its fused tensors made from the HF ones as mcore-bridge's bridge makes them (gpt_bridge.py `_set_linear_in_proj`,
+    `_set_linear_attn_state`, `_set_qkv`): each delta-net layer's in_proj [qkvz; ba] and conv1d [q; k; v] per key head
+    under one key, its output norm HF's w, the gated linear_qkv per query group [q_proj's rows; k; v]; the rest as
+    megatron-core's (mconvert's save), the MoE post-attention norm under the Transformer Engine spec's name alone; no
+    args describing the model in the save, `args.json` beside it naming the HF model and the TP size."""
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    heads, groups = config["linear_num_key_heads"], config["num_key_value_heads"]
+    hf = hf_tensors(hf_dir, "model.layers.")
+    tensors = {}
+    for key, tensor in model_tensors(mcore_dir).items():
+        local = key.split(".", 3)[3] if key.startswith("decoder.layers.") else ""
+        if local.startswith(("self_attention.in_proj.weight.", "self_attention.conv1d.weight.", "self_attention.out_norm.", "self_attention.linear_qkv.weight")):
+            continue
+        if local == "mlp.linear_fc1.layer_norm_weight" and key.replace(local, "pre_mlp_layernorm.weight") in tensors:
+            continue
+        tensors[key] = tensor
+    for layer in range(config["num_hidden_layers"]):
+        at, of = f"decoder.layers.{layer}.self_attention.", f"model.layers.{layer}."
+        if of + "linear_attn.in_proj_qkvz.weight" in hf:
+            qkvz, ba, conv = (hf[of + f"linear_attn.{name}.weight"] for name in ("in_proj_qkvz", "in_proj_ba", "conv1d"))
+            tensors[at + "in_proj.weight"] = torch.cat([x.reshape(heads, -1, x.shape[-1]) for x in (qkvz, ba)], 1).reshape(-1, qkvz.shape[-1])
+            key_dim, value_dim = config["linear_key_head_dim"] * heads, config["linear_value_head_dim"] * config["linear_num_value_heads"]
+            parts = torch.split(conv, [key_dim, key_dim, value_dim])
+            tensors[at + "conv1d.weight"] = torch.cat([x.reshape(heads, -1, *conv.shape[1:]) for x in parts], 1).reshape(conv.shape)
+            tensors[at + "out_norm.weight"] = hf[of + "linear_attn.norm.weight"]
+        else:
+            q, k, v = (hf[of + f"self_attn.{name}_proj.weight"] for name in "qkv")
+            tensors[at + "linear_qkv.weight"] = torch.cat([x.reshape(groups, -1, x.shape[-1]) for x in (q, k, v)], 1).reshape(-1, q.shape[-1])
+    write_torch_dist(tensors, out / f"iter_{iteration:07d}", tracker=str(iteration))
+    (out / "args.json").write_text(json.dumps({"model": str(hf_dir), "tensor_model_parallel_size": tp, "save": str(out)}))
+    return out

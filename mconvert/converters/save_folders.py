@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mconvert.converters.adapters import RUN_CONFIG  # Megatron-Bridge's, in each iteration folder
+from mconvert.converters.adapters import (
+    RUN_CONFIG,  # Megatron-Bridge's, in each iteration folder
+)
 from mconvert.errors import ConversionError
 from mconvert.hub import resolve_hf_dir
 from mconvert.mcore.checkpoint import TRACKER_FILE, iteration_dir
