@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ from tests.tool_saves import (
     write_torch_dist,
 )
 
+REPO = Path(__file__).resolve().parents[1]
 IMAGE, START, END = 900, 902, 903
 GRID = torch.tensor([[1, 4, 4]])  # 16 patches, merged 2 x 2 into 4 image tokens
 
@@ -278,3 +280,18 @@ def test_a_missing_or_cut_fused_tensor_is_named_in_one_line(qwen3_next, tmp_path
     rewritten(tmp_path / "cut", lambda tensors: tensors.update({key: tensors[key][:-4]}))
     failed = run_cli("mcore-to-hf", "--load-dir", tmp_path / "cut", "--save-dir", tmp_path / "back")
     assert_one_line_error(failed, key, "260 rows", "264")
+
+
+def test_the_vision_qkv_layout_is_megatron_bridges_own(tmp_path):
+    """Megatron-Bridge's own QKV merge of a vision block (tests/fixtures/tool_saves/MADE.md) is what the tests' saves
+    hold and what the export takes back to HF's rows."""
+    from safetensors.torch import load_file
+
+    from tests.tool_saves import interleave_qkv
+
+    stored = load_file(REPO / "tests" / "fixtures" / "tool_saves" / "megatron_bridge_vision_qkv.safetensors")
+    for kind in ("weight", "bias"):
+        hf, megatron_bridge = stored[f"hf.attn.qkv.{kind}"], stored[f"megatron_bridge.linear_qkv.{kind}"]
+        assert not torch.equal(hf, megatron_bridge)
+        assert torch.equal(interleave_qkv(hf, 2), megatron_bridge)
+        assert torch.equal(torch.from_numpy(bridge_saves.deinterleave_qkv(megatron_bridge.numpy(), 2)), hf)
