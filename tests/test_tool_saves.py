@@ -157,6 +157,9 @@ def test_verl_run_folder_with_a_megatron_bridge_back_end_is_found_from_its_top_f
     assert_same_tensors(hf, tmp_path / "back")
     failed = run_cli("mcore-to-hf", "--load-dir", top, "--iteration", "30", "--save-dir", tmp_path / "back2")
     assert_one_line_error(failed, "--iteration 30", "global_step_30")
+    shutil.copytree(hf, top / "global_step_20" / "actor" / "huggingface", dirs_exist_ok=True)  # verl's HF-weights save
+    failed = run_cli("mcore-to-hf", "--load-dir", top, "--iteration", "20", "--save-dir", tmp_path / "back2")
+    assert_one_line_error(failed, "HF weights", str(top / "global_step_20" / "actor" / "huggingface"))
 
 
 def test_nemo_rl_run_folder_is_found_and_its_config_yaml_names_the_model(qwen35, tmp_path):

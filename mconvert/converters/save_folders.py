@@ -146,6 +146,8 @@ def find_run_save(top: str | Path, iteration: int | None = None, config: bool = 
     if (top / "dist_ckpt").is_dir() or (top / "huggingface").is_dir():  # verl's actor folder
         load_dir = top / "dist_ckpt" if (top / "dist_ckpt").is_dir() else top
         config = top / "huggingface"
+        if load_dir == top and any(config.glob("*.safetensors")):
+            raise ConversionError(f"{top}: verl saved this step's model as HF weights, in {config}: that folder is the export")
         found = (config, f"verl's {config}") if (config / "config.json").exists() else None
         save = with_config(RunSave(load_dir, iteration if load_dir == top else None, "verl"), found)
         return with_config(save, bridge_record(iteration_dir(load_dir, save.iteration)))
