@@ -298,3 +298,14 @@ def test_the_vision_qkv_layout_is_megatron_bridges_own(tmp_path):
         assert not torch.equal(hf, megatron_bridge)
         assert torch.equal(interleave_qkv(hf, 2), megatron_bridge)
         assert torch.equal(torch.from_numpy(bridge_saves.deinterleave_qkv(megatron_bridge.numpy(), 2)), hf)
+
+
+def test_an_ms_swift_save_in_megatron_cores_own_keys_is_read_as_it_is(qwen3_next, tmp_path):
+    """ms-swift's args.json beside a Qwen3-Next save without the fused keys (megatron-core's layout, the norm w - 1):
+    no section, norm or QKV order of mcore-bridge's is applied."""
+    hf, mcore, _ = qwen3_next
+    shutil.copytree(mcore, tmp_path / "swift")
+    (tmp_path / "swift" / "args.json").write_text(json.dumps({"model": str(hf)}))
+    out = run_cli("mcore-to-hf", "--load-dir", tmp_path / "swift", "--save-dir", tmp_path / "back")
+    assert out.returncode == 0, out.stderr
+    assert_same_tensors(hf, tmp_path / "back")

@@ -129,7 +129,7 @@ def vision_tower(source: Any, plan: Plan) -> dict[str, SavedTensor]:
     for key, shape in shapes.items():
         if key in TOWER_NAMES:
             whole = tuple(shape)
-            found[prefix + TOWER_NAMES[key]] = SavedTensor(dtype, whole, block_reader(dcp, VISION_MODEL + key, (0,) * len(whole), whole, whole, 0, dtype))
+            found[prefix + TOWER_NAMES[key]] = SavedTensor(dtype, whole, region_reader(dcp, VISION_MODEL + key, (0,) * len(whole), whole, whole, 0, dtype))
             continue
         per_block = re.fullmatch(rf"{re.escape(BLOCKS)}(\d+)\.(.+)", key)
         name = per_block.group(2) if per_block else key.removeprefix(BLOCKS)
@@ -140,11 +140,11 @@ def vision_tower(source: Any, plan: Plan) -> dict[str, SavedTensor]:
         for block in blocks:
             offsets = (0,) * len(inner) if per_block else (block, *(0,) * len(inner))
             region = inner if per_block else (1, *inner)
-            found[f"{prefix}blocks.{block}.{BLOCK_NAMES[name]}"] = SavedTensor(dtype, inner, block_reader(dcp, VISION_MODEL + key, offsets, region, inner, heads if name in FUSED_QKV else 0, dtype))
+            found[f"{prefix}blocks.{block}.{BLOCK_NAMES[name]}"] = SavedTensor(dtype, inner, region_reader(dcp, VISION_MODEL + key, offsets, region, inner, heads if name in FUSED_QKV else 0, dtype))
     return found
 
 
-def block_reader(dcp: Any, key: str, offsets: Shape, region: Shape, shape: Shape, qkv_heads: int, dtype: np.dtype) -> Callable[[], np.ndarray]:
+def region_reader(dcp: Any, key: str, offsets: Shape, region: Shape, shape: Shape, qkv_heads: int, dtype: np.dtype) -> Callable[[], np.ndarray]:
     """How one stored region (a block's slice of a stacked tensor, or a whole tensor) is read as its HF tensor."""
 
     def read() -> np.ndarray:

@@ -1,6 +1,6 @@
 """ms-swift's Qwen3-Next saves (mcore-bridge 1.6.5's GatedDeltaNet and GatedSelfAttention, its default), read as
 megatron-core's: recognised by ms-swift's `args.json` beside the save and, for the Qwen3-Next family, by the fused
-delta-net keys. What differs from megatron-core's layout, read from mcore-bridge's code (`modules/gated_delta_net.py`,
+delta-net keys (a save without them, in megatron-core's own keys, is read as it is). What differs from megatron-core's layout, read from mcore-bridge's code (`modules/gated_delta_net.py`,
 `gpts/qwen3_next_gdn.py`, `bridge/gpt_bridge.py`'s `_set_linear_attn_state` and `_set_qkv`):
 
 - a delta-net layer's input projection is one column-parallel tensor `self_attention.in_proj.weight`, its rows per key
@@ -68,6 +68,9 @@ class SwiftTensors:
     inner: Any
     format = "torch_dist"
     spec: ModelSpec | None = field(default=None, init=False)  # the model read, known once the plan is (stored_shapes)
+    # Whether the save holds the fused delta-net keys (a Qwen3-Next family's save in mcore-bridge's layout), told
+    # by stored_shapes; without them (megatron-core's own keys) every tensor passes through as stored.
+    fused: bool = field(default=False, init=False)
 
     @property
     def args(self) -> argparse.Namespace | None:
@@ -81,13 +84,11 @@ class SwiftTensors:
     def weights_dtype(self) -> Any:
         return self.inner.weights_dtype
 
-    def fused(self) -> bool:
-        return self.spec is not None and self.spec.family in FAMILIES
-
     def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
-        self.spec = plan.spec
         shapes = self.inner.stored_shapes(plan)
-        if not self.fused():
+        self.spec = plan.spec
+        self.fused = plan.spec.family in FAMILIES and any(key.endswith((IN_PROJ, CONV1D)) for key in shapes)
+        if not self.fused:
             return shapes
         presented = {}
         for key, shape in shapes.items():
@@ -108,7 +109,7 @@ class SwiftTensors:
 
     def read_piece(self, piece: Piece, into: np.ndarray | None = None) -> np.ndarray:
         key = piece.key
-        if not self.fused():
+        if not self.fused:
             return self.inner.read_piece(piece, into)
         spec = self.spec
         if match := SECTION_KEY.match(key):
@@ -133,6 +134,6 @@ class SwiftTensors:
         return dcp.read_region(key, (*offsets, *(0,) * (len(shape) - len(offsets))), region).reshape(region[len(offsets):])
 
     def byte_span(self, key: str, offsets: Shape, shape: Shape, dtype: np.dtype) -> tuple[Path, int] | None:
-        if self.fused() and (SECTION_KEY.match(key) or key.endswith((OUT_NORM, LINEAR_QKV))):
+        if self.fused and (SECTION_KEY.match(key) or key.endswith((OUT_NORM, LINEAR_QKV))):
             return None
         return self.inner.byte_span(key, offsets, shape, dtype)
