@@ -11,7 +11,9 @@ delta-net keys (a save without them, in megatron-core's own keys, is read as it 
 - its output norm `self_attention.out_norm.weight` is stored as HF's w (mcore-bridge turns zero-centring off for
   it), where megatron-core's is zero-centred (w - 1);
 - a full-attention layer's gated `linear_qkv` holds, per query group, each head's query and gate rows side by side
-  (HF's q_proj rows as they are), then the key and value, where megatron-core groups the queries, then the gates.
+  (HF's q_proj rows as they are), then the key and value, where megatron-core groups the queries, then the gates; the
+  multi-token prediction layer's too (its layer spec is the decoder's last, full attention: `register.py`'s
+  `get_mtp_block_spec`).
 
 Each rank holds whole key heads (query groups) of these column-parallel tensors in that per-head order, and torch_dist
 stores their concatenation over the TP ranks in rank order: every head in order, whatever the TP size the run saved
