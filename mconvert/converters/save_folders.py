@@ -125,6 +125,7 @@ def config_in_args(args: argparse.Namespace | None) -> tuple[str, str] | None:
 
 
 def named_config(save: RunSave, record: tuple[str, str] | None) -> RunSave:
+    """`save` with the HF config folder `record` (HF model, where it is named) names, unless it has one already."""
     if record is None or save.config_dir is not None:
         return save
     reference, where = record
@@ -145,12 +146,12 @@ def find_run_save(top: str | Path, iteration: int | None = None, config: bool = 
         top = top / "actor"
     if (top / "dist_ckpt").is_dir() or (top / "huggingface").is_dir():  # verl's actor folder
         load_dir = top / "dist_ckpt" if (top / "dist_ckpt").is_dir() else top
-        config = top / "huggingface"
-        if load_dir == top and any(config.glob("*.safetensors")):
-            raise ConversionError(f"{top}: verl saved this step's model as HF weights, in {config}: that folder is the export")
-        found = (config, f"verl's {config}") if (config / "config.json").exists() else None
+        hf = top / "huggingface"
+        if load_dir == top and any(hf.glob("*.safetensors")):
+            raise ConversionError(f"{top}: verl saved this step's model as HF weights, in {hf}: that folder is the export")
+        found = (str(hf), f"verl's {hf}") if (hf / "config.json").exists() else None
         save = with_config(RunSave(load_dir, iteration if load_dir == top else None, "verl"), found)
-        return with_config(save, bridge_record(iteration_dir(load_dir, save.iteration)))
+        return with_config(save, bridge_record(iteration_dir(load_dir, save.iteration)) if config else None)
     nemo_config = None
     if numbered(top, "step_"):
         top, iteration = step_folder(top, "step_", iteration, "NeMo-RL"), None
@@ -160,11 +161,11 @@ def find_run_save(top: str | Path, iteration: int | None = None, config: bool = 
     tool = "NeMo-RL" if nemo_config is not None else "Megatron-LM"
     save = RunSave(top, iteration, tool)
     directory = iteration_dir(top, iteration)
-    if (bridge := bridge_record(directory)) is not None:
-        save = with_config(RunSave(top, iteration, tool if nemo_config is not None else "Megatron-Bridge"), bridge)
-    elif (swift := swift_record(top)) is not None:
-        save = with_config(RunSave(top, iteration, "ms-swift"), swift)
-    if nemo_config is not None and nemo_config.exists():
+    if (directory / RUN_CONFIG).exists():
+        save = with_config(RunSave(top, iteration, tool if nemo_config is not None else "Megatron-Bridge"), bridge_record(directory) if config else None)
+    elif (top / SWIFT_ARGS).exists():
+        save = with_config(RunSave(top, iteration, "ms-swift"), swift_record(top) if config else None)
+    if config and nemo_config is not None and nemo_config.exists():
         model = (read_yaml(nemo_config).get("policy") or {}).get("model_name")
         save = with_config(save, (model, f"{nemo_config}'s policy.model_name") if isinstance(model, str) and model else None)
     return save
