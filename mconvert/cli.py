@@ -193,12 +193,13 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
         progress.close()
     if not _first_rank():
         return 0
-    plan = result.plan
+    plan, run = result.plan, result.run
+    beside = "of the save's vision tower" if result.saved_beside else "copied from --hf-config"
     print(
         f"wrote {save_dir}: {plan.family.name} ({result.config['architectures'][0]}), "
-        f"{len(plan.hf_shapes())} tensors{f' (and {result.copied} copied from --hf-config)' if result.copied else ''}, "
+        f"{len(plan.hf_shapes())} tensors{f' (and {result.copied} {beside})' if result.copied else ''}, "
         f"{plan.dtype.name}{f', the LoRA adapter of {options.adapter} merged in' if options.adapter else ''}, "
-        + _summary(started, iteration_dir(Path(options.load_dir), options.iteration), save_dir)
+        + _summary(started, iteration_dir(run.load_dir, run.iteration), save_dir)
     )
     print(*result.notes, sep="\n")  # what the export's tensors were checked against, what it left out
     if result.quantized:
@@ -294,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.set_defaults(run=_hf_to_mcore)
 
     to_hf = commands.add_parser("mcore-to-hf", help="Megatron-Core torch_dist (or legacy torch, fsdp_dtensor, torch_dcp) checkpoint -> HF safetensors")
-    to_hf.add_argument("--load-dir", required=True, help="Megatron checkpoint directory (with latest_checkpointed_iteration.txt)")
+    to_hf.add_argument("--load-dir", required=True, help="Megatron checkpoint directory (with latest_checkpointed_iteration.txt), or the top folder of a verl or NeMo-RL run")
     to_hf.add_argument("--save-dir", required=True, help="where to write the HF model directory")
     to_hf.add_argument("--iteration", type=int, default=None, help="the iter_NNNNNNN to convert (default: the tracker file's)")
     to_hf.add_argument(

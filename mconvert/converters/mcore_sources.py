@@ -14,9 +14,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from mconvert.converters.bridge_saves import LANGUAGE_MODEL, LanguageModelTensors
 from mconvert.converters.fsdp_saves import FsdpCheckpoint
 from mconvert.converters.legacy_source import LegacyCheckpoint
 from mconvert.converters.plan import Piece, Plan
+from mconvert.converters.save_folders import SWIFT_ARGS
+from mconvert.converters.swift_saves import SwiftTensors
 from mconvert.dtypes import dtype_of
 from mconvert.errors import ConversionError
 from mconvert.formats.dcp import DCPCheckpoint
@@ -129,7 +132,9 @@ def open_megatron_checkpoint(load_dir: str | os.PathLike, iteration: int | None 
     - Megatron-LM's legacy `torch` format: a `model_optim_rng.pt` per model-parallel rank (`mp_rank_*/`).
     - torch_dist: a DCP folder with metadata.json, written by mconvert, Megatron-LM or megatron-core alone, whose
       args (common.pt, or a `common_state` object) describe the model, describe none (ms-swift) or are absent (a
-      bare model's save: Megatron-Bridge).
+      bare model's save: Megatron-Bridge); a vision-language model's, the language model under `language_model.`
+      (Megatron-Bridge's Qwen3.5: mconvert.converters.bridge_saves); ms-swift's, its args.json beside, whose
+      Qwen3-Next delta-net layers are laid out otherwise (mconvert.converters.swift_saves).
     - Megatron-FSDP's fsdp_dtensor: a DCP folder without metadata.json, the model under `model.module.`.
     - FSDP2's torch_dcp: the same, the model under `model.`.
     """
@@ -145,6 +150,9 @@ def open_megatron_checkpoint(load_dir: str | os.PathLike, iteration: int | None 
         )
     dcp = DCPCheckpoint(directory)
     if (directory / "metadata.json").exists():
-        return TorchDistTensors(dcp, read_common_args(directory, dcp))
+        tensors = TorchDistTensors(dcp, read_common_args(directory, dcp))
+        if any(key.startswith(LANGUAGE_MODEL) for key in dcp.shapes):
+            return LanguageModelTensors(tensors)
+        return SwiftTensors(tensors) if (load_dir / SWIFT_ARGS).exists() else tensors
     megatron_fsdp = any(key.startswith(fsdp_dtensor.MODEL_PREFIX) for key in dcp.shapes)
     return FsdpCheckpoint(dcp, fsdp_dtensor.FORMAT if megatron_fsdp else "torch_dcp")

@@ -21,7 +21,9 @@ from typing import Any, Iterator
 import numpy as np
 
 from mconvert.converters.adapters import merged_with_adapter
+from mconvert.converters.bridge_saves import SavedTensor, vision_tower
 from mconvert.converters.quantized_export import Unquantized, quantized_export
+from mconvert.converters.save_folders import RunSave, config_in_args, find_run_save, named_config
 from mconvert.converters.manifest import hashed_while_written
 from mconvert.converters.mcore_sources import MegatronTensors, open_megatron_checkpoint, piece_region, stored_key
 from mconvert.converters.original import copied_back, original_tensors
@@ -284,6 +286,8 @@ class HFExport:
     quantized: int = 0
     quantized_as: str = ""
     notes: tuple[str, ...] = ()  # what the export was checked against, or why not, and what it left out (whole_export)
+    run: RunSave | None = None  # where the save and its config were found (save_folders)
+    saved_beside: bool = False  # whether `copied` came from the save (a vision tower), not from --hf-config
 
 
 def convert_mcore_to_hf(
@@ -313,15 +317,22 @@ def convert_mcore_to_hf(
     shard_bytes = parse_size(max_shard_size)
     check_workers(workers)
     check_target(save_dir, overwrite)
-    source = open_megatron_checkpoint(load_dir, iteration)
+    run = find_run_save(load_dir, iteration, config=hf_config_dir is None)
+    source = open_megatron_checkpoint(run.load_dir, run.iteration)
+    if hf_config_dir is None:  # the config the run's records name (its tool's, or slime's args)
+        run = named_config(run, config_in_args(source.args))
+        hf_config_dir = run.config_dir
     reference = read_hf_config(Path(hf_config_dir), "--hf-config") if hf_config_dir is not None else None
     original = original_tensors(hf_config_dir, reference)
     plan, config = plan_export(source, reference, dtype, model_size, original)
+    # A vision-language save's own vision tower (Megatron-Bridge's), else the original's copied back.
+    beside = vision_tower(source, plan) or copied_back(plan.family, hf_config_dir, original)
     source = source if adapter is None else merged_with_adapter(source, adapter, plan)
-    beside = copied_back(plan.family, hf_config_dir, original)
     export = quantized_export(quantize, hf_config_dir, reference, plan)
     config = export.config(config)
     notes = whole_export_notes(plan, config, [*plan.hf_shapes(), *beside], mtp_layers_stored(source.stored_shapes(plan)))
+    if run.config_from:
+        notes = (f"read {run.tool}'s save in {run.load_dir}, the model's config from {run.config_dir} ({run.config_from})", *notes)
 
     with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
         hf_shapes = plan.hf_shapes()
@@ -342,7 +353,10 @@ def convert_mcore_to_hf(
                 write_hf_pieces(plan, source, writer, workers, mine, sizes, progress, export)
                 if ranks.is_first:
                     for name, stored in beside.items():
-                        writer.copy(name, None, stored.file, stored.begin)
+                        if isinstance(stored, SavedTensor):
+                            writer.write(name, stored.read(), None)
+                        else:
+                            writer.copy(name, None, stored.file, stored.begin)
             finally:
                 writer.close()
         ranks.settle()  # every rank's tensors are on disk
@@ -357,5 +371,6 @@ def convert_mcore_to_hf(
     files = tuple(sorted(p.name for p in save_dir.iterdir()))
     dequantized = bool(quantization_config(plan.spec.hf_config)) and not export.names
     return HFExport(
-        plan, config, files, copied=len(beside), source_format=source.format, dequantized=dequantized, quantized=len(export.names), quantized_as=export.what, notes=notes
+        plan, config, files, copied=len(beside), source_format=source.format, dequantized=dequantized, quantized=len(export.names), quantized_as=export.what, notes=notes,
+        run=run, saved_beside=any(isinstance(stored, SavedTensor) for stored in beside.values()),
     )

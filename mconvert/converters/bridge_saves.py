@@ -1,0 +1,154 @@
+"""Megatron-Bridge's vision-language saves (Qwen3.5, its Qwen3VLModel): the language model, megatron-core's GPTModel
+keys, under `language_model.`, and the vision tower beside it under `vision_model.`, a megatron-core transformer
+block of its own with Megatron-Bridge's patch embedding, position embedding and merger. Recognised by the keys
+(`open_megatron_checkpoint` wraps a save holding `language_model.` keys); the language model is read through the
+family's plan as any GPTModel save, the vision tower is written under the HF image-text names by the table below,
+read from Megatron-Bridge 0.6.2's Qwen3.5 bridge (`qwen35_vl_bridge._get_vision_mappings`): renames, and each
+block's fused QKV de-interleaved (its ConcatenatedQKVMapping: per head [q; k; v] rows, every head its own query
+group, where HF holds [q; k; v] of all heads). torch_dist stores global tensors, so the TP size of the save does
+not matter; a block's tensors are stacked (`decoder.layers.<name>`, leading axis the block) or keyed per block
+(`decoder.layers.<i>.<name>`, Megatron-Bridge's heterogeneous checkpoints), both read."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mconvert.converters.plan import Piece, Plan
+from mconvert.dtypes import cast
+from mconvert.errors import ConversionError
+
+Shape = tuple[int, ...]
+LANGUAGE_MODEL = "language_model."
+VISION_MODEL = "vision_model."
+
+# Megatron-Bridge's vision-tower names (under `vision_model.`) -> HF's (under the family's vision prefix).
+BLOCK_NAMES = {
+    "self_attention.linear_proj.weight": "attn.proj.weight",
+    "self_attention.linear_proj.bias": "attn.proj.bias",
+    "self_attention.linear_qkv.weight": "attn.qkv.weight",
+    "self_attention.linear_qkv.bias": "attn.qkv.bias",
+    "self_attention.linear_qkv.layer_norm_weight": "norm1.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "norm1.bias",
+    "mlp.linear_fc1.weight": "mlp.linear_fc1.weight",
+    "mlp.linear_fc1.bias": "mlp.linear_fc1.bias",
+    "mlp.linear_fc1.layer_norm_weight": "norm2.weight",
+    "mlp.linear_fc1.layer_norm_bias": "norm2.bias",
+    "mlp.linear_fc2.weight": "mlp.linear_fc2.weight",
+    "mlp.linear_fc2.bias": "mlp.linear_fc2.bias",
+}
+TOWER_NAMES = {
+    "patch_embed.proj.weight": "patch_embed.proj.weight",
+    "patch_embed.proj.bias": "patch_embed.proj.bias",
+    "pos_embed.weight": "pos_embed.weight",
+    "merger.patch_norm.weight": "merger.norm.weight",
+    "merger.patch_norm.bias": "merger.norm.bias",
+    "merger.linear_fc1.weight": "merger.linear_fc1.weight",
+    "merger.linear_fc1.bias": "merger.linear_fc1.bias",
+    "merger.linear_fc2.weight": "merger.linear_fc2.weight",
+    "merger.linear_fc2.bias": "merger.linear_fc2.bias",
+}
+FUSED_QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
+BLOCKS = "decoder.layers."
+
+
+@dataclass
+class LanguageModelTensors:
+    """A save's language model under `language_model.` (a MegatronTensors of the save's GPTModel keys), and the
+    save's vision tower, read apart (vision_tower)."""
+
+    inner: Any  # the save's reader (TorchDistTensors)
+    format = "torch_dist"
+
+    @property
+    def args(self) -> argparse.Namespace | None:
+        return self.inner.args
+
+    @property
+    def location(self) -> str:
+        return self.inner.location
+
+    @property
+    def weights_dtype(self) -> Any:
+        return self.inner.dcp.dtypes.get(LANGUAGE_MODEL + "embedding.word_embeddings.weight")
+
+    def all_shapes(self, plan: Plan) -> dict[str, Shape]:
+        return self.inner.stored_shapes(plan)
+
+    def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
+        shapes = self.all_shapes(plan)
+        other = sorted(key for key in shapes if not key.startswith((LANGUAGE_MODEL, VISION_MODEL)))
+        if other:
+            raise ConversionError(f"{self.location}: tensor '{other[0]}' is neither the language model's ({LANGUAGE_MODEL}) nor the vision tower's ({VISION_MODEL})")
+        return {key.removeprefix(LANGUAGE_MODEL): shape for key, shape in shapes.items() if key.startswith(LANGUAGE_MODEL)}
+
+    def read_piece(self, piece: Piece, into: np.ndarray | None = None) -> np.ndarray:
+        return self.inner.read_piece(dataclasses.replace(piece, keys=tuple(LANGUAGE_MODEL + key for key in piece.keys)), into)
+
+    def byte_span(self, key: str, offsets: Shape, shape: Shape, dtype: np.dtype) -> tuple[Path, int] | None:
+        return self.inner.byte_span(LANGUAGE_MODEL + key, offsets, shape, dtype)
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """An HF tensor the export builds from the save outside the plan (the vision tower): its dtype, shape, and how
+    it is read."""
+
+    dtype: np.dtype
+    shape: Shape
+    read: Callable[[], np.ndarray]
+
+
+def deinterleave_qkv(fused: np.ndarray, heads: int) -> np.ndarray:
+    """Megatron's per-head [q; k; v] rows (each head its own query group) as HF's [q; k; v] of all heads."""
+    return np.ascontiguousarray(fused.reshape(heads, 3, -1, *fused.shape[1:]).swapaxes(0, 1)).reshape(fused.shape)
+
+
+def vision_tower(source: Any, plan: Plan) -> dict[str, SavedTensor]:
+    """The HF tensors of the vision tower a Megatron-Bridge save holds (none for any other save), every stored vision
+    tensor taken by a name of the table, in the export's dtype."""
+    if not isinstance(source, LanguageModelTensors):
+        return {}
+    shapes = {key.removeprefix(VISION_MODEL): shape for key, shape in source.all_shapes(plan).items() if key.startswith(VISION_MODEL)}
+    if not shapes:
+        return {}
+    prefixes = plan.family.table.copied_back
+    vision = (plan.spec.hf_config or {}).get("vision_config") or {}
+    if not prefixes or "num_heads" not in vision:
+        raise ConversionError(f"{source.location}: holds a vision tower ({VISION_MODEL}), which the {plan.family.name} export has no place for")
+    prefix, heads, dcp, dtype = prefixes[0], int(vision["num_heads"]), source.inner.dcp, plan.dtype
+    found: dict[str, SavedTensor] = {}
+
+    for key, shape in shapes.items():
+        if key in TOWER_NAMES:
+            whole = tuple(shape)
+            found[prefix + TOWER_NAMES[key]] = SavedTensor(dtype, whole, region_reader(dcp, VISION_MODEL + key, (0,) * len(whole), whole, whole, 0, dtype))
+            continue
+        per_block = re.fullmatch(rf"{re.escape(BLOCKS)}(\d+)\.(.+)", key)
+        name = per_block.group(2) if per_block else key.removeprefix(BLOCKS)
+        if not key.startswith(BLOCKS) or name not in BLOCK_NAMES:
+            raise ConversionError(f"{source.location}: vision tensor '{VISION_MODEL}{key}' is not one Megatron-Bridge's Qwen3.5 vision tower holds")
+        blocks = [int(per_block.group(1))] if per_block else range(shape[0])
+        inner = tuple(shape) if per_block else tuple(shape[1:])
+        for block in blocks:
+            offsets = (0,) * len(inner) if per_block else (block, *(0,) * len(inner))
+            region = inner if per_block else (1, *inner)
+            found[f"{prefix}blocks.{block}.{BLOCK_NAMES[name]}"] = SavedTensor(dtype, inner, region_reader(dcp, VISION_MODEL + key, offsets, region, inner, heads if name in FUSED_QKV else 0, dtype))
+    return found
+
+
+def region_reader(dcp: Any, key: str, offsets: Shape, region: Shape, shape: Shape, qkv_heads: int, dtype: np.dtype) -> Callable[[], np.ndarray]:
+    """How one stored region (a block's slice of a stacked tensor, or a whole tensor) is read as its HF tensor."""
+
+    def read() -> np.ndarray:
+        tensor = dcp.read_region(key, offsets, region).reshape(shape)
+        return cast(deinterleave_qkv(tensor, qkv_heads) if qkv_heads else tensor, dtype)
+
+    return read
