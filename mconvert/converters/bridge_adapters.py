@@ -24,13 +24,13 @@ from typing import Any
 
 import numpy as np
 
+from mconvert.converters.save_folders import RUN_CONFIG, read_yaml
 from mconvert.dependencies import ADAPTERS, ADAPTERS_INSTALL, require
 from mconvert.errors import ConversionError
 from mconvert.formats.dcp import DCPCheckpoint
 from mconvert.mappings.spec import ModelSpec
 from mconvert.mappings.transforms import Concat, QKVInterleave, Rename
 
-RUN_CONFIG = "run_config.yaml"
 ADAPTER = ".adapter."
 LORA_A, LORA_B, MAGNITUDE = "linear_in.weight", "linear_out.weight", "weight_magnitude"
 # Megatron-Bridge's PEFT transforms by their run_config `_target_`.
@@ -61,16 +61,10 @@ class LoraSettings:
 
 def read_lora_settings(directory: Path, command: str) -> LoraSettings:
     require(ADAPTERS, command, ADAPTERS_INSTALL)
-    import yaml
-
     path = directory / RUN_CONFIG
     if not path.is_file():
         raise ConversionError(f"{directory}: no {RUN_CONFIG} (Megatron-Bridge writes the LoRA's settings there)")
-    try:
-        run_config = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConversionError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
-    peft = run_config.get("peft") if isinstance(run_config, dict) else None
+    peft = read_yaml(path).get("peft")
     if not isinstance(peft, dict):
         raise ConversionError(f"{path}: no peft: section (not an adapter save of a Megatron-Bridge PEFT run)")
     target = peft.get("_target_")

@@ -25,13 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mconvert.converters.adapters import (
-    RUN_CONFIG,  # Megatron-Bridge's, in each iteration folder
-)
 from mconvert.errors import ConversionError
 from mconvert.hub import resolve_hf_dir
 from mconvert.mcore.checkpoint import TRACKER_FILE, iteration_dir
 
+RUN_CONFIG = "run_config.yaml"  # Megatron-Bridge's, in each iteration folder
 SWIFT_ARGS = "args.json"  # ms-swift's, in the save folder
 
 
@@ -84,7 +82,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
         raise ConversionError(f"{path}: reading it needs PyYAML (pip install pyyaml), or pass --hf-config") from None
     try:
         loaded = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
+    except (yaml.YAMLError, UnicodeDecodeError) as error:
         raise ConversionError(f"{path}: not plain YAML ({str(error).splitlines()[0]})") from None
     return loaded if isinstance(loaded, dict) else {}
 
