@@ -74,46 +74,56 @@ def to_mcore(adapter: Path, out: Path, *flags: str) -> Path:
     return out
 
 
-def bridge_logits_with_adapters(site: str, base: str, adapters: list[str], tokens: torch.Tensor) -> list[torch.Tensor]:
-    """On each rank: for each adapter checkpoint, the base model wrapped by Megatron-Bridge's LoRA of the checkpoint's
-    run_config.yaml, the adapter loaded as Megatron-Bridge loads one, and the logits (rank 0's, gathered over TP)."""
-    import yaml
+def bridge_model_with_adapter(site: str, base: str, adapter: str) -> tuple[torch.nn.Module, object]:
+    """On each rank: the base model wrapped by Megatron-Bridge's LoRA of the adapter checkpoint's run_config.yaml (in
+    the iteration directory `adapter`), the adapter loaded as Megatron-Bridge loads one; and the LoRA."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     from mconvert.mcore.checkpoint import RELEASE, read_args
-    from mconvert.verify.megatron_side import forward_logits, load_model
+    from mconvert.verify.megatron_side import load_model
 
     spec = importlib.util.spec_from_file_location("megatron_bridge_lora", REPO / "scripts" / "fixtures" / "megatron_bridge_lora.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     lora = script.import_megatron_bridge_lora(site)
-    results = []
-    for adapter in adapters:
-        settings = yaml.safe_load((Path(adapter) / RELEASE / "run_config.yaml").read_text())["peft"]
-        assert settings.pop("_target_") == "megatron.bridge.peft.lora.LoRA"
-        bridge_lora = lora.LoRA(**settings)
-        (model,) = load_model(base, read_args(Path(base) / RELEASE), torch.float32, transformer_impl="local")
-        model = bridge_lora(model, training=False)
-        # AutoBridge.export_adapter_ckpt's loading (training.checkpointing's helpers it calls import modelopt):
-        # what apply_peft_adapter_filter_to_state_dict keeps of the model's sharded state dict, loaded strictly.
-        wanted = {k: v for k, v in model.sharded_state_dict().items() if bridge_lora.adapter_key_filter(k) and "_extra_state" not in k}
-        loaded = dist_checkpointing.load({"model": wanted}, str(Path(adapter) / RELEASE), strict=StrictHandling.RAISE_ALL)
-        result = model.load_state_dict(loaded["model"], strict=False)
-        adapter_params = {name for name, _ in model.named_parameters() if ".adapter." in name}
-        assert adapter_params and not result.unexpected_keys and not adapter_params & set(result.missing_keys), result
-        results.append(forward_logits([model], tokens)[..., :256].clone())
-    return results
+    settings = yaml.safe_load((Path(adapter) / "run_config.yaml").read_text())["peft"]
+    assert settings.pop("_target_") == "megatron.bridge.peft.lora.LoRA"
+    settings = {k: v for k, v in settings.items() if k in ("target_modules", "dim", "alpha", "dropout")}
+    bridge_lora = lora.LoRA(**settings)
+    (model,) = load_model(base, read_args(Path(base) / RELEASE), torch.float32, transformer_impl="local")
+    model = bridge_lora(model, training=False)
+    # AutoBridge.export_adapter_ckpt's loading (training.checkpointing's helpers it calls import modelopt): what
+    # apply_peft_adapter_filter_to_state_dict keeps of the model's sharded state dict, every key matched both ways.
+    wanted = {k: v for k, v in model.sharded_state_dict().items() if bridge_lora.adapter_key_filter(k) and "_extra_state" not in k}
+    loaded = dist_checkpointing.load({"model": wanted}, adapter, strict=StrictHandling.RAISE_ALL)
+    result = model.load_state_dict(loaded["model"], strict=False)
+    adapter_params = {name for name, _ in model.named_parameters() if ".adapter." in name}
+    assert adapter_params and not result.unexpected_keys and not adapter_params & set(result.missing_keys), result
+    return model, bridge_lora
+
+
+def bridge_logits_with_adapters(site: str, base: str, adapters: list[str], tokens: torch.Tensor) -> list[torch.Tensor]:
+    """On each rank: Megatron-Bridge's logits with each adapter checkpoint (rank 0's, gathered over TP)."""
+    from mconvert.verify.megatron_side import forward_logits
+
+    return [forward_logits([bridge_model_with_adapter(site, base, str(Path(a) / "release"))[0]], tokens)[..., :256].clone() for a in adapters]
+
+
+def base_checkpoint(tmp_path: Path, tp: int) -> Path:
+    from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+    from mconvert.mcore.parallelism import Parallelism
+
+    base = tmp_path / f"base-tp{tp}"
+    convert_hf_to_mcore(BASE, base, parallelism=Parallelism(tp=tp))
+    return base
 
 
 def bridge_errors(tmp_path: Path, tp: int, adapters: dict[str, tuple[Path, Path]]) -> dict[str, float]:
     """Largest difference between Megatron-Bridge's logits with each written checkpoint and peft's with its adapter."""
-    from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
-    from mconvert.mcore.parallelism import Parallelism
     from mconvert.verify.distributed import run_ranks
 
-    base = tmp_path / f"base-tp{tp}"
-    convert_hf_to_mcore(BASE, base, parallelism=Parallelism(tp=tp))
+    base = base_checkpoint(tmp_path, tp)
     logits = run_ranks(bridge_logits_with_adapters, BRIDGE, str(base), [str(c) for _, c in adapters.values()], TOKENS, tp=tp, timeout_s=300)
     return {name: (bridge - peft_logits(peft_dir)).abs().max().item() for (name, (peft_dir, _)), bridge in zip(adapters.items(), logits)}
 
@@ -212,3 +222,29 @@ def test_a_module_peft_left_out_of_a_fused_linear_adds_nothing(tmp_path):
     tensors = load_file(adapter / ADAPTER_WEIGHTS)
     assert not np.any(k) and np.array_equal(q, tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"].numpy())
     assert np.array_equal(v, tensors["base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight"].numpy())
+
+
+def bridge_adapter_as_peft(site: str, base: str, adapter: str, config: dict) -> tuple[dict, dict]:
+    """On each rank: the weight sync's PEFT tensors and config of Megatron-Bridge's model with the adapter."""
+    from mconvert.converters.adapter_sync import gather_peft_adapter
+
+    model, bridge_lora = bridge_model_with_adapter(site, base, adapter)
+    return gather_peft_adapter(model, config, bridge_lora, base_name=str(BASE))
+
+
+@needs_bridge
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_weight_sync_gives_adapter_to_hfs_tensors(tp, tmp_path):
+    """Megatron-Bridge's own adapter save (the fixture's, made at this TP), loaded into its LoRA-wrapped model on TP
+    ranks: the weight sync's PEFT tensors and config are adapter-to-hf's of the same save."""
+    from mconvert.verify.distributed import run_ranks
+
+    save = BASE.parent / f"tp{tp}" / "checkpoint"
+    config = json.loads((BASE / "config.json").read_text())
+    tensors, peft_config = run_ranks(
+        bridge_adapter_as_peft, BRIDGE, str(base_checkpoint(tmp_path, tp)), str(save / "iter_0000010"), config, tp=tp, timeout_s=300
+    )
+    assert main(["adapter-to-hf", "--load-dir", str(save), "--hf-config", str(BASE), "--save-dir", str(tmp_path / "hf")]) == 0
+    exported = load_file(tmp_path / "hf" / ADAPTER_WEIGHTS)
+    assert sorted(tensors) == sorted(exported) and all(torch.equal(tensors[n], exported[n]) for n in exported)
+    assert peft_config == json.loads((tmp_path / "hf" / ADAPTER_CONFIG).read_text())
