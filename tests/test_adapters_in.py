@@ -16,6 +16,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -83,10 +84,12 @@ def bridge_model_with_adapter(site: str, base: str, adapter: str) -> tuple[torch
     from mconvert.mcore.checkpoint import RELEASE, read_args
     from mconvert.verify.megatron_side import load_model
 
-    spec = importlib.util.spec_from_file_location("megatron_bridge_lora", REPO / "scripts" / "fixtures" / "megatron_bridge_lora.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    lora = script.import_megatron_bridge_lora(site)
+    if "megatron.bridge.peft.lora" not in sys.modules:  # entered once a process, as the fixture script enters it
+        spec = importlib.util.spec_from_file_location("megatron_bridge_lora", REPO / "scripts" / "fixtures" / "megatron_bridge_lora.py")
+        script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(script)
+        script.import_megatron_bridge_lora(site)
+    lora = sys.modules["megatron.bridge.peft.lora"]
     settings = yaml.safe_load((Path(adapter) / "run_config.yaml").read_text())["peft"]
     assert settings.pop("_target_") == "megatron.bridge.peft.lora.LoRA"
     settings = {k: v for k, v in settings.items() if k in ("target_modules", "dim", "alpha", "dropout")}
