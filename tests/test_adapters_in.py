@@ -35,28 +35,27 @@ transformers = pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "tests" / "fixtures" / "megatron_bridge_lora" / "hf"
 BRIDGE = os.environ.get("MCONVERT_MEGATRON_BRIDGE")
-needs_bridge = pytest.mark.skipif(
-    not (BRIDGE and (Path(BRIDGE) / "megatron" / "bridge").is_dir() and importlib.util.find_spec("megatron.training")),
-    reason="Megatron-Bridge (MCONVERT_MEGATRON_BRIDGE) with megatron-core >= 0.19",
-)
+HAVE_BRIDGE = bool(BRIDGE and (Path(BRIDGE) / "megatron" / "bridge").is_dir() and importlib.util.find_spec("megatron.training"))
+needs_bridge = pytest.mark.skipif(not HAVE_BRIDGE, reason="Megatron-Bridge (MCONVERT_MEGATRON_BRIDGE) with megatron-core >= 0.19")
 TOKENS = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(7))
 # fp32 on both sides: the logits agree to about 1e-6; a wrong adapter moves them by 0.1 or more.
 LOGITS_TOLERANCE = 1e-4
 EVERY = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_peft_adapter(out: Path, targets=EVERY, shared: bool = True, seed: int = 0, **lora) -> Path:
-    """peft's own adapter of the base model, its weights at random (std 0.1); `shared`: q/k/v (and gate/up) of a
+def make_peft_adapter(out: Path, targets=EVERY, shared: bool = True, seed: int = 0, base: Path = BASE, **lora) -> Path:
+    """peft's own adapter of the `base` model, its weights at random (std 0.1); `shared`: q/k/v (and gate/up) of a
     layer with one lora_A, as Megatron-Bridge's LoRA on a fused linear has."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32)
-    model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=list(targets), **lora))
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model = peft.get_peft_model(model, peft.LoraConfig(**{"r": 8, "lora_alpha": 16, "target_modules": list(targets), **lora}))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_" in name:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
         for layer in model.base_model.model.model.layers if shared else ():
-            for first, *others in ([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj], [layer.mlp.gate_proj, layer.mlp.up_proj]):
+            fused = [[getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj")], [getattr(layer.mlp, n, None) for n in ("gate_proj", "up_proj")]]
+            for first, *others in fused:
                 for other in others:
                     if hasattr(first, "lora_A") and hasattr(other, "lora_A"):
                         other.lora_A["default"].weight.copy_(first.lora_A["default"].weight)
@@ -64,14 +63,14 @@ def make_peft_adapter(out: Path, targets=EVERY, shared: bool = True, seed: int =
     return out
 
 
-def peft_logits(adapter: Path) -> torch.Tensor:
-    base = transformers.AutoModelForCausalLM.from_pretrained(BASE, dtype=torch.float32)
+def peft_logits(adapter: Path, base: Path = BASE) -> torch.Tensor:
+    base = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     with torch.no_grad():
         return peft.PeftModel.from_pretrained(base, adapter).eval()(TOKENS).logits
 
 
-def to_mcore(adapter: Path, out: Path, *flags: str) -> Path:
-    assert main(["adapter-to-mcore", "--adapter", str(adapter), "--hf-config", str(BASE), "--save-dir", str(out), *flags]) == 0
+def to_mcore(adapter: Path, out: Path, *flags: str, base: Path = BASE) -> Path:
+    assert main(["adapter-to-mcore", "--adapter", str(adapter), "--hf-config", str(base), "--save-dir", str(out), *flags]) == 0
     return out
 
 
@@ -113,22 +112,22 @@ def bridge_logits_with_adapters(site: str, base: str, adapters: list[str], token
     return [forward_logits([bridge_model_with_adapter(site, base, str(Path(a) / "release"))[0]], tokens)[..., :256].clone() for a in adapters]
 
 
-def base_checkpoint(tmp_path: Path, tp: int) -> Path:
+def base_checkpoint(tmp_path: Path, tp: int, hf: Path = BASE) -> Path:
     from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
     from mconvert.mcore.parallelism import Parallelism
 
     base = tmp_path / f"base-tp{tp}"
-    convert_hf_to_mcore(BASE, base, parallelism=Parallelism(tp=tp))
+    convert_hf_to_mcore(hf, base, parallelism=Parallelism(tp=tp))
     return base
 
 
-def bridge_errors(tmp_path: Path, tp: int, adapters: dict[str, tuple[Path, Path]]) -> dict[str, float]:
+def bridge_errors(tmp_path: Path, tp: int, adapters: dict[str, tuple[Path, Path]], hf: Path = BASE) -> dict[str, float]:
     """Largest difference between Megatron-Bridge's logits with each written checkpoint and peft's with its adapter."""
     from mconvert.verify.distributed import run_ranks
 
-    base = base_checkpoint(tmp_path, tp)
+    base = base_checkpoint(tmp_path, tp, hf)
     logits = run_ranks(bridge_logits_with_adapters, BRIDGE, str(base), [str(c) for _, c in adapters.values()], TOKENS, tp=tp, timeout_s=300)
-    return {name: (bridge - peft_logits(peft_dir)).abs().max().item() for (name, (peft_dir, _)), bridge in zip(adapters.items(), logits)}
+    return {name: (bridge - peft_logits(peft_dir, hf)).abs().max().item() for (name, (peft_dir, _)), bridge in zip(adapters.items(), logits)}
 
 
 @needs_bridge
@@ -251,3 +250,26 @@ def test_the_weight_sync_gives_adapter_to_hfs_tensors(tp, tmp_path):
     exported = load_file(tmp_path / "hf" / ADAPTER_WEIGHTS)
     assert sorted(tensors) == sorted(exported) and all(torch.equal(tensors[n], exported[n]) for n in exported)
     assert peft_config == json.loads((tmp_path / "hf" / ADAPTER_CONFIG).read_text())
+
+
+def test_an_moe_models_attention_adapter_goes_in_and_its_shared_experts_are_refused(tmp_path, capsys):
+    """Qwen2-MoE (routed experts and a shared expert): LoRA on the attention goes in and comes back as it was;
+    LoRA on the shared expert, whose Megatron-Bridge target name would wrap the routed experts too, is refused."""
+    from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
+
+    base = make_hf_checkpoint(shrink(real_config("qwen1.5-moe-a2.7b"), vocab_size=256), tmp_path / "hf", weight_std=0.1)
+    make_peft_adapter(tmp_path / "attention", ["q_proj", "k_proj", "v_proj", "o_proj"], base=base, r=4)
+    make_peft_adapter(tmp_path / "shared", ["q_proj", "shared_expert.gate_proj"], base=base, r=4)
+    capsys.readouterr()
+    flags = ["--hf-config", str(base), "--save-dir"]
+    attention = to_mcore(tmp_path / "attention", tmp_path / "mcore", base=base)
+    if HAVE_BRIDGE:  # Megatron-Bridge wraps the attention alone of the MoE model, and gives peft's logits
+        assert max(bridge_errors(tmp_path, 1, {"attention": (tmp_path / "attention", attention)}, base).values()) < LOGITS_TOLERANCE
+    assert main(["adapter-to-hf", "--load-dir", str(tmp_path / "mcore"), *flags, str(tmp_path / "back")]) == 0
+    original, back = load_file(tmp_path / "attention" / ADAPTER_WEIGHTS), load_file(tmp_path / "back" / ADAPTER_WEIGHTS)
+    assert sorted(original) == sorted(back) and all(torch.equal(original[n], back[n]) for n in original)
+    capsys.readouterr()
+    assert main(["adapter-to-mcore", "--adapter", str(tmp_path / "shared"), *flags, str(tmp_path / "refused")]) == 1
+    err = capsys.readouterr().err
+    assert "'model.layers.0.mlp.shared_expert.gate_proj' has an adapter: adapters on an MoE layer's shared experts are not written yet" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "refused").exists()

@@ -119,6 +119,8 @@ def bridge_modules(
             present = [name for name in names if name in left]
             if not present:
                 continue
+            if "shared_experts" in module:  # its target name, linear_fc1 or linear_fc2, would wrap the routed experts too
+                raise ConversionError(f"{where}: '{present[0]}' has an adapter: adapters on an MoE layer's shared experts are not written yet")
             if not isinstance(entry, ROW_SPLITS) or ".router" in module or ".experts." in module:
                 raise ConversionError(f"{where}: '{present[0]}' has an adapter, and {module} is no Megatron linear that Megatron-Bridge's LoRA adapts as one HF module's rows (not written yet)")
             out, into = entry.split.shape(spec, entry)
