@@ -7,9 +7,9 @@ adapted HF module. Megatron-Bridge's `LoRA` puts one ParallelLinearAdapter on ea
 theirs, fused as the base weight's rows are (the family table's entry, `to_mcore`). So the HF modules of one fused
 linear must share lora_A; one that PEFT leaves without an adapter gets lora_B rows of zeros, which add nothing.
 Adapters whose q/k/v (or gate/up) lora_A differ are refused: Megatron-Bridge 0.6.2's `CanonicalLoRA`, which keeps
-one adapter per projection, interleaves their outputs with the model's whole head counts on each TP rank's slice
-(`LoRALinearSplitQKV._interleave_qkv`) and shards an up projection's adapter as a SwiGLU half, and its own adapter
-loading (`AutoBridge.export_adapter_ckpt`) builds `LoRA` only.
+one adapter per projection, is not what its own adapter loading (`AutoBridge.export_adapter_ckpt`) builds (`LoRA`
+only), and it stores the gate and up adapters' lora_B through megatron-core's SwiGLU factory (it picks the factory
+by the base module's name), in a row order that depends on the TP it was saved at (docs/verification.md).
 
 The checkpoint is what Megatron-Bridge's save_checkpoint writes for a PEFT run, the adapter keys alone, in their
 global shapes (stacked over the layers as the base weights are), so it loads at any TP: torch_dist in `release/`
