@@ -191,8 +191,10 @@ def _config_with(adapter: Path, **changes) -> Path:
 @pytest.mark.parametrize(
     "make, expected",
     [
-        (lambda p: make_peft_adapter(p, shared=False), "'base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight' differs from "
-         "'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight': Megatron-Bridge's LoRA on the fused linear_qkv shares one lora_A"),
+        (lambda p: make_peft_adapter(p, shared=False), (
+            "'base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight' differs from "
+            "'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight': Megatron-Bridge's LoRA on the fused linear_qkv shares one lora_A"
+        )),
         (lambda p: make_peft_adapter(p, ["q_proj", "lm_head"]), "tensor 'base_model.model.lm_head.base_layer.weight' is not a LoRA lora_A or lora_B weight"),
         (lambda p: _config_with(make_peft_adapter(p, ["q_proj"]), use_dora=True), "use_dora is True; Megatron-Bridge's LoRA has no such setting"),
         (lambda p: _config_with(make_peft_adapter(p, ["q_proj"]), rank_pattern={"q_proj": 4}), "rank_pattern is {'q_proj': 4}"),

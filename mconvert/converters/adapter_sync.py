@@ -20,7 +20,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from mconvert.converters.adapters import LORA_A, LORA_B, LoraSettings, adapter_config, peft_tensors
+from mconvert.converters.adapters import (
+    LORA_A,
+    LORA_B,
+    LoraSettings,
+    adapter_config,
+    peft_tensors,
+)
 from mconvert.converters.rank_export import ShardInfo, local_shards
 from mconvert.dtypes import as_numpy, as_torch
 from mconvert.errors import ConversionError

@@ -30,7 +30,14 @@ from typing import Any
 import numpy as np
 
 from mconvert.converters.adapters import (
-    ADAPTER_CONFIG, LORA_A, LORA_B, LORA_TARGET, ROW_SPLITS, RUN_CONFIG, LoraSettings, _hf_modules,
+    ADAPTER_CONFIG,
+    LORA_A,
+    LORA_B,
+    LORA_TARGET,
+    ROW_SPLITS,
+    RUN_CONFIG,
+    LoraSettings,
+    _hf_modules,
 )
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.dependencies import ADAPTERS, ADAPTERS_INSTALL, require
@@ -42,7 +49,12 @@ from mconvert.json_files import read_json_bytes
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family
 from mconvert.mappings.spec import ModelSpec
-from mconvert.mcore.checkpoint import CHECKPOINT_VERSION, METADATA_JSON, RELEASE, write_tracker
+from mconvert.mcore.checkpoint import (
+    CHECKPOINT_VERSION,
+    METADATA_JSON,
+    RELEASE,
+    write_tracker,
+)
 from mconvert.mcore.layout import layer_axis, layer_key
 
 PEFT_PREFIX = "base_model.model."
@@ -149,7 +161,7 @@ def bridge_modules(
                 parts.append(b.astype(lora_a.dtype, copy=False))
             adapters.append(AdapterModule(layer, module, lora_a, np.asarray(entry.to_mcore(parts, spec))))
     if left:
-        name = sorted(left)[0]
+        name = min(left)
         raise ConversionError(f"{where}: '{PEFT_PREFIX}{name}' adapts a module that is no linear Megatron-Bridge's LoRA adapts in a {family.name} model")
     if not adapters:
         raise ConversionError(f"{where}: holds no LoRA adapter tensors")
