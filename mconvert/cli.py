@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable, NoReturn
 
 from mconvert import __version__
-from mconvert.adapter_command import add_adapter_to_hf
+from mconvert.adapter_in_command import add_adapter_commands
 from mconvert.errors import ConversionError, MissingDependency
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workers_flag(to_hf)
     to_hf.add_argument("--quiet", action="store_true", help="no progress, only the summary")
     to_hf.set_defaults(run=_mcore_to_hf)
-    add_adapter_to_hf(commands)
+    add_adapter_commands(commands)
 
     show = commands.add_parser("inspect", help="what a checkpoint holds (HF, torch_dist or legacy torch), or --check it against its manifest")
     show.add_argument("path", help="checkpoint directory")

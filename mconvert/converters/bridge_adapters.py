@@ -33,9 +33,10 @@ from mconvert.mappings.transforms import Concat, QKVInterleave, Rename
 
 ADAPTER = ".adapter."
 LORA_A, LORA_B, MAGNITUDE = "linear_in.weight", "linear_out.weight", "weight_magnitude"
+LORA_TARGET = "megatron.bridge.peft.lora.LoRA"
 # Megatron-Bridge's PEFT transforms by their run_config `_target_`.
 KINDS = {
-    "megatron.bridge.peft.lora.LoRA": "lora",
+    LORA_TARGET: "lora",
     "megatron.bridge.peft.canonical_lora.CanonicalLoRA": "canonical",
     "megatron.bridge.peft.dora.DoRA": "dora",
 }
