@@ -34,4 +34,9 @@ if ! "$VENV312/bin/python" -c 'import importlib.util as u, sys; sys.exit(u.find_
     --no-build-isolation --no-deps 'mamba_ssm==2.3.2.post1' >&2
   "$VENV312/bin/pip" install -q --disable-pip-version-check einops >&2
 fi
+# Megatron-Bridge 0.6.2, whose own LoRA loads what adapter-to-mcore writes (tests/test_adapters_in.py): its package
+# alone, entered without its __init__ as scripts/fixtures/megatron_bridge_lora.py says, in a folder of its own.
+if [ ! -d build/megatron-bridge/megatron/bridge ]; then
+  "$VENV312/bin/pip" install -q --disable-pip-version-check --no-deps --target build/megatron-bridge 'megatron-bridge==0.6.2' >&2
+fi
 echo "$(cd "$VENV312" && pwd)/bin/python"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite on a fresh machine: installs what it needs, then runs pytest in both environments:
 #   .venv    (Python 3.11, megatron-core 0.16.1): everything but tests/megatron_lm, which skips itself there;
-#   .venv312 (Python 3.12, megatron-core 0.19.2 with Megatron-LM's megatron.training): tests/megatron_lm.
+#   .venv312 (Python 3.12, megatron-core 0.19.2 with Megatron-LM's megatron.training): tests/megatron_lm, and
+#            tests/test_adapters_in.py with Megatron-Bridge (scripts/install312.sh installs it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -14,6 +15,7 @@ beside=$(mktemp)
 trap 'rm -f "$beside"' EXIT
 # The readers' fuzzing (a minute on one core) goes beside them too, which finish that much sooner.
 (MCONVERT_REQUIRE_MEGATRON_LM=1 "$python312" -m pytest -q -p no:cacheprovider tests/megatron_lm \
+    && MCONVERT_MEGATRON_BRIDGE=build/megatron-bridge "$python312" -m pytest -q -p no:cacheprovider tests/test_adapters_in.py \
     && bash scripts/checks/mcore_versions.sh \
     && "${VENV:-.venv}/bin/python" -m pytest -q -p no:cacheprovider tests/test_fuzz.py) > "$beside" 2>&1 &
 status=0
