@@ -234,7 +234,7 @@ class HFCheckpoint:
             return tensor
         if name in self.mxfp4:
             blocks, scales = (self.read_stored(stored, name, index) for stored in self.mxfp4[name])
-            tensor = np.ascontiguousarray(dequantize_mxfp4(blocks, scales).swapaxes(-1, -2))
+            tensor = dtypes.transposed(dequantize_mxfp4(blocks, scales))
             if self.check_finite and not dtypes.finite(tensor):
                 raise self._nonfinite(name, index)
             return tensor
