@@ -128,7 +128,7 @@ def transposed(array: np.ndarray) -> np.ndarray:
     view walks the source a column at a time, three times slower on an expert's weight (gpt-oss's MXFP4 experts are
     stored as transformers' weights transposed)."""
     *lead, rows, cols = array.shape
-    if rows <= _TILE or cols <= _TILE:
+    if rows <= _TILE or cols <= _TILE or array.swapaxes(-1, -2).flags.c_contiguous:  # small, or a view of the transpose
         return np.ascontiguousarray(array.swapaxes(-1, -2))
     source = array.reshape(-1, rows, cols)
     out = np.empty((len(source), cols, rows), dtype=array.dtype)
