@@ -119,6 +119,46 @@ def to_e4m3(values: np.ndarray) -> np.ndarray:
     return codes.view(float8_e4m3fn).reshape(values.shape)
 
 
+# float8_e4m3fn's sign, exponent and mantissa moved to the top of fp32's: as fp32, each finite value times 2^-120
+# (a subnormal one as an fp32 subnormal), exact. Its scale times 2^120 (exact below 2^8) gives the value times the
+# scale rounded once, as the fp32 product of the two is.
+E4M3_SHIFT, E4M3_MASK, E4M3_UNBIAS = 20, np.array(0x87F00000, dtype=np.uint32).view(np.int32), np.float32(2.0**120)
+
+
+def e4m3_blocks(stripes: np.ndarray, factors: np.ndarray) -> np.ndarray | None:
+    """`stripes` [n, block rows, columns] of float8_e4m3fn times `factors` [n, blocks a row] (the scales times 2^120),
+    as fp32; None where a value is NaN (S.1111.111), which the bits would give as a number."""
+    count, block_rows, cols = stripes.shape
+    values = np.empty(stripes.shape, dtype=np.float32)
+    bits, codes = values.view(np.int32), stripes.view(np.int8)
+    step = next(rows for rows in range(min(block_rows, max(1, LOOKUPS_AT_ONCE // cols)), 0, -1) if block_rows % rows == 0)
+    magnitudes = np.empty((step, cols), dtype=np.int8)
+    for stripe in range(count):
+        for first in range(0, block_rows, step):
+            part, out = codes[stripe, first : first + step], bits[stripe, first : first + step]
+            if np.bitwise_and(part, 0x7F, out=magnitudes).max() == 0x7F:
+                return None
+            np.left_shift(part, E4M3_SHIFT, out=out, dtype=np.int32)
+            np.bitwise_and(out, E4M3_MASK, out=out)
+            blocked = out.view(np.float32).reshape(step, len(factors[stripe]), -1)
+            blocked *= factors[stripe][:, None]
+    return values
+
+
+def lookup(table: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """`table[index]`, a slice of LOOKUPS_AT_ONCE at a time: numpy's take widens the whole index to intp first, eight
+    bytes an element in fresh memory, where a slice's stays in the cache."""
+    flat = index.reshape(-1)
+    out = np.empty(flat.size, dtype=table.dtype)
+    wide = np.empty(min(flat.size, LOOKUPS_AT_ONCE), dtype=np.intp)
+    for first in range(0, flat.size, LOOKUPS_AT_ONCE):
+        part = flat[first : first + LOOKUPS_AT_ONCE]
+        index_part = wide[: part.size]
+        np.copyto(index_part, part)
+        np.take(table, index_part, out=out[first : first + part.size])
+    return out.reshape(index.shape)
+
+
 # Rows and columns `transposed` copies at a time: a tile of each, read and written, stays in the first-level cache.
 _TILE = 128
 

@@ -84,12 +84,6 @@ def fp8_block_size(config: dict) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-# float8_e4m3fn's sign, exponent and mantissa moved to the top of fp32's: as fp32, each finite value times 2^-120
-# (a subnormal one as an fp32 subnormal), exact. Its scale times 2^120 (exact below 2^8) gives the value times the
-# scale rounded once, as the fp32 product of the two is.
-E4M3_SHIFT, E4M3_MASK, E4M3_UNBIAS = 20, np.array(0x87F00000, dtype=np.uint32).view(np.int32), np.float32(2.0**120)
-
-
 def dequantize_fp8_blocks(tensor: np.ndarray, scales: np.ndarray, block: tuple[int, int]) -> np.ndarray:
     """An FP8 weight times its blocks' scales (one per `block` of its last two axes), in fp32. A float8_e4m3fn one
     of whole blocks without NaN and with scales below 2^8 (every release's) is rebuilt from its bits a slice of
@@ -98,7 +92,7 @@ def dequantize_fp8_blocks(tensor: np.ndarray, scales: np.ndarray, block: tuple[i
     rows, cols = tensor.shape[-2:]
     factors = scales.astype(np.float32)
     if tensor.dtype == dtypes.float8_e4m3fn and not (rows % block_rows or cols % block_cols) and np.abs(factors).max(initial=0) < 2**8:
-        values = _e4m3_blocks(tensor.reshape(-1, block_rows, cols), factors.reshape(-1, cols // block_cols) * E4M3_UNBIAS)
+        values = dtypes.e4m3_blocks(tensor.reshape(-1, block_rows, cols), factors.reshape(-1, cols // block_cols) * dtypes.E4M3_UNBIAS)
         if values is not None:
             return values.reshape(tensor.shape)
     values = tensor.astype(np.float32)
@@ -108,26 +102,6 @@ def dequantize_fp8_blocks(tensor: np.ndarray, scales: np.ndarray, block: tuple[i
     # Whole blocks: the scales broadcast over a blocked view, in place (no tensor-sized factors).
     blocked = values.reshape(*values.shape[:-2], rows // block_rows, block_rows, cols // block_cols, block_cols)
     blocked *= factors[..., :, None, :, None]
-    return values
-
-
-def _e4m3_blocks(stripes: np.ndarray, factors: np.ndarray) -> np.ndarray | None:
-    """`stripes` [n, block rows, columns] of float8_e4m3fn times `factors` [n, blocks a row] (the scales times 2^120),
-    as fp32; None where a value is NaN (S.1111.111), which the bits would give as a number."""
-    count, block_rows, cols = stripes.shape
-    values = np.empty(stripes.shape, dtype=np.float32)
-    bits, codes = values.view(np.int32), stripes.view(np.int8)
-    step = next(rows for rows in range(min(block_rows, max(1, dtypes.LOOKUPS_AT_ONCE // cols)), 0, -1) if block_rows % rows == 0)
-    magnitudes = np.empty((step, cols), dtype=np.int8)
-    for stripe in range(count):
-        for first in range(0, block_rows, step):
-            part, out = codes[stripe, first : first + step], bits[stripe, first : first + step]
-            if np.bitwise_and(part, 0x7F, out=magnitudes).max() == 0x7F:
-                return None
-            np.left_shift(part, E4M3_SHIFT, out=out, dtype=np.int32)
-            np.bitwise_and(out, E4M3_MASK, out=out)
-            blocked = out.view(np.float32).reshape(step, len(factors[stripe]), -1)
-            blocked *= factors[stripe][:, None]
     return values
 
 
@@ -314,7 +288,7 @@ def _int4_rows(values: np.ndarray, size: int, scale_dtype: np.dtype, source_scal
     quotients = grouped.astype(scale_dtype)
     # bf16 or fp16: rounded, clamped and offset by one lookup of their bits.
     table = INT4_NIBBLES.get(quotients.dtype.name)
-    nibbles = _nibbles_of(quotients) if table is None else np.take(table, quotients.view(np.uint16))
+    nibbles = _nibbles_of(quotients) if table is None else dtypes.lookup(table, quotients.view(np.uint16))
     if source_scales is not None:
         kept, exact = int4_on_scales(values.reshape(rows, -1, size), source_scales)
         scales = np.where(exact, source_scales, scales)
@@ -361,8 +335,8 @@ def mxfp4_on_scales(values: np.ndarray, exponents: np.ndarray) -> tuple[np.ndarr
     with np.errstate(over="ignore", invalid="ignore"):  # values past bf16's range: no e2m1 code gives them
         scaled = grouped.astype(np.float32)
         scaled *= np.take(SCALE_RECIPROCALS, exponents)[..., None]
-        codes = np.take(E2M1_OF_BF16, scaled.astype(dtypes.bfloat16).view(np.uint16))
-        given = np.take(FP4_DOUBLED, codes)
+        codes = dtypes.lookup(E2M1_OF_BF16, scaled.astype(dtypes.bfloat16).view(np.uint16))
+        given = dtypes.lookup(FP4_DOUBLED, codes)
         given *= np.take(HALF_SCALES, exponents)[..., None]
     return codes, (given.astype(values.dtype) == grouped).all(-1)
 
@@ -381,18 +355,31 @@ def quantize_mxfp4(values: np.ndarray, source_exponents: np.ndarray | None = Non
     (`mxfp4_on_scales`) keeps that scale and those codes, the release's bytes for a weight left as the release gave
     it: where its largest value is 3 times its scale or less, its values quantized afresh would get a smaller scale."""
     *lead, rows, columns = values.shape
-    grouped = values.astype(dtypes.bfloat16).reshape(*lead, rows, columns // MXFP4_GROUP, MXFP4_GROUP)
+    flat, groups = values.reshape(-1, columns), columns // MXFP4_GROUP
+    blocks, stored = np.empty((len(flat), groups, MXFP4_GROUP // 2), dtype=np.uint8), np.empty((len(flat), groups), dtype=np.uint8)
+    source = None if source_exponents is None else source_exponents.reshape(-1, groups)
+    step = max(1, dtypes.LOOKUPS_AT_ONCE // columns)  # rows at a time: each step's temporaries stay in the cache
+    for first in range(0, len(flat), step):
+        part = slice(first, first + step)
+        blocks[part], stored[part] = _mxfp4_rows(flat[part], None if source is None else source[part])
+    return blocks.reshape(*lead, rows, groups, MXFP4_GROUP // 2), stored.reshape(*lead, rows, groups)
+
+
+def _mxfp4_rows(values: np.ndarray, source_exponents: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_mxfp4 of a few rows."""
+    rows, columns = values.shape
+    grouped = values.astype(dtypes.bfloat16).reshape(rows, columns // MXFP4_GROUP, MXFP4_GROUP)
     # A finite bf16 value's magnitude orders as its bits less the sign; as fp32, the bits shifted up 16.
     amax = ((grouped.view(np.uint16) & 0x7FFF).max(-1).astype(np.uint32) << 16).view(np.float32)
     exponents = ((amax / FP4_MAX).view(np.int32) + F32_MANTISSA) & F32_EXPONENT
     powers = exponents.view(np.float32)
     scaled = grouped.astype(np.float32)
     scaled *= np.divide(1, powers, out=np.zeros_like(powers), where=powers > 0)[..., None]
-    codes = np.take(E2M1_OF_BF16, scaled.astype(dtypes.bfloat16).view(np.uint16))
+    codes = dtypes.lookup(E2M1_OF_BF16, scaled.astype(dtypes.bfloat16).view(np.uint16))
     stored = (exponents >> 23).astype(np.uint8)
     if source_exponents is not None:
         kept, exact = mxfp4_on_scales(values, source_exponents)
         codes = np.where(exact[..., None], kept, codes)
         stored = np.where(exact, source_exponents, stored)
-    pairs = codes.reshape(*lead, rows, columns // MXFP4_GROUP, MXFP4_GROUP // 2, 2)
+    pairs = codes.reshape(rows, columns // MXFP4_GROUP, MXFP4_GROUP // 2, 2)
     return pairs[..., 0] | pairs[..., 1] << 4, stored

@@ -14,7 +14,7 @@ in pack-quantized INT4 (as Kimi-K2-Thinking), and from gpt-oss-120b's layers in 
 (experts and vocabulary cut), and mcore-to-hf --quantize as-source of each result back against `cp -r` of that
 checkpoint. Sources are written from mconvert's own plan with numpy (no torch, no transformers): random values
 tiled. Peak RSS (ru_maxrss) is set beside the bound docs/performance.md states: 1 GiB + workers x the larger of
-the largest tensor in bf16 and the read-ahead (512 MiB). Writes OUT/quantized.md and OUT/quantized.json.
+the largest tensor as read (FP8 weights in fp32, the rest in bf16) and the read-ahead (512 MiB). Writes OUT/quantized.md and OUT/quantized.json.
 
   python scripts/bench/bench_dequantize.py --convert --work-dir DIR --out OUT --gib 3
 """
@@ -162,6 +162,14 @@ def write_source(directory: Path, config: dict, rng: np.random.Generator) -> Non
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def record(out: Path, rows: list[dict], note: str) -> None:
+    """The rows so far as OUT/quantized.md and OUT/quantized.json: a run cut short keeps what it measured."""
+    header = list(rows[0])
+    table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(str(row[k]) for k in header) + " |" for row in rows]
+    (out / "quantized.md").write_text("\n".join(table) + f"\n\n{note}\n")
+    (out / "quantized.json").write_text(json.dumps({"rows": rows, "note": note}, indent=2) + "\n")
+
+
 def convert(options: argparse.Namespace) -> int:
     """--convert: each quantized format both ways against `cp -r`, rows appended to OUT as they are measured."""
     options.out.mkdir(parents=True, exist_ok=True)
@@ -182,7 +190,10 @@ def convert(options: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
         source, mcore, back, copy = work / "hf", work / "mcore", work / "back", work / "copy"
         write_source(source, config, np.random.default_rng(0))
-        largest = max(2 * int(np.prod(shape)) for shape in build_plan(*get_mapping(config), Parallelism()).hf_shapes().values())
+        # The largest tensor as the reader gives it: FP8 weights in fp32, the rest in bf16.
+        fp8 = config.get("quantization_config", {}).get("quant_method") == "fp8"
+        shapes = build_plan(*get_mapping(config), Parallelism()).hf_shapes()
+        largest = max((4 if fp8 and is_fp8_on_the_hub(name) else 2) * int(np.prod(shape)) for name, shape in shapes.items())
         bound = GiB + workers * max(largest, READ_AHEAD_BYTES)
         python = [sys.executable, "-m", "mconvert.cli"]
         steps = (
@@ -206,15 +217,12 @@ def convert(options: argparse.Namespace) -> int:
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
+            record(options.out, rows, f"{os.cpu_count()} cores, load average at the start {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}, "
+                   f"{time.perf_counter() - started:.0f} s in all")
             if direction != "hf-to-mcore":
                 remove(target)
         shutil.rmtree(work, ignore_errors=True)
-    header = list(rows[0]) if rows else []
-    table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(str(row[k]) for k in header) + " |" for row in rows]
-    note = f"{os.cpu_count()} cores, load average at the start {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}, {time.perf_counter() - started:.0f} s in all"
-    (options.out / "quantized.md").write_text("\n".join(table) + f"\n\n{note}\n")
-    (options.out / "quantized.json").write_text(json.dumps({"rows": rows, "note": note}, indent=2) + "\n")
-    print("\n".join(table) + f"\n\n{note}")
+    print((options.out / "quantized.md").read_text() if rows else "no rows")
     return 0
 
 
