@@ -36,6 +36,43 @@ def test_fp8_blocks_dequantize_as_torch_does():
     assert np.array_equal(ours, (weight.float() * factors).numpy())
 
 
+@pytest.mark.parametrize("scale", [1e-3, 1e-38, 170.0, 256.0])  # products fp32 subnormals; the largest scale rebuilt from bits; cast
+def test_fp8_whole_blocks_dequantize_as_torch_does(scale):
+    """Whole 128 x 128 blocks, rebuilt from their bits: every float8_e4m3fn byte but NaN in each block, one block's
+    bytes with a NaN (then cast, as the bits would give it as a number)."""
+    rng = np.random.default_rng(4)
+    codes = rng.permuted(np.tile(np.arange(256, dtype=np.uint8), (256, 2)), axis=1)
+    codes[(codes & 0x7F) == 0x7F] = 0
+    scales = torch.from_numpy((rng.random((2, 4), dtype=np.float32) + 0.5) * np.float32(scale))
+    for bad in (None, (200, 300)):
+        if bad:
+            codes[bad] = 0xFF
+        weight = torch.from_numpy(codes.copy()).view(torch.float8_e4m3fn)
+        ours = dequantize_fp8_blocks(dtypes.as_numpy(weight), scales.numpy(), (128, 128))
+        theirs = weight.float() * scales.repeat_interleave(128, 0).repeat_interleave(128, 1)
+        assert np.array_equal(ours, theirs.numpy(), equal_nan=True) and np.isnan(ours).sum() == (bad is not None)
+
+
+def test_fp32_to_e4m3_casts_as_torch_does():
+    """`dtypes.to_e4m3` (a lookup of the top 16 bits and a sticky bit) against torch's cast, within +-448: awkward
+    values, each float8_e4m3fn value, the midpoints between neighbours and the fp32 values either side of them."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite()].unique()
+    midpoints = ((grid[1:].double() + grid[:-1].double()) / 2).float()
+    values = torch.cat([torch.from_numpy(awkward_fp32()), grid, midpoints, midpoints.nextafter(grid[1:]), midpoints.nextafter(grid[:-1])])
+    values = values.clamp(-448, 448)
+    ours = dtypes.to_e4m3(values.numpy())
+    assert ours.view(np.uint8).tobytes() == values.to(torch.float8_e4m3fn).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("shape", [(300, 260), (2, 129, 640), (5, 128)])
+def test_transposed_swaps_the_last_two_axes(shape):
+    values = np.random.default_rng(5).standard_normal(shape, dtype=np.float32).astype(dtypes.bfloat16)
+    ours = dtypes.transposed(values)
+    assert ours.flags.c_contiguous and ours.shape == values.swapaxes(-1, -2).shape
+    assert ours.view(np.uint16).tobytes() == np.ascontiguousarray(values.swapaxes(-1, -2)).view(np.uint16).tobytes()
+
+
 def test_mxfp4_dequantizes_as_transformers_does():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 

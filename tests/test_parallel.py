@@ -258,3 +258,17 @@ def test_run_pieces_runs_tensor_ops_on_one_core_each_and_restores_the_setting():
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_default_workers_follow_the_cores_where_weights_are_dequantized(monkeypatch):
+    """Copying conversions stop at 8 workers (the disk bounds them); dequantizing or quantizing ones take every core,
+    each rank of a torchrun job its share; memory bounds both."""
+    from mconvert.converters import parallel
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(parallel, "MEMORY_PER_WORKER", 1 << 20)
+    assert (parallel.default_workers(False), parallel.default_workers(True)) == (8, 64)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert (parallel.default_workers(False), parallel.default_workers(True)) == (8, 16)
+    monkeypatch.setattr(parallel, "MEMORY_PER_WORKER", 1 << 50)
+    assert parallel.default_workers(True) == 1

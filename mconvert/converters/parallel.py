@@ -40,13 +40,16 @@ READ_AHEAD_BYTES = 512 << 20
 HAND_OFF_BYTES = 64 << 20
 # Memory the default worker count leaves per worker: a read-ahead window and a large piece being written.
 MEMORY_PER_WORKER = 2 << 30
-MAX_DEFAULT_WORKERS = 8
+# Where a conversion copies bytes the disk, not the cores, bounds it beyond this many workers; where it dequantizes
+# or quantizes weights each byte costs CPU time (FP8 to bf16 at about 0.5 GB/s of source a core), and the cores do.
+COPYING_WORKERS = 8
 
 
-def default_workers() -> int:
-    """Workers for this process: one per core it may run on, at most MAX_DEFAULT_WORKERS (the disk, not the
-    cores, bounds a conversion beyond that), and no more than the available memory holds; under torchrun,
-    the machine's share of this rank (cores and memory divided by the ranks on the machine)."""
+def default_workers(quantized: bool) -> int:
+    """Workers for this process: one per core it may run on, at most COPYING_WORKERS unless the conversion
+    dequantizes or quantizes weights (`quantized`), and no more than the available memory holds
+    (MEMORY_PER_WORKER each); under torchrun, the machine's share of this rank (cores and memory divided by the
+    ranks on the machine)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -57,7 +60,8 @@ def default_workers() -> int:
     except (OSError, ValueError):
         available = MEMORY_PER_WORKER
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return max(1, min(cores // local_ranks, MAX_DEFAULT_WORKERS, available // local_ranks // MEMORY_PER_WORKER))
+    cap = cores if quantized else COPYING_WORKERS
+    return max(1, min(cores // local_ranks, cap, available // local_ranks // MEMORY_PER_WORKER))
 
 
 def check_workers(workers: int) -> int:

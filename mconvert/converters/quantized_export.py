@@ -165,7 +165,7 @@ class MXFP4(Unquantized):
 
     def quantized(self, name: str, values: np.ndarray, index: int | None) -> list[tuple[str, np.ndarray]]:
         source = None if self.original is None else self.original.read_stored(self.original.mxfp4[name][1], name + MXFP4_SCALES, index)
-        blocks, scales = quantize_mxfp4(values.swapaxes(-1, -2), source)
+        blocks, scales = quantize_mxfp4(dtypes.transposed(values), source)
         return [(name + MXFP4_BLOCKS, blocks), (name + MXFP4_SCALES, scales)]
 
 

@@ -223,7 +223,8 @@ class HFCheckpoint:
         """The tensor `name`, or its slice `index` along the first axis (one expert of a fused expert tensor), as a
         numpy array read into the start of `into` (a uint8 array of at least its bytes, to reuse memory) or fresh memory;
         or some of its rows (`Rows`: a section of a fused projection), each group's run of them read where it lies
-        (an FP8 weight's whole, its scales being per block)."""
+        (an FP8 weight's whole, its scales being per block). An MXFP4 weight is a view of its
+        dequantized transpose (gpt-oss stores [out, in], transformers' tensors are [in, out])."""
         if isinstance(index, Rows) and self.quantized(name):
             return np.ascontiguousarray(index.select(self.read(name)))
         if name in self.int4:  # a linear layer's 2-D weight, read whole (a slice `index` of it is cut from it)
@@ -234,10 +235,11 @@ class HFCheckpoint:
             return tensor
         if name in self.mxfp4:
             blocks, scales = (self.read_stored(stored, name, index) for stored in self.mxfp4[name])
-            tensor = np.ascontiguousarray(dequantize_mxfp4(blocks, scales).swapaxes(-1, -2))
+            tensor = dequantize_mxfp4(blocks, scales)
             if self.check_finite and not dtypes.finite(tensor):
                 raise self._nonfinite(name, index)
-            return tensor
+            # A view: the mapping's transposition back to [out, in] (dtypes.transposed) then copies nothing.
+            return tensor.swapaxes(-1, -2)
         if isinstance(index, Rows):
             stored = self.tensors[name]
             shape = index.shape(stored.shape)

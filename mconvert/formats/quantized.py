@@ -29,6 +29,14 @@ SCALE_SUFFIX = "_scale_inv"
 MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
 # The sixteen values of a 4-bit float (e2m1), by their bits: sign, then two of exponent and one of mantissa.
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# The bf16 values of each byte of MXFP4 (the low 4 bits first) under each exponent, a uint32 of two bf16 a pair, at
+# exponent x 256 + byte: each value exact in fp32 (two bits of mantissa times a power of two), rounded once to bf16,
+# as torch's product of the two in bf16 is. 256 KiB, which stays in the cache.
+with np.errstate(over="ignore", invalid="ignore"):  # the exponent 255 (NaN in the spec) gives Inf and NaN, as torch's
+    MXFP4_PAIRS = (
+        np.stack([np.tile(FP4_VALUES, 16), np.repeat(FP4_VALUES, 16)], axis=-1).astype(np.float32)
+        * np.ldexp(np.float32(1), np.arange(256) - 127).astype(np.float32)[:, None, None]
+    ).astype(dtypes.bfloat16).view(np.uint32).reshape(-1)
 
 
 def quantization_config(config: dict) -> dict:
@@ -43,19 +51,22 @@ def is_mxfp4(config: dict) -> bool:
     return quantization_config(config).get("quant_method") == "mxfp4"
 
 
-def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype: np.dtype = dtypes.bfloat16) -> np.ndarray:
-    """MXFP4 values as a [..., rows, columns] array of `dtype`: `blocks` [..., rows, G, 16] bytes each holding two
-    values (the low 4 bits first), `scales` [..., rows, G] the exponents of their groups of 32, biased by 127. In
-    gpt-oss's layout rows are the weight's outputs: transformers transposes the result into its [in, out] weights."""
-    table = np.array(FP4_VALUES, dtype=np.float32)
-    # Each byte's two values at once, low 4 bits first: one lookup a byte instead of one a value.
-    pairs = np.stack([np.tile(table, 16), np.repeat(table, 16)], axis=-1)
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 values as a [..., rows, columns] bf16 array: `blocks` [..., rows, G, 16] bytes each holding two values
+    (the low 4 bits first), `scales` [..., rows, G] the exponents of their groups of 32, biased by 127. In gpt-oss's
+    layout rows are the weight's outputs: transformers transposes the result into its [in, out] weights. Each byte's
+    two bf16 values under its group's exponent are one lookup (`MXFP4_PAIRS`), a slice of rows at a time."""
     *lead, groups, width = blocks.shape
-    values = pairs[blocks]  # [..., groups, 16, 2]
-    # Exact in fp32 (two bits of mantissa times a power of two), then rounded once to `dtype`, as torch's product
-    # of the two in bf16 is.
-    values *= np.ldexp(np.float32(1), scales.astype(np.int32) - 127)[..., None, None]
-    return values.astype(dtype).reshape(*lead, groups * width * 2)
+    blocks, scales = blocks.reshape(-1, groups, width), scales.reshape(-1, groups)
+    pairs = np.empty(blocks.shape, dtype=np.uint32)
+    step = max(1, dtypes.LOOKUPS_AT_ONCE // (groups * width))
+    index = np.empty((min(step, len(blocks)), groups, width), dtype=np.intp)
+    for first in range(0, len(blocks), step):
+        rows = index[: len(blocks[first : first + step])]
+        np.left_shift(scales[first : first + step, :, None], 8, out=rows, dtype=np.intp)
+        np.bitwise_or(rows, blocks[first : first + step], out=rows)
+        np.take(MXFP4_PAIRS, rows, out=pairs[first : first + step])
+    return pairs.view(dtypes.bfloat16).reshape(*lead, groups * width * 2)
 
 
 def fp8_block_size(config: dict) -> tuple[int, int] | None:
@@ -74,10 +85,16 @@ def fp8_block_size(config: dict) -> tuple[int, int] | None:
 
 
 def dequantize_fp8_blocks(tensor: np.ndarray, scales: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-    """An FP8 weight times its blocks' scales (one per `block` of its last two axes), in fp32."""
+    """An FP8 weight times its blocks' scales (one per `block` of its last two axes), in fp32. A float8_e4m3fn one
+    of whole blocks without NaN and with scales below 2^8 (every release's) is rebuilt from its bits a slice of
+    block rows at a time (five times faster than the cast); anything else is cast."""
     block_rows, block_cols = block
     rows, cols = tensor.shape[-2:]
     factors = scales.astype(np.float32)
+    if tensor.dtype == dtypes.float8_e4m3fn and not (rows % block_rows or cols % block_cols) and np.abs(factors).max(initial=0) < 2**8:
+        values = dtypes.e4m3_blocks(tensor.reshape(-1, block_rows, cols), factors.reshape(-1, cols // block_cols) * dtypes.E4M3_UNBIAS)
+        if values is not None:
+            return values.reshape(tensor.shape)
     values = tensor.astype(np.float32)
     if rows % block_rows or cols % block_cols:  # partial blocks at the edges: each scale spread over its block
         values *= np.repeat(np.repeat(factors, block_rows, -2)[..., :rows, :], block_cols, -1)[..., :cols]
@@ -102,14 +119,17 @@ def quantize_fp8_blocks(values: np.ndarray, block: tuple[int, int]) -> tuple[np.
     block_rows, block_cols = block
     *lead, rows, cols = values.shape
     grid = (-(-rows // block_rows), -(-cols // block_cols))
-    padded = np.zeros((*lead, grid[0] * block_rows, grid[1] * block_cols), dtype=np.float32)
-    padded[..., :rows, :cols] = values
+    if (rows, cols) == (grid[0] * block_rows, grid[1] * block_cols):
+        padded = values.astype(np.float32)  # a copy, divided in place
+    else:
+        padded = np.zeros((*lead, grid[0] * block_rows, grid[1] * block_cols), dtype=np.float32)
+        padded[..., :rows, :cols] = values
     blocked = padded.reshape(*lead, grid[0], block_rows, grid[1], block_cols)
     amax = np.maximum(blocked.max(axis=(-3, -1)), -blocked.min(axis=(-3, -1)))
     scales = np.where(amax > 0, amax / FP8_MAX, np.finfo(np.float32).eps)
     blocked /= scales[..., :, None, :, None]
     np.clip(blocked, -FP8_MAX, FP8_MAX, out=blocked)
-    return padded[..., :rows, :cols].astype(dtypes.float8_e4m3fn), scales
+    return dtypes.to_e4m3(np.ascontiguousarray(padded[..., :rows, :cols])), scales
 
 
 COMPRESSED_TENSORS = "compressed-tensors"
@@ -247,21 +267,43 @@ def quantize_int4(
     as the release gave it: its values quantized afresh would get amax / 7.5, about 16 / 15 or 14 / 15 of it."""
     rows, columns = values.shape
     size = group_size or columns
+    scales = np.empty((rows, columns // size), dtype=scale_dtype)
+    nibbles = np.zeros((rows, -(-columns // 8) * 8), dtype=np.uint8)  # a partial last word: zero bits, as theirs
+    step = max(1, dtypes.LOOKUPS_AT_ONCE // columns)  # rows at a time: each step's temporaries stay in the cache
+    for first in range(0, rows, step):
+        part = slice(first, first + step)
+        scales[part], nibbles[part, :columns] = _int4_rows(values[part], size, scale_dtype, None if source_scales is None else source_scales[part])
+    packed = nibbles[:, 0::2] | nibbles[:, 1::2] << 4
+    return packed.view("<i4").astype(np.int32), scales
+
+
+def _int4_rows(values: np.ndarray, size: int, scale_dtype: np.dtype, source_scales: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_int4's scales and integers plus 8 (uint8) of a few rows."""
+    rows, columns = values.shape
     grouped = values.astype(scale_dtype).astype(np.float32).reshape(rows, columns // size, size)
     # torch computes a bf16 or fp16 quotient in fp32 and rounds it once, as the casts here do.
     scales = (np.maximum(grouped.max(-1), -grouped.min(-1)) / INT4_HALF_WIDTH).astype(scale_dtype)
     scales[scales == 0] = ml_dtypes.finfo(scale_dtype).eps
     grouped /= scales.astype(np.float32)[..., None]
-    integers = np.clip(np.rint(grouped.astype(scale_dtype).astype(np.float32)), INT4_MIN, INT4_MAX)
+    quotients = grouped.astype(scale_dtype)
+    # bf16 or fp16: rounded, clamped and offset by one lookup of their bits.
+    table = INT4_NIBBLES.get(quotients.dtype.name)
+    nibbles = _nibbles_of(quotients) if table is None else dtypes.lookup(table, quotients.view(np.uint16))
     if source_scales is not None:
         kept, exact = int4_on_scales(values.reshape(rows, -1, size), source_scales)
         scales = np.where(exact, source_scales, scales)
-        integers = np.where(exact[..., None], kept, integers)
-    integers = integers.reshape(rows, columns)
-    nibbles = np.zeros((rows, -(-columns // 8) * 8), dtype=np.uint8)  # a partial last word: zero bits, as theirs
-    nibbles[:, :columns] = integers - INT4_MIN
-    packed = nibbles[:, 0::2] | nibbles[:, 1::2] << 4
-    return packed.view("<i4").astype(np.int32), scales
+        nibbles = np.where(exact[..., None], _nibbles_of(kept), nibbles)
+    return scales, nibbles.reshape(rows, columns)
+
+
+def _nibbles_of(values: np.ndarray) -> np.ndarray:
+    """Each value rounded to the nearest integer (ties to even), clamped to [-8, 7], plus 8, as uint8."""
+    with np.errstate(invalid="ignore"):  # NaN: what numpy's cast gives, as before the lookup
+        return (np.clip(np.rint(values.astype(np.float32)), INT4_MIN, INT4_MAX) - INT4_MIN).astype(np.uint8)
+
+
+# `_nibbles_of` each bf16 and fp16 value, by its bits (64 KiB each).
+INT4_NIBBLES = {dtype.name: _nibbles_of(np.arange(1 << 16, dtype=np.uint16).view(dtype)) for dtype in (dtypes.bfloat16, dtypes.float16)}
 
 
 # An MXFP4 group's values share one scale; the largest 4-bit float (e2m1).
@@ -274,6 +316,14 @@ with np.errstate(invalid="ignore"):  # the NaN patterns, which finite weights ne
     E2M1_OF_BF16 = np.clip(np.arange(1 << 16, dtype=np.uint16).view(dtypes.bfloat16).astype(np.float32), -FP4_MAX, FP4_MAX).astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
 
 
+# By the stored exponent s: the scale's reciprocal 2^(127 - s), and half the scale 2^(s - 128), both fp32 values for
+# every s (2^-128 a subnormal), so that a product with either is the exact product rounded once, as numpy's ldexp
+# gives it; twice an e2m1 value is exact, and times half the scale is its value times the scale.
+SCALE_RECIPROCALS = np.ldexp(np.float32(1), 127 - np.arange(256, dtype=np.int32))
+HALF_SCALES = np.ldexp(np.float32(1), np.arange(256, dtype=np.int32) - 128)
+FP4_DOUBLED = 2 * np.array(FP4_VALUES, dtype=np.float32)
+
+
 def mxfp4_on_scales(values: np.ndarray, exponents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(uint8 codes [..., rows, groups, 32], exact [..., rows, groups]) of `values` [..., rows, columns] (an export's,
     in its dtype) on given `exponents` [..., rows, groups] (a release's, biased by 127): each code its value times the
@@ -282,11 +332,13 @@ def mxfp4_on_scales(values: np.ndarray, exponents: np.ndarray) -> tuple[np.ndarr
     bf16 alike), so that the comparison is exact in the dtype the values come in."""
     *lead, rows, columns = values.shape
     grouped = values.reshape(*lead, rows, columns // MXFP4_GROUP, MXFP4_GROUP)
-    powers = exponents.astype(np.int32)[..., None] - 127
     with np.errstate(over="ignore", invalid="ignore"):  # values past bf16's range: no e2m1 code gives them
-        codes = E2M1_OF_BF16[np.ldexp(grouped.astype(np.float32), -powers).astype(dtypes.bfloat16).view(np.uint16)]
-        given = np.ldexp(np.array(FP4_VALUES, dtype=np.float32)[codes], powers).astype(values.dtype)
-    return codes, (given == grouped).all(-1)
+        scaled = grouped.astype(np.float32)
+        scaled *= np.take(SCALE_RECIPROCALS, exponents)[..., None]
+        codes = dtypes.lookup(E2M1_OF_BF16, scaled.astype(dtypes.bfloat16).view(np.uint16))
+        given = dtypes.lookup(FP4_DOUBLED, codes)
+        given *= np.take(HALF_SCALES, exponents)[..., None]
+    return codes, (given.astype(values.dtype) == grouped).all(-1)
 
 
 def quantize_mxfp4(values: np.ndarray, source_exponents: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -303,18 +355,31 @@ def quantize_mxfp4(values: np.ndarray, source_exponents: np.ndarray | None = Non
     (`mxfp4_on_scales`) keeps that scale and those codes, the release's bytes for a weight left as the release gave
     it: where its largest value is 3 times its scale or less, its values quantized afresh would get a smaller scale."""
     *lead, rows, columns = values.shape
-    grouped = values.astype(dtypes.bfloat16).reshape(*lead, rows, columns // MXFP4_GROUP, MXFP4_GROUP)
+    flat, groups = values.reshape(-1, columns), columns // MXFP4_GROUP
+    blocks, stored = np.empty((len(flat), groups, MXFP4_GROUP // 2), dtype=np.uint8), np.empty((len(flat), groups), dtype=np.uint8)
+    source = None if source_exponents is None else source_exponents.reshape(-1, groups)
+    step = max(1, dtypes.LOOKUPS_AT_ONCE // columns)  # rows at a time: each step's temporaries stay in the cache
+    for first in range(0, len(flat), step):
+        part = slice(first, first + step)
+        blocks[part], stored[part] = _mxfp4_rows(flat[part], None if source is None else source[part])
+    return blocks.reshape(*lead, rows, groups, MXFP4_GROUP // 2), stored.reshape(*lead, rows, groups)
+
+
+def _mxfp4_rows(values: np.ndarray, source_exponents: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """quantize_mxfp4 of a few rows."""
+    rows, columns = values.shape
+    grouped = values.astype(dtypes.bfloat16).reshape(rows, columns // MXFP4_GROUP, MXFP4_GROUP)
     # A finite bf16 value's magnitude orders as its bits less the sign; as fp32, the bits shifted up 16.
     amax = ((grouped.view(np.uint16) & 0x7FFF).max(-1).astype(np.uint32) << 16).view(np.float32)
     exponents = ((amax / FP4_MAX).view(np.int32) + F32_MANTISSA) & F32_EXPONENT
     powers = exponents.view(np.float32)
     scaled = grouped.astype(np.float32)
     scaled *= np.divide(1, powers, out=np.zeros_like(powers), where=powers > 0)[..., None]
-    codes = E2M1_OF_BF16[scaled.astype(dtypes.bfloat16).view(np.uint16)]
+    codes = dtypes.lookup(E2M1_OF_BF16, scaled.astype(dtypes.bfloat16).view(np.uint16))
     stored = (exponents >> 23).astype(np.uint8)
     if source_exponents is not None:
         kept, exact = mxfp4_on_scales(values, source_exponents)
         codes = np.where(exact[..., None], kept, codes)
         stored = np.where(exact, source_exponents, stored)
-    pairs = codes.reshape(*lead, rows, columns // MXFP4_GROUP, MXFP4_GROUP // 2, 2)
+    pairs = codes.reshape(rows, columns // MXFP4_GROUP, MXFP4_GROUP // 2, 2)
     return pairs[..., 0] | pairs[..., 1] << 4, stored

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
+from mconvert import dtypes
 from mconvert.mappings.splits import Split
 
 if TYPE_CHECKING:
@@ -56,6 +57,11 @@ def _stack(parts: Sequence[Tensor], axis: int) -> Tensor:
 
 def _contiguous(tensor: Tensor) -> Tensor:
     return np.ascontiguousarray(tensor) if isinstance(tensor, np.ndarray) else tensor.contiguous()
+
+
+def _transposed(tensor: Tensor) -> Tensor:
+    """The last two axes swapped, contiguous: a numpy array a tile at a time (dtypes.transposed)."""
+    return dtypes.transposed(tensor) if isinstance(tensor, np.ndarray) else tensor.swapaxes(-1, -2).contiguous()
 
 
 def _fp32(tensor: Tensor) -> Tensor:
@@ -179,13 +185,13 @@ class Transpose(Rename):
         return [(*shape[:-2], shape[-1], shape[-2])]
 
     def to_mcore(self, tensors: Sequence[Tensor], spec: ModelSpec) -> Tensor:
-        return _contiguous(tensors[0].swapaxes(-1, -2))
+        return _transposed(tensors[0])
 
     def to_mcore_parts(self, tensors: Sequence[Tensor], spec: ModelSpec) -> list[Tensor]:
         return [self.to_mcore(tensors, spec)]
 
     def to_hf(self, tensor: Tensor, spec: ModelSpec) -> list[Tensor]:
-        return [_contiguous(tensor.swapaxes(-1, -2))]
+        return [_transposed(tensor)]
 
 
 @dataclass(frozen=True)
@@ -210,13 +216,13 @@ class Deinterleave:
         return _cat(self.to_mcore_parts(tensors, spec))
 
     def to_mcore_parts(self, tensors: Sequence[Tensor], spec: ModelSpec) -> list[Tensor]:
-        rows = tensors[0].swapaxes(-1, -2) if self.transposed else tensors[0]
+        rows = _transposed(tensors[0]) if self.transposed else tensors[0]
         return [_contiguous(rows[0::2]), _contiguous(rows[1::2])]
 
     def to_hf(self, tensor: Tensor, spec: ModelSpec) -> list[Tensor]:
         half = tensor.shape[0] // 2
         rows = _stack([tensor[:half], tensor[half:]], 1).reshape(tensor.shape)
-        return [_contiguous(rows.swapaxes(-1, -2) if self.transposed else rows)]
+        return [_transposed(rows) if self.transposed else _contiguous(rows)]
 
 
 # A fused HF projection's sections: (groups, ((section, rows per group), ...)). Its rows fall in `groups` equal
