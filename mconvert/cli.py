@@ -61,11 +61,6 @@ def _add_workers_flag(parser: argparse.ArgumentParser) -> None:
                         "unless weights are dequantized or quantized, as memory allows); under torchrun, per rank")
 
 
-def _workers(options: argparse.Namespace, quantized: bool) -> int:
-    from mconvert.converters.parallel import default_workers
-    return default_workers(quantized) if options.workers is None else options.workers
-
-
 def _directory_bytes(directory: Path) -> int:
     return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
 
@@ -90,8 +85,6 @@ def _first_rank() -> bool:
 
 def _hf_to_mcore(options: argparse.Namespace) -> int:
     from mconvert.converters.hf_to_mcore import ARGS_SCRIPT, convert_hf_to_mcore, mtp_left_out
-    from mconvert.formats.hf_checkpoint import read_hf_config
-    from mconvert.formats.quantized import quantization_config
     from mconvert.converters.progress import progress_for
     from mconvert.hub import resolve_hf_dir
     from mconvert.mappings import how_read
@@ -115,7 +108,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
             mtp=not options.no_mtp,
             allow_nonfinite=options.allow_nonfinite,
             ckpt_format=options.format,
-            workers=_workers(options, bool(quantization_config(read_hf_config(load_dir, "--load-dir")))),
+            workers=options.workers,
             progress=progress,
         )
     finally:
@@ -188,7 +181,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
             model_size=options.model_size,
             dtype=_dtype(options.dtype),
             **({"max_shard_size": options.max_shard_size} if options.max_shard_size is not None else {}),
-            overwrite=options.overwrite, workers=_workers(options, options.quantize is not None),
+            overwrite=options.overwrite, workers=options.workers,
             progress=progress, quantize=options.quantize, adapter=options.adapter,
         )
     finally:

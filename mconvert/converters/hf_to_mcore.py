@@ -23,7 +23,7 @@ from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
 from mconvert.converters.progress import NoProgress, Progress
 from mconvert.formats import dcp_writer
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
-from mconvert.formats.quantized import fp8_block_size, is_mxfp4, pack_quantized
+from mconvert.formats.quantized import fp8_block_size, is_mxfp4, pack_quantized, quantization_config
 from mconvert.formats.safetensors import Rows
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family, mtp_blocks
@@ -301,7 +301,7 @@ def convert_hf_to_mcore(
     dtype: Any = None,
     transformer_impl: str = "transformer_engine",
     overwrite: bool = False,
-    workers: int = 1,
+    workers: int | None = 1,
     mtp: bool = True,
     allow_nonfinite: bool = False,
     ckpt_format: str = "torch_dist",
@@ -311,15 +311,15 @@ def convert_hf_to_mcore(
     Multi-token prediction layers the checkpoint holds are converted, or left out with `mtp=False`. A weight
     holding NaN or Inf is an error unless `allow_nonfinite`.
 
-    `workers` threads convert pieces at once, each into its own data files. Started by torchrun, every rank
+    `workers` threads convert pieces at once (None: parallel.default_workers), each into its own data files. Started by torchrun, every rank
     runs this with the same arguments: each writes its share of the pieces into data files of its own, and
     rank 0 merges their metadata and writes the tracker file last, once all succeeded.
 
     `ckpt_format` fsdp_dtensor writes what a Megatron-FSDP run at `parallelism` loads instead
     (mconvert.mcore.fsdp_dtensor): each tensor whole, from a plan at TP 1."""
-    check_workers(workers)
     load_dir, save_dir = Path(load_dir), Path(save_dir)
     config = read_hf_config(load_dir, "--load-dir")
+    workers = check_workers(workers, quantized=quantization_config(config) is not None)
     family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
     check_target(save_dir, overwrite)
     fsdp = ckpt_format == fsdp_dtensor.FORMAT

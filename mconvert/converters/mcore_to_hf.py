@@ -300,7 +300,7 @@ def convert_mcore_to_hf(
     dtype: np.dtype | None = None,
     max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
     overwrite: bool = False,
-    workers: int = 1,
+    workers: int | None = 1,
     progress: Progress = NoProgress(),
     quantize: str | None = None, adapter: str | os.PathLike | None = None,
 ) -> HFExport:
@@ -311,11 +311,11 @@ def convert_mcore_to_hf(
     that the `hf_config_dir` checkpoint stores quantized (FP8 blocks, INT4, MXFP4) so again (quantized_export). `adapter`: a
     Megatron-Bridge LoRA save, merged in.
 
-    `workers` threads convert pieces at once. Started by torchrun, every rank runs this with the same
+    `workers` threads convert pieces at once (None: parallel.default_workers). Started by torchrun, every rank runs this with the same
     arguments: each converts its share of the pieces into the files rank 0 laid out, and rank 0 finishes."""
     save_dir = Path(save_dir)
     shard_bytes = parse_size(max_shard_size)
-    check_workers(workers)
+    workers = check_workers(workers, quantized=quantize is not None)
     check_target(save_dir, overwrite)
     run = find_run_save(load_dir, iteration, config=hf_config_dir is None)
     source = open_megatron_checkpoint(run.load_dir, run.iteration)

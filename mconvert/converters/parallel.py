@@ -64,7 +64,10 @@ def default_workers(quantized: bool) -> int:
     return max(1, min(cores // local_ranks, cap, available // local_ranks // MEMORY_PER_WORKER))
 
 
-def check_workers(workers: int) -> int:
+def check_workers(workers: int | None, quantized: bool) -> int:
+    """`workers`, or the default for a conversion that dequantizes or quantizes weights (`quantized`) or not."""
+    if workers is None:
+        return default_workers(quantized)
     if workers < 1:
         raise ConversionError(f"--workers {workers}: must be at least 1")
     return workers
