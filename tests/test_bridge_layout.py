@@ -146,3 +146,49 @@ def test_a_model_without_vision_tower_and_the_fsdp_format_are_refused_in_one_lin
     text = with_vision_tensors(qwen35[0], tmp_path / "hf", lambda t: [t.pop(n) for n in [n for n in t if n.startswith("model.visual.")]])
     assert_one_line_error(to_bridge(text, tmp_path / "mb"), "--layout megatron-bridge", "no vision tower")
     assert_one_line_error(to_bridge(qwen35[0], tmp_path / "mb", "--format", "fsdp_dtensor"), "--format fsdp_dtensor")
+
+
+MADE_BY_BRIDGE = REPO / "tests" / "fixtures" / "megatron_bridge_qwen35_vl"
+
+
+def stored_against_megatron_bridges_import(save: Path) -> tuple[int, list[str]]:
+    """How many of the regions Megatron-Bridge's own import made of the fixture's HF checkpoint (its Qwen3VLModel on a
+    CPU rank, scripts/fixtures/megatron_bridge_qwen35_vl.py) were compared with the save, and which differ."""
+    from mconvert.dtypes import as_torch
+
+    checkpoint = DCPCheckpoint(save / "release")
+    imported = load_file(MADE_BY_BRIDGE / "megatron_bridge_import.safetensors")
+    differ = []
+    for label, tensor in imported.items():
+        key, at = label.split("@")
+        offsets = tuple(int(number) for number in at.split(","))
+        region = (1,) * (len(offsets) - tensor.dim()) + tuple(tensor.shape)  # a stacked block's leading axis
+        stored = as_torch(checkpoint.read_region(key, offsets, region)).reshape(tensor.shape).float()
+        if not torch.equal(stored, tensor):
+            differ.append(key)
+    return len(imported), sorted(differ)
+
+
+def test_the_save_is_what_megatron_bridges_own_model_and_import_make(tmp_path):
+    """Its Qwen3VLModel's checkpoint keys and global shapes at TP 2 x PP 2, and every region its own HF import makes."""
+    save = tmp_path / "mb"
+    assert to_bridge(MADE_BY_BRIDGE / "hf", save).returncode == 0
+    keys = json.loads((MADE_BY_BRIDGE / "keys_tp2_pp2.json").read_text())
+    assert {key: list(shape) for key, shape in DCPCheckpoint(save / "release").shapes.items()} == keys
+    compared, differ = stored_against_megatron_bridges_import(save)
+    assert compared == 98 and differ == []  # 73 parameters, the delta-net in_proj and conv1d in their sections
+
+
+def test_qkv_in_hfs_order_or_a_padded_vocabulary_differ_from_megatron_bridges_import(tmp_path, monkeypatch):
+    from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+    from mconvert.mcore.parallelism import Parallelism
+
+    monkeypatch.setattr(bridge_layout, "interleave_qkv", lambda fused, heads: fused)
+    convert_hf_to_mcore(MADE_BY_BRIDGE / "hf", tmp_path / "qkv", parallelism=Parallelism(tp=2), layout="megatron-bridge")
+    qkv = [f"vision_model.decoder.layers.self_attention.linear_qkv.{kind}" for kind in ("bias", "bias", "weight", "weight")]
+    assert stored_against_megatron_bridges_import(tmp_path / "qkv")[1] == qkv
+    # Megatron-LM's layout pads the vocabulary (to 128 x TP rows): not the shape Megatron-Bridge's model has.
+    convert_hf_to_mcore(MADE_BY_BRIDGE / "hf", tmp_path / "lm", parallelism=Parallelism(tp=2))
+    keys = json.loads((MADE_BY_BRIDGE / "keys_tp2_pp2.json").read_text())
+    padded = DCPCheckpoint(tmp_path / "lm" / "release").shapes["embedding.word_embeddings.weight"]
+    assert list(padded) != keys["language_model.embedding.word_embeddings.weight"]

@@ -330,6 +330,8 @@ def convert_hf_to_mcore(
     if fsdp and bridge:
         raise ConversionError(f"--layout {MEGATRON_BRIDGE} writes torch_dist: --format {ckpt_format} is for Megatron-LM's layout")
     planned = fsdp_out.plan_parallelism(parallelism, spec) if fsdp else parallelism
+    if bridge:  # Megatron-Bridge's model keeps the vocabulary as it is (its should_pad_vocab is off by default)
+        planned = dataclasses.replace(planned, make_vocab_size_divisible_by=1)
     hf, plan, held = import_plan(load_dir, config, family, spec, planned, dtype, mtp, allow_nonfinite)
     spec = plan.spec
     tower, written = (VisionTower.of(plan, hf, str(load_dir)), prefixed(plan)) if bridge else (None, plan)
