@@ -149,15 +149,16 @@ def test_a_model_without_vision_tower_and_the_fsdp_format_are_refused_in_one_lin
 
 
 MADE_BY_BRIDGE = REPO / "tests" / "fixtures" / "megatron_bridge_qwen35_vl"
+MOE_MADE_BY_BRIDGE = REPO / "tests" / "fixtures" / "megatron_bridge_qwen35_vl_moe"
 
 
-def stored_against_megatron_bridges_import(save: Path) -> tuple[int, list[str]]:
-    """How many of the regions Megatron-Bridge's own import made of the fixture's HF checkpoint (its Qwen3VLModel on a
-    CPU rank, scripts/fixtures/megatron_bridge_qwen35_vl.py) were compared with the save, and which differ."""
+def stored_against_megatron_bridges_import(save: Path, made: Path = MADE_BY_BRIDGE) -> tuple[set[str], list[str]]:
+    """The keys of the regions Megatron-Bridge's own import made of the fixture's HF checkpoint (its Qwen3VLModel on a
+    CPU rank, scripts/fixtures/megatron_bridge_qwen35_vl.py) compared with the save, and those that differ."""
     from mconvert.dtypes import as_torch
 
     checkpoint = DCPCheckpoint(save / "release")
-    imported = load_file(MADE_BY_BRIDGE / "megatron_bridge_import.safetensors")
+    imported = load_file(made / "megatron_bridge_import.safetensors")
     differ = []
     for label, tensor in imported.items():
         key, at = label.split("@")
@@ -166,17 +167,22 @@ def stored_against_megatron_bridges_import(save: Path) -> tuple[int, list[str]]:
         stored = as_torch(checkpoint.read_region(key, offsets, region)).reshape(tensor.shape).float()
         if not torch.equal(stored, tensor):
             differ.append(key)
-    return len(imported), sorted(differ)
+    return {label.split("@")[0] for label in imported}, sorted(differ)
 
 
-def test_the_save_is_what_megatron_bridges_own_model_and_import_make(tmp_path):
-    """Its Qwen3VLModel's checkpoint keys and global shapes at TP 2 x PP 2, and every region its own HF import makes."""
+@pytest.mark.parametrize("made", [MADE_BY_BRIDGE, MOE_MADE_BY_BRIDGE], ids=["dense", "moe"])
+def test_the_save_is_what_megatron_bridges_own_model_and_import_make(made, tmp_path):
+    """Its Qwen3VLModel's checkpoint keys and global shapes at TP 2 x PP 2, and every region its own HF import makes;
+    the save's one other kind of key is the MoE layers' norm under Transformer Engine's name (written under both
+    specs' names; the model here is built from megatron-core's local modules)."""
     save = tmp_path / "mb"
-    assert to_bridge(MADE_BY_BRIDGE / "hf", save).returncode == 0
-    keys = json.loads((MADE_BY_BRIDGE / "keys_tp2_pp2.json").read_text())
-    assert {key: list(shape) for key, shape in DCPCheckpoint(save / "release").shapes.items()} == keys
-    compared, differ = stored_against_megatron_bridges_import(save)
-    assert compared == 98 and differ == []  # 73 parameters, the delta-net in_proj and conv1d in their sections
+    assert to_bridge(made / "hf", save).returncode == 0
+    keys = json.loads((made / "keys_tp2_pp2.json").read_text())
+    stored = {key: list(shape) for key, shape in DCPCheckpoint(save / "release").shapes.items()}
+    assert {key: stored.get(key) for key in keys} == keys
+    assert all(key.endswith(".pre_mlp_layernorm.weight") for key in set(stored) - set(keys))
+    compared, differ = stored_against_megatron_bridges_import(save, made)
+    assert compared == set(keys) and differ == []
 
 
 def test_qkv_in_hfs_order_or_a_padded_vocabulary_differ_from_megatron_bridges_import(tmp_path, monkeypatch):
