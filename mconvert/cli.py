@@ -73,8 +73,8 @@ def _first_rank() -> bool:
 
 
 def _hf_to_mcore(options: argparse.Namespace) -> int:
-    from mconvert.converters.hf_to_mcore import ARGS_SCRIPT, convert_hf_to_mcore, mtp_left_out
     from mconvert.converters.bridge_layout import MEGATRON_BRIDGE, next_steps
+    from mconvert.converters.hf_to_mcore import ARGS_SCRIPT, convert_hf_to_mcore, mtp_left_out
     from mconvert.converters.progress import progress_for, summary
     from mconvert.hub import resolve_hf_dir
     from mconvert.mappings import how_read
