@@ -61,22 +61,6 @@ def _add_workers_flag(parser: argparse.ArgumentParser) -> None:
                         "unless weights are dequantized or quantized, as memory allows); under torchrun, per rank")
 
 
-def _directory_bytes(directory: Path) -> int:
-    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
-
-
-def _summary(started: float, source: Path, save_dir: Path) -> str:
-    """Time, sizes and throughput of a finished conversion."""
-    from mconvert.converters.progress import human_bytes, human_seconds
-
-    seconds = time.perf_counter() - started
-    written = _directory_bytes(save_dir)
-    return (
-        f"{human_seconds(seconds)} ({seconds:.1f}s): {human_bytes(_directory_bytes(source))} in, {human_bytes(written)} out "
-        f"({human_bytes(written / max(seconds, 1e-9))}/s)"
-    )
-
-
 def _first_rank() -> bool:
     """Whether this process prints the summary: torchrun's ranks each convert a share, rank 0 speaks for all."""
     from mconvert.converters.parallel import torchrun_rank
@@ -84,8 +68,9 @@ def _first_rank() -> bool:
 
 
 def _hf_to_mcore(options: argparse.Namespace) -> int:
+    from mconvert.converters.bridge_layout import MEGATRON_BRIDGE, next_steps
     from mconvert.converters.hf_to_mcore import ARGS_SCRIPT, convert_hf_to_mcore, mtp_left_out
-    from mconvert.converters.progress import progress_for
+    from mconvert.converters.progress import progress_for, summary
     from mconvert.hub import resolve_hf_dir
     from mconvert.mappings import how_read
     from mconvert.megatron_lm.flags import args_script, pipeline_split_flags
@@ -108,6 +93,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
             mtp=not options.no_mtp,
             allow_nonfinite=options.allow_nonfinite,
             ckpt_format=options.format,
+            layout=options.layout,
             workers=options.workers,
             progress=progress,
         )
@@ -144,8 +130,11 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     print(
         f"wrote {save_dir}: {plan.family.name}, {len(plan.shapes)} tensors, "
         f"{options.format} for TP={parallelism.tp} PP={parallelism.pp} EP={parallelism.ep}, {plan.dtype.name}, "
-        + _summary(started, load_dir, save_dir)
+        + summary(started, load_dir, save_dir)
     )
+    if options.layout == MEGATRON_BRIDGE:
+        print(next_steps(save_dir, parallelism))
+        return 0
     # The same text as the file, so that what is printed and what is sourced never differ.
     print(f"Megatron-LM flags (also in {save_dir}/{ARGS_SCRIPT}):")
     print(args_script(result.args, Path(save_dir)), end="")
@@ -163,7 +152,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
 def _mcore_to_hf(options: argparse.Namespace) -> int:
     from mconvert.converters.fsdp_saves import FSDP_FORMATS
     from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
-    from mconvert.converters.progress import progress_for
+    from mconvert.converters.progress import progress_for, summary
     from mconvert.hub import resolve_hf_dir
     from mconvert.mcore.checkpoint import iteration_dir
 
@@ -194,7 +183,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
         f"wrote {save_dir}: {plan.family.name} ({result.config['architectures'][0]}), "
         f"{len(plan.hf_shapes())} tensors{f' (and {result.copied} {beside})' if result.copied else ''}, "
         f"{plan.dtype.name}{f', the LoRA adapter of {options.adapter} merged in' if options.adapter else ''}, "
-        + _summary(started, iteration_dir(run.load_dir, run.iteration), save_dir)
+        + summary(started, iteration_dir(run.load_dir, run.iteration), save_dir)
     )
     print(*result.notes, sep="\n")  # what the export's tensors were checked against, what it left out
     if result.quantized:
@@ -253,6 +242,8 @@ def _verify(options: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mconvert.converters.bridge_layout import LAYOUTS
+
     parser = argparse.ArgumentParser(prog="mconvert", description=__doc__)
     parser.add_argument("--version", action="version", version=f"mconvert {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -281,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     to_mcore.add_argument("--format", choices=("torch_dist", "fsdp_dtensor"), default="torch_dist",
                           help="torch_dist (default; what DDP and FSDP2 runs load), or fsdp_dtensor for a Megatron-FSDP "
                           "run (--use-megatron-fsdp)")
+    to_mcore.add_argument("--layout", choices=LAYOUTS, default=LAYOUTS[0], help="megatron-lm (default: megatron-core's "
+                          "keys, Megatron-LM's args and launch scripts), or megatron-bridge: Megatron-Bridge's Qwen3.5 "
+                          "vision-language model (language model and vision tower) and its run_config.yaml")
     to_mcore.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
     _add_workers_flag(to_mcore)
     to_mcore.add_argument(

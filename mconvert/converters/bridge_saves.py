@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,9 +106,44 @@ class SavedTensor:
     read: Callable[[], np.ndarray]
 
 
+def regroup_qkv(fused: np.ndarray, heads: int, to_megatron: bool) -> np.ndarray:
+    """A vision block's fused QKV rows between HF's [q; k; v] of all heads and Megatron's per head [q; k; v] (each
+    head its own query group): the rows' two outer axes (3 and the heads) swapped, either way."""
+    outer = (3, heads) if to_megatron else (heads, 3)
+    return np.ascontiguousarray(fused.reshape(*outer, -1, *fused.shape[1:]).swapaxes(0, 1)).reshape(fused.shape)
+
+
 def deinterleave_qkv(fused: np.ndarray, heads: int) -> np.ndarray:
-    """Megatron's per-head [q; k; v] rows (each head its own query group) as HF's [q; k; v] of all heads."""
-    return np.ascontiguousarray(fused.reshape(heads, 3, -1, *fused.shape[1:]).swapaxes(0, 1)).reshape(fused.shape)
+    """Megatron's per-head [q; k; v] rows as HF's [q; k; v] of all heads."""
+    return regroup_qkv(fused, heads, to_megatron=False)
+
+
+def interleave_qkv(fused: np.ndarray, heads: int) -> np.ndarray:
+    """HF's [q; k; v] rows of all heads as Megatron's per head [q; k; v]."""
+    return regroup_qkv(fused, heads, to_megatron=True)
+
+
+def vision_keys(hf_names: Iterable[str], prefix: str) -> dict[str, tuple[str, ...]]:
+    """Each key of the vision tower as Megatron-Bridge's Qwen3.5 model saves it (under `vision_model.`; its blocks
+    stacked, `decoder.layers.<name>` with the block as leading axis: its vision config leaves
+    `hetereogenous_dist_checkpoint` off) and the HF tensors (under `prefix`) it is made of, in block order. From the
+    same table the export reads the save by; an HF vision tensor the table has no name for is an error."""
+    tower = {hf: mb for mb, hf in TOWER_NAMES.items()}
+    block = {hf: mb for mb, hf in BLOCK_NAMES.items()}
+    keys: dict[str, list[tuple[int, str]]] = {}
+    for name in hf_names:
+        local = name.removeprefix(prefix)
+        found = re.fullmatch(r"blocks\.(\d+)\.(.+)", local)
+        if local in tower:
+            keys[VISION_MODEL + tower[local]] = [(0, name)]
+        elif found and found.group(2) in block:
+            keys.setdefault(VISION_MODEL + BLOCKS + block[found.group(2)], []).append((int(found.group(1)), name))
+        else:
+            raise ConversionError(f"tensor '{name}': a vision tensor Megatron-Bridge's Qwen3.5 vision tower has no place for")
+    for key, held in keys.items():
+        if key.startswith(VISION_MODEL + BLOCKS) and sorted(number for number, _ in held) != list(range(len(held))):
+            raise ConversionError(f"tensor '{key}': the HF vision blocks holding it are not numbered 0 to {len(held) - 1}")
+    return {key: tuple(name for _, name in sorted(held)) for key, held in keys.items()}
 
 
 def vision_tower(source: Any, plan: Plan) -> dict[str, SavedTensor]:

@@ -16,11 +16,13 @@ from typing import Any
 import numpy as np
 
 from mconvert.converters import fsdp_out
+from mconvert.converters.bridge_layout import CONTENT_METADATA, MEGATRON_BRIDGE, MEGATRON_LM, RUN_CONFIG, VisionTower, prefixed, run_config
 from mconvert.converters.manifest import hashed_while_written
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.parallel import Buffers, Ranks, check_workers, run_pieces
 from mconvert.converters.plan import Piece, Plan, build_plan, check_sources
 from mconvert.converters.progress import NoProgress, Progress
+from mconvert.errors import ConversionError
 from mconvert.formats import dcp_writer
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
 from mconvert.formats.quantized import fp8_block_size, is_mxfp4, pack_quantized, quantization_config
@@ -305,6 +307,7 @@ def convert_hf_to_mcore(
     mtp: bool = True,
     allow_nonfinite: bool = False,
     ckpt_format: str = "torch_dist",
+    layout: str = MEGATRON_LM,
     progress: Progress = NoProgress(),
 ) -> Conversion:
     """Convert the HF checkpoint in `load_dir` into a torch_dist checkpoint in `save_dir` for `parallelism`.
@@ -316,16 +319,22 @@ def convert_hf_to_mcore(
     rank 0 merges their metadata and writes the tracker file last, once all succeeded.
 
     `ckpt_format` fsdp_dtensor writes what a Megatron-FSDP run at `parallelism` loads instead
-    (mconvert.mcore.fsdp_dtensor): each tensor whole, from a plan at TP 1."""
+    (mconvert.mcore.fsdp_dtensor): each tensor whole, from a plan at TP 1. `layout` megatron-bridge writes what
+    Megatron-Bridge's vision-language model loads instead (mconvert.converters.bridge_layout)."""
     load_dir, save_dir = Path(load_dir), Path(save_dir)
     config = read_hf_config(load_dir, "--load-dir")
     workers = check_workers(workers, quantized=quantization_config(config) is not None)
     family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
     check_target(save_dir, overwrite)
-    fsdp = ckpt_format == fsdp_dtensor.FORMAT
+    fsdp, bridge = ckpt_format == fsdp_dtensor.FORMAT, layout == MEGATRON_BRIDGE
+    if fsdp and bridge:
+        raise ConversionError(f"--layout {MEGATRON_BRIDGE} writes torch_dist: --format {ckpt_format} is for Megatron-LM's layout")
     planned = fsdp_out.plan_parallelism(parallelism, spec) if fsdp else parallelism
+    if bridge:  # Megatron-Bridge's model keeps the vocabulary as it is (its should_pad_vocab is off by default)
+        planned = dataclasses.replace(planned, make_vocab_size_divisible_by=1)
     hf, plan, held = import_plan(load_dir, config, family, spec, planned, dtype, mtp, allow_nonfinite)
     spec = plan.spec
+    tower, written = (VisionTower.of(plan, hf, str(load_dir)), prefixed(plan)) if bridge else (None, plan)
     args = megatron_args(spec, parallelism, plan.dtype, transformer_impl, tokenizer_dir=load_dir)
     if fsdp:
         args.ckpt_format = ckpt_format
@@ -347,15 +356,19 @@ def convert_hf_to_mcore(
             )
             try:
                 if fsdp_layout is None:
-                    dtypes = plan.key_dtypes()
-                    for key, shape in plan.shapes.items():
+                    dtypes = written.key_dtypes()
+                    for key, shape in written.shapes.items():
                         writer.declare(key, shape, dtypes[key])
-                    objects = [(key, EMPTY_EXTRA_STATE) for key in plan.extra_state_keys]
+                    if tower is not None:
+                        tower.declare(writer)
+                    objects = [(key, EMPTY_EXTRA_STATE) for key in (*written.extra_state_keys, *(tower.extra_state_keys() if tower else ()))]
                 else:
                     fsdp_layout.declare(writer)
                     objects = fsdp_layout.objects()
-                write_pieces(plan, hf, writer, workers, ranks, progress, fsdp_layout.places if fsdp_layout else None)
+                write_pieces(written, hf, writer, workers, ranks, progress, fsdp_layout.places if fsdp_layout else None)
                 if ranks.is_first:
+                    if tower is not None:
+                        tower.write(writer, hf)
                     for key, saved in objects:
                         writer.write_object(key, saved)
             finally:
@@ -364,13 +377,18 @@ def convert_hf_to_mcore(
         parts = ranks.gather(writer.local_part())
         if ranks.is_first:
             writer.finish(parts)
-            if not fsdp:
+            if bridge:  # a Megatron-Bridge run's records, not Megatron-LM's args and launch scripts
+                write_common(release, None, CONTENT_METADATA)
+                (release / RUN_CONFIG).write_text(run_config(load_dir, parallelism))
+            elif not fsdp:
                 write_common(release, args)
-            (work / ARGS_SCRIPT).write_text(args_script(args, save_dir))
-            launch.write_launch(work, save_dir, parallelism, ckpt_format)
+            if not bridge:
+                (work / ARGS_SCRIPT).write_text(args_script(args, save_dir))
+                launch.write_launch(work, save_dir, parallelism, ckpt_format)
             write_tracker(work, 0 if fsdp else None)
     left_out: dict[str, int] = {}
-    for name in hf.tensors:
+    written_beside = {name for names in tower.keys.values() for name in names} if tower else set()
+    for name in (name for name in hf.tensors if name not in written_beside):
         if (what := family.table.left_out_by(name)) is not None:
             left_out[what] = left_out.get(what, 0) + 1
     named = mtp_layers_named(family, config)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Protocol, TextIO
 
 # Longest gap between two plain progress lines, for logs of slow conversions.
@@ -123,3 +124,17 @@ def progress_for(label: str, quiet: bool, stream: TextIO | None = None) -> Progr
     if world > 1:
         return PlainProgress(f"{label} rank {rank}/{world}", stream)
     return BarProgress(label, stream) if stream.isatty() else PlainProgress(label, stream)
+
+
+def directory_bytes(directory: Path) -> int:
+    return sum(path.stat().st_size for path in directory.rglob("*") if path.is_file())
+
+
+def summary(started: float, source: Path, save_dir: Path) -> str:
+    """Time, sizes and throughput of a finished conversion."""
+    seconds = time.perf_counter() - started
+    written = directory_bytes(save_dir)
+    return (
+        f"{human_seconds(seconds)} ({seconds:.1f}s): {human_bytes(directory_bytes(source))} in, {human_bytes(written)} out "
+        f"({human_bytes(written / max(seconds, 1e-9))}/s)"
+    )

@@ -35,11 +35,13 @@ CHECKPOINT_VERSION = 3.0
 EMPTY_EXTRA_STATE = saved_bytes([tensor_pickle(dtypes.uint8, (0,))], [b""])
 
 
-def write_common(release_dir: Path, args: argparse.Namespace) -> None:
+def write_common(release_dir: Path, args: argparse.Namespace | None, content_metadata: dict | None = None) -> None:
     """metadata.json and common.pt: what megatron-core reads besides the DCP files. `args` holds plain values and
-    dtypes (mconvert.formats.pickle_writer), as megatron_args makes them."""
+    dtypes (mconvert.formats.pickle_writer), as megatron_args makes them; None for a Megatron-Bridge save, which
+    keeps the sharded state dict's `content_metadata` instead (megatron-core's dist_checkpointing.save)."""
     (release_dir / "metadata.json").write_text(json.dumps(METADATA_JSON))
-    common = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
+    common = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": 0}
+    common |= {"args": args} if args is not None else {"content_metadata": content_metadata}
     (release_dir / "common.pt").write_bytes(saved_bytes(common, folder="common"))
 
 
