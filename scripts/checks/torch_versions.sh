@@ -5,14 +5,14 @@
 #
 #   scripts/checks/torch_versions.sh [PYTHON TORCH MEGATRON_CORE]...
 #
-# Default: Python 3.11 with torch 2.4.0 and megatron-core 0.13.1, Python 3.12 with torch 2.14.1 and megatron-core
+# Default: Python 3.11 with torch 2.3.1 and megatron-core 0.13.1, Python 3.12 with torch 2.14.1 and megatron-core
 # 0.19.2 (the interpreters of VENV and VENV312, default .venv and .venv312). Each environment is made once, in MCONVERT_TORCH_ENVS (default ~/.cache/mconvert/torch-envs: the CUDA build
 # PyPI has for Linux, about 3 GB each, which runs on the CPU here), and kept for the next run. Exit 1 when a check fails.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ $# -eq 0 ]; then  # the interpreters of the two test environments (scripts/install.sh, scripts/install312.sh)
     base() { "$1" -c 'import sys; print(sys._base_executable)'; }
-    set -- "$(base "${VENV:-.venv}/bin/python")" 2.4.0 0.13.1 "$(base "${VENV312:-.venv312}/bin/python")" 2.14.1 0.19.2
+    set -- "$(base "${VENV:-.venv}/bin/python")" 2.3.1 0.13.1 "$(base "${VENV312:-.venv312}/bin/python")" 2.14.1 0.19.2
 fi
 envs=${MCONVERT_TORCH_ENVS:-$HOME/.cache/mconvert/torch-envs}
 export PYTHONWARNINGS=ignore
