@@ -11,17 +11,26 @@ python312=$(bash scripts/install312.sh)
 # beside the 3.11 suite: much of each test is a process starting, so two cores finish both in about the time of the
 # longer one. The 3.11 suite stays in the foreground: its interruption tests send SIGINT, which a background job of a
 # non-interactive shell ignores.
-beside=$(mktemp)
-trap 'rm -f "$beside"' EXIT
+beside=$(mktemp) versions=$(mktemp)
+trap 'rm -f "$beside" "$versions"' EXIT
 # The readers' fuzzing (a minute on one core) goes beside them too, which finish that much sooner.
 (MCONVERT_REQUIRE_MEGATRON_LM=1 "$python312" -m pytest -q -p no:cacheprovider tests/megatron_lm \
     && MCONVERT_MEGATRON_BRIDGE=build/megatron-bridge "$python312" -m pytest -q -p no:cacheprovider tests/test_adapters_in.py \
     && bash scripts/checks/mcore_versions.sh \
     && "${VENV:-.venv}/bin/python" -m pytest -q -p no:cacheprovider tests/test_fuzz.py) > "$beside" 2>&1 &
+suites=$!
+# What mconvert writes read back by the oldest and the newest torch it claims (scripts/checks/torch_versions.sh), a
+# third job: its environments are made once per machine (minutes of download, little CPU) and kept.
+bash scripts/checks/torch_versions.sh > "$versions" 2>&1 &
+torch_versions=$!
 status=0
-MEGATRON_TRAINING_PYTHON="$python312" "${VENV:-.venv}/bin/python" -m pytest -q -p no:cacheprovider --ignore tests/test_fuzz.py "$@" \
+MEGATRON_TRAINING_PYTHON="$python312" "${VENV:-.venv}/bin/python" -m pytest -q -p no:cacheprovider --ignore tests/test_fuzz.py \
+  --ignore tests/torch_versions "$@" \
   || status=$?
-wait $! || status=$?
+wait $suites || status=$?
+wait $torch_versions || status=$?
 echo "--- tests/megatron_lm (Python 3.12), scripts/checks/mcore_versions.sh, tests/test_fuzz.py ---"
 cat "$beside"
+echo "--- scripts/checks/torch_versions.sh ---"
+cat "$versions"
 exit $status

@@ -8,11 +8,13 @@ sends the signal when the conversion opens a given file, or renames its temporar
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from cli_runner import REPO, assert_nothing_left, assert_one_line_error, run_cli
@@ -29,6 +31,9 @@ _event, _needle, _nth, _signal = os.environ["MCONVERT_TEST_STOP_AT"].split("|")
 _seen = [0]
 
 def _stop(event, args):
+    if event == "subprocess.Popen" and "MCONVERT_TEST_STARTED" in os.environ:  # each command started, one a line
+        with open(os.environ["MCONVERT_TEST_STARTED"], "a") as _f:
+            _f.write(" ".join(map(str, args[1])) + "\\n")
     if event == _event and _needle in str(args[0]) and _seen[0] < int(_nth):
         _seen[0] += 1
         if _seen[0] == int(_nth):
@@ -142,15 +147,31 @@ def test_overwrite_killed_between_its_renames(stopper, hf, reference, tmp_path):
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
-def test_interrupted_while_torch_is_imported_it_says_so_in_one_line(stopper, reference, tmp_path, sig):
-    """mcore-to-hf imports torch, with transformers, for its check against transformers' class before anything is
-    written (converters/whole_export.py; hf-to-mcore never does): an interruption there is the same one line and exit
-    code as one during the conversion, no traceback, and nothing is written."""
-    out = tmp_path / "ckpt"
-    stopped = stopped_at(stopper, ("import", "torch.nn", 1), sig, "mcore-to-hf", "--load-dir", reference, "--save-dir", out)
+def test_interrupted_while_its_check_runs_the_check_ends_with_it(stopper, reference, tmp_path, sig):
+    """mcore-to-hf checks what it writes against transformers' class in a child process that imports torch and
+    transformers beside the writes (converters/whole_export.py): the export interrupted as it writes is the same one
+    line and exit code, nothing is written, and the child, started, is gone with it (no process runs its command,
+    whose request file is unique to it, and that file is removed)."""
+    out, started = tmp_path / "ckpt", tmp_path / "started"
+    event, needle, nth = MCORE_TO_HF_POINTS["mid-write"]
+    stopped = run_cli("mcore-to-hf", "--load-dir", reference, "--save-dir", out, python_path=(stopper,),
+                      env={"MCONVERT_TEST_STOP_AT": f"{event}|{needle}|{nth}|{sig}", "MCONVERT_TEST_STARTED": str(started)})
     assert stopped.returncode == 128 + getattr(signal, sig), stopped.stderr
     assert stopped.stderr.strip() == f"mconvert: interrupted by {sig}; no output was kept"
-    assert not out.exists() and list(tmp_path.iterdir()) == []
+    assert_nothing_left(out)
+    checks = [line.split() for line in started.read_text().splitlines() if "mconvert.converters.whole_export" in line]
+    assert len(checks) == 1, started.read_text()
+    request = checks[0][-1]
+    assert not os.path.exists(request)
+    assert [command for command in commands_running() if request in command] == []
+
+
+def commands_running() -> list[str]:
+    commands = []
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):  # ended meanwhile
+            commands.append(path.read_bytes().decode(errors="replace"))
+    return commands
 
 
 MCORE_TO_HF_POINTS = {

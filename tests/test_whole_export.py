@@ -1,9 +1,13 @@
-"""mcore-to-hf loses nothing without a word: before writing, the export's HF tensors are compared with every tensor
-transformers' class for the written config.json holds (built on the meta device), and every tensor of the Megatron save
-with what the plan reads. A normal export of each kind of model passes and says what it was checked against; a
-mapping entry taken out of a family's table (a tensor the class holds is not written), a config of a class without
-a tensor the export writes, and a save tensor nothing reads (an unknown module, a layer beyond num_layers) each stop the export
-in one line, nothing written."""
+"""mcore-to-hf loses nothing without a word: the export's HF tensors are compared with every tensor transformers' class
+for the written config.json holds (built on the meta device, in a child process beside the writes, joined before the
+export is put in place), and, before writing, every tensor of the Megatron save with what the plan reads. A normal
+export of each kind of model passes and says what it was checked against; a mapping entry taken out of a family's
+table (a tensor the class holds is not written), a config of a class without a tensor the export writes, and a save
+tensor nothing reads (an unknown module, a layer beyond num_layers) each stop the export in one line, nothing written.
+
+Every test here runs with the check made to fail in this process (checked_in_the_child): what passes or is refused
+was checked in the child; test_the_export_itself_imports_neither_torch_nor_transformers shows the same of a whole
+mcore-to-hf process."""
 
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import io
 import json
 import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -21,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from mconvert import mappings
 from mconvert.cli import main
+from mconvert.converters import whole_export
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.dtypes import as_torch
 from mconvert.formats import dcp_writer
@@ -30,7 +37,7 @@ from mconvert.full_size import is_fp8_on_the_hub
 from mconvert.mcore.checkpoint import RELEASE, TRACKER_FILE
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import real_config
-from tests.cli_runner import assert_nothing_left, assert_one_line_error, run_cli
+from tests.cli_runner import REPO, assert_nothing_left, assert_one_line_error, run_cli
 from tests.test_parallel import hf_tensors
 
 # name: (config, hf_model_factory options, layout, the class checked against, what the summary adds)
@@ -46,6 +53,16 @@ CASES = {
     # A class transformers lacks (its own code): checked as its language model's, the vision tower beside it.
     "kimi-k2.5": ("kimi-k2.5", {}, Parallelism(), "DeepseekV3ForCausalLM", "copied back beside it (the vision tower and the multimodal projector)"),
 }
+
+
+@pytest.fixture(autouse=True)
+def checked_in_the_child(monkeypatch):
+    """The check against transformers' class fails if it runs in this process: the export's child runs it."""
+
+    def in_this_process(request):
+        raise AssertionError("the check against transformers' class ran in the exporting process")
+
+    monkeypatch.setattr(whole_export, "check_against_transformers", in_this_process)
 
 
 def export(load_dir, save_dir, *flags) -> tuple[int, str]:
@@ -218,3 +235,17 @@ def test_mtp_layers_of_a_family_without_a_place_for_them_are_left_out_and_said_s
     assert code == 0
     assert "left out 1 multi-token prediction layer(s) of the save: the llama HF format has no place for them" in printed, printed
     assert hf_tensors(tmp_path / "back").keys() == hf_tensors(hf).keys()
+
+
+def test_the_export_itself_imports_neither_torch_nor_transformers(hf_model_factory, tmp_path):
+    """A whole mcore-to-hf process: its summary says what the export was checked against, and neither torch nor
+    transformers was imported into it (the child did the check)."""
+    hf = hf_model_factory("qwen3-8b")
+    convert_hf_to_mcore(hf, tmp_path / "mcore")
+    argv = ["mcore-to-hf", "--load-dir", str(tmp_path / "mcore"), "--save-dir", str(tmp_path / "back")]
+    code = (f"import sys; from mconvert.cli import main; code = main({argv!r}); "
+            "print('imported:', sorted(m for m in ('torch', 'transformers') if m in sys.modules)); sys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "checked against transformers' Qwen3ForCausalLM: every tensor it holds is written, and no other" in done.stdout, done.stdout
+    assert "imported: []" in done.stdout, done.stdout

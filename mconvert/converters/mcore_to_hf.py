@@ -32,7 +32,7 @@ from mconvert.converters.hf_to_mcore import fused_expert_layers
 from mconvert.converters.parallel import Buffers, Ranks, assign, check_workers, run_pieces
 from mconvert.converters.plan import HFRef, Piece, Plan, build_plan
 from mconvert.converters.progress import NoProgress, Progress
-from mconvert.converters.whole_export import check_stored, mtp_layers_stored, whole_export_notes
+from mconvert.converters.whole_export import TransformersCheck, check_stored, mtp_layers_stored, whole_export_notes
 from mconvert.dtypes import cast, dtype_of
 from mconvert.errors import ConversionError
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
@@ -330,11 +330,11 @@ def convert_mcore_to_hf(
     source = source if adapter is None else merged_with_adapter(source, adapter, plan)
     export = quantized_export(quantize, hf_config_dir, reference, plan)
     config = export.config(config)
-    notes = whole_export_notes(plan, config, [*plan.hf_shapes(), *beside], mtp_layers_stored(source.stored_shapes(plan)))
-    if run.config_from:
-        notes = (f"read {run.tool}'s save in {run.load_dir}, the model's config from {run.config_dir} ({run.config_from})", *notes)
+    mtp_stored = mtp_layers_stored(source.stored_shapes(plan))
 
-    with Ranks() as ranks, atomic_directory(save_dir, overwrite, ranks) as work:
+    with Ranks() as ranks, contextlib.ExitStack() as checking, atomic_directory(save_dir, overwrite, ranks) as work:
+        # Rank 0 checks the HF side against transformers' class beside the writes, and before anything is finished.
+        check = checking.enter_context(TransformersCheck(plan, config, [*plan.hf_shapes(), *beside])) if ranks.is_first else None
         hf_shapes = plan.hf_shapes()
         dtypes = {ref.name: plan.dtype_of(piece) for piece in plan.pieces for ref in piece.sources}
         tensors = {name: (dtypes[name], shape) for name, shape in hf_shapes.items()}
@@ -359,7 +359,10 @@ def convert_mcore_to_hf(
                             writer.copy(name, None, stored.file, stored.begin)
             finally:
                 writer.close()
-        ranks.settle()  # every rank's tensors are on disk
+        notes = whole_export_notes(plan, check.result() if check is not None else "checked by rank 0", mtp_stored)
+        if run.config_from:
+            notes = (f"read {run.tool}'s save in {run.load_dir}, the model's config from {run.config_dir} ({run.config_from})", *notes)
+        ranks.settle()  # every rank's tensors are on disk, and rank 0's check passed
         written = ranks.gather(writer.written)
         if ranks.is_first:
             writer.finish(written)

@@ -1,11 +1,14 @@
-"""What mcore-to-hf loses, said or refused, before a byte is written (the save's side, every stored tensor read or the
-optimizer's: check_stored). The HF tensors the export writes are those transformers' class for the
+"""What mcore-to-hf loses, said or refused: before a byte is written, the save's side (every stored tensor read or the
+optimizer's: check_stored); before the export is put in place, the HF side. The HF tensors the export writes are those transformers' class for the
 config.json it writes holds, no fewer and no more (a peer's export that drops a layer's experts or the output layer
 without a word is loaded by transformers with a warning and random weights); multi-token prediction layers are
 written where the family's HF format has a place for them (DeepSeek-V3's and GLM's layers from num_hidden_layers on,
 Qwen3.5's and Qwen3-Next's `mtp.`, Nemotron-H's `mtp.layers.`) and left out, said so, where it has none (a family
 table without `mtp` entries: Llama, Qwen3, ... trained with Megatron-LM's --mtp-num-layers).
 
+The HF side runs in a child process (TransformersCheck) started as the export starts, beside its writes, and is
+joined before the atomic finish: importing torch and transformers takes seconds, more than a small model's
+conversion, and needs only the config.json and the names the plan will write. A refusal leaves nothing in place.
 The class is built on the meta device (no memory, offline) as `mconvert verify` picks it (verify/hf_side.py): the one
 config.json's `architectures` names, the transformers class a checkpoint shipping its own code is read as, or, for
 an image-text model transformers has no class for (Kimi-K2.5), its language model's class from text_config, under
@@ -28,7 +31,14 @@ so: the check's absence is not an error of the export.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 from mconvert.converters.mcore_sources import stored_key
@@ -152,26 +162,39 @@ def check_stored(plan: Plan, shapes: dict[str, Shape], location: str) -> None:
         )
 
 
-def whole_export_notes(plan: Plan, config: dict[str, Any], written: Iterable[str], mtp_stored: int) -> tuple[str, ...]:
-    """What the summary says of the export's tensors `written` (the plan's and those copied back), from a save holding
-    `mtp_stored` MTP layers: what they were checked against (check_against_transformers), and the MTP layers left out."""
-    notes = (check_against_transformers(plan, config, written),)
+def whole_export_notes(plan: Plan, checked: str, mtp_stored: int) -> tuple[str, ...]:
+    """What the summary says of the export's tensors, from a save holding `mtp_stored` MTP layers: what they were
+    `checked` against (TransformersCheck), and the MTP layers left out."""
+    notes = (checked,)
     if mtp_stored and not plan.family.table.mtp:
         notes += (f"left out {mtp_stored} multi-token prediction layer(s) of the save: the {plan.family.name} HF format has no place for them",)
     return notes
 
 
-def check_against_transformers(plan: Plan, config: dict[str, Any], written: Iterable[str]) -> str:
-    """Refuse an export whose HF tensors `written` (the plan's and those copied back) miss a tensor that transformers'
-    class for `config` holds, or hold one it does not; the line the summary prints: what was checked, or why not."""
-    built = transformers_model(config)
+def check_request(plan: Plan, config: dict[str, Any], written: Iterable[str]) -> dict[str, Any]:
+    """What the check of the export's HF tensors `written` (the plan's and those copied back) needs besides
+    transformers, as plain data: the config, the names, those of the MTP layers and those copied back beside a class
+    transformers lacks (and what they are), all known from the plan before a byte is written."""
+    written = sorted(written)
+    inside = language_model_of(config)
+    prefix = inside[2] if inside is not None else ""
+    beside = [name for name in written if plan.family.table.left_out_by(name) and not name.startswith(prefix)] if prefix else []
+    kinds = [what for start, what in plan.family.table.left_out if any(name.startswith(start) for name in beside)]
+    mtp = mtp_names(plan)
+    return {"config": config, "family": plan.family.name, "written": written, "mtp": [name for name in written if name in mtp],
+            "beside": beside, "beside_kinds": kinds}
+
+
+def check_against_transformers(request: dict[str, Any]) -> str:
+    """Refuse an export whose HF tensors (check_request) miss a tensor that transformers' class for its config holds,
+    or hold one it does not; the line the summary prints: what was checked, or why not."""
+    built = transformers_model(request["config"])
     if isinstance(built, str):
         return f"not checked against transformers' class: {built}"
     model, prefix = built
-    architecture = type(model).__name__
-    written = sorted(written)
-    beside = [name for name in written if plan.family.table.left_out_by(name) and not name.startswith(prefix)] if prefix else []
-    own = {name.removeprefix(prefix): name for name in written if name not in beside}
+    architecture, family = type(model).__name__, request["family"]
+    beside = set(request["beside"])
+    own = {name.removeprefix(prefix): name for name in request["written"] if name not in beside}
     loaded = loaded_names(model, own)
     state = model.state_dict()
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
@@ -179,9 +202,9 @@ def check_against_transformers(plan: Plan, config: dict[str, Any], written: Iter
     if missing:
         raise ConversionError(
             f"the export would leave out {len(missing)} tensor(s) that transformers' {architecture} holds: {listed(missing)} "
-            f"(the {plan.family.name} mapping writes nothing that loads into them)"
+            f"(the {family} mapping writes nothing that loads into them)"
         )
-    mtp = mtp_names(plan)
+    mtp = set(request["mtp"])
     unheld = [own[name] for name, into in loaded.items() if into not in state]
     extra = [name for name in unheld if name not in mtp]
     if extra:
@@ -190,7 +213,63 @@ def check_against_transformers(plan: Plan, config: dict[str, Any], written: Iter
         )
     notes = [f"{len(unheld)} of the multi-token prediction layers, which it does not hold"] if unheld else []
     if beside:
-        kinds = [what for start, what in plan.family.table.left_out if any(name.startswith(start) for name in beside)]
-        notes.append(f"{len(beside)} copied back beside it ({' and '.join(kinds)}), which transformers has no class for")
+        notes.append(f"{len(beside)} copied back beside it ({' and '.join(request['beside_kinds'])}), which transformers has no class for")
     also = f" (beside them: {'; '.join(notes)})" if notes else ""
     return f"checked against transformers' {architecture}: every tensor it holds is written, and no other{also}"
+
+
+class TransformersCheck:
+    """check_against_transformers of an export, in a child process (`python -m mconvert.converters.whole_export
+    REQUEST.json`, which prints its outcome as one JSON line) started when made, so that torch's and transformers'
+    imports run beside the export's writes; `result()` joins it. Where torch or transformers is not installed,
+    no process is started. Used as a context manager, a child still running on exit (the export failed or was
+    interrupted) is killed; it runs in its own session, so that a Ctrl-C reaches the export alone."""
+
+    def __init__(self, plan: Plan, config: dict[str, Any], written: Iterable[str]) -> None:
+        self.process: subprocess.Popen | None = None
+        self.skipped = next((f"{name} is not installed" for name in ("torch", "transformers") if importlib.util.find_spec(name) is None), None)
+        if self.skipped is not None:
+            return
+        descriptor, request = tempfile.mkstemp(prefix="mconvert-check-", suffix=".json")
+        self.request = Path(request)
+        with os.fdopen(descriptor, "w") as f:
+            json.dump(check_request(plan, config, written), f)
+        package_root = str(Path(__file__).resolve().parents[2])  # the child imports this mconvert, however started
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", __name__, str(self.request)], env=env, start_new_session=True,
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+
+    def __enter__(self) -> "TransformersCheck":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        if self.process is not None:
+            self.request.unlink(missing_ok=True)
+
+    def result(self) -> str:
+        """The summary's line of what the export was checked against; a refusal raised as the export's error."""
+        if self.process is None:
+            return f"not checked against transformers' class: {self.skipped}"
+        out, err = self.process.communicate()
+        self.request.unlink(missing_ok=True)
+        lines = out.strip().splitlines()
+        outcome = json.loads(lines[-1]) if self.process.returncode == 0 and lines else None
+        if outcome is None:
+            said = (err.strip().splitlines() or [f"exit code {self.process.returncode}"])[-1]
+            raise ConversionError(f"the check against transformers' class failed in its process ({said})")
+        if "error" in outcome:
+            raise ConversionError(outcome["error"])
+        return outcome["checked"]
+
+
+if __name__ == "__main__":
+    try:
+        outcome = {"checked": check_against_transformers(json.loads(Path(sys.argv[1]).read_text()))}
+    except ConversionError as error:
+        outcome = {"error": str(error)}
+    print(json.dumps(outcome))
