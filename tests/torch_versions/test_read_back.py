@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
@@ -80,9 +81,22 @@ def converted(request, tmp_path_factory) -> Converted:
     return Converted(config, source, iteration_dir(work / "mcore"), layout, ckpt_format)
 
 
+class ObjectsKept(DefaultLoadPlanner):
+    """torch's default load planner, keeping the objects it loads (`load` puts them in a copy of the state dict)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.objects: dict[str, object] = {}
+
+    def load_bytes(self, read_item, value) -> None:
+        super().load_bytes(read_item, value)
+        value.seek(0)
+        self.objects[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+
+
 def read_with_torch(save) -> dict[str, object]:
     """Every entry of the save, read by torch's DCP reader: tensors into preallocated ones of the metadata's shape and
-    dtype, objects as its planner loads them."""
+    dtype, objects as its default planner loads them."""
     reader = dcp.FileSystemReader(str(save))
     metadata = reader.read_metadata()
     state = {}
@@ -92,8 +106,11 @@ def read_with_torch(save) -> dict[str, object]:
         else:
             assert isinstance(entry, BytesStorageMetadata)
             state[key] = None
-    dcp.load(state, storage_reader=reader)
-    return state
+    objects = {key for key, value in state.items() if value is None}
+    planner = ObjectsKept()
+    dcp.load(state, storage_reader=reader, planner=planner)  # newer torch puts the objects in `state` too, older only in a copy
+    assert planner.objects.keys() == objects
+    return {**state, **planner.objects}
 
 
 def differing(read: dict[str, object], meant: dict[str, torch.Tensor]) -> list[str]:
@@ -120,12 +137,14 @@ def test_torchs_dcp_reader_reads_every_tensor_as_mconvert_meant(converted):
         assert differing(read, meant) == []
 
 
-def test_common_pt_loads_with_torch_load(converted):
-    if converted.format != "torch_dist":
-        pytest.skip("fsdp_dtensor keeps its common state in the DCP save")
-    common = torch.load(converted.save / "common.pt", weights_only=False, map_location="cpu")
+def test_the_common_state_loads_with_torch(converted):
+    """torch_dist's common.pt through `torch.load`; fsdp_dtensor keeps it in the DCP save, as objects."""
+    if converted.format == "torch_dist":
+        common, args = torch.load(converted.save / "common.pt", weights_only=False, map_location="cpu"), read_args(converted.save)
+    else:
+        common, args = read_with_torch(converted.save), DCPCheckpoint(converted.save).read_object("args")
     # mconvert's own reader gives the args' params_dtype as numpy's dtype, torch's as torch's.
-    ours = {**vars(read_args(converted.save)), "params_dtype": torch.bfloat16}
+    ours = {**vars(args), "params_dtype": torch.bfloat16}
     assert vars(common["args"]) == ours
     assert common["args"].tensor_model_parallel_size == converted.layout.tp
     assert common["args"].expert_model_parallel_size == converted.layout.ep
