@@ -1,13 +1,13 @@
 """mcore-to-hf loses nothing without a word: the export's HF tensors are compared with every tensor transformers' class
-for the written config.json holds (built on the meta device, in a child process beside the writes, joined before the
-export is put in place), and, before writing, every tensor of the Megatron save with what the plan reads. A normal
+for the written config.json holds (built on the meta device; in a child process beside the writes, joined before the
+export is put in place, where the exporting process has not imported torch and transformers itself), and, before
+writing, every tensor of the Megatron save with what the plan reads. A normal
 export of each kind of model passes and says what it was checked against; a mapping entry taken out of a family's
 table (a tensor the class holds is not written), a config of a class without a tensor the export writes, and a save
 tensor nothing reads (an unknown module, a layer beyond num_layers) each stop the export in one line, nothing written.
 
-Every test here runs with the check made to fail in this process (checked_in_the_child): what passes or is refused
-was checked in the child; test_the_export_itself_imports_neither_torch_nor_transformers shows the same of a whole
-mcore-to-hf process."""
+The tests in this process (torch and transformers imported) check in it; the last two run whole mcore-to-hf
+processes, where the child checks: a pass that imports neither, and a refusal that comes through the child."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ from safetensors.torch import load_file, save_file
 
 from mconvert import mappings
 from mconvert.cli import main
-from mconvert.converters import whole_export
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.dtypes import as_torch
 from mconvert.formats import dcp_writer
@@ -53,16 +52,6 @@ CASES = {
     # A class transformers lacks (its own code): checked as its language model's, the vision tower beside it.
     "kimi-k2.5": ("kimi-k2.5", {}, Parallelism(), "DeepseekV3ForCausalLM", "copied back beside it (the vision tower and the multimodal projector)"),
 }
-
-
-@pytest.fixture(autouse=True)
-def checked_in_the_child(monkeypatch):
-    """The check against transformers' class fails if it runs in this process: the export's child runs it."""
-
-    def in_this_process(request):
-        raise AssertionError("the check against transformers' class ran in the exporting process")
-
-    monkeypatch.setattr(whole_export, "check_against_transformers", in_this_process)
 
 
 def export(load_dir, save_dir, *flags) -> tuple[int, str]:
@@ -249,3 +238,22 @@ def test_the_export_itself_imports_neither_torch_nor_transformers(hf_model_facto
     assert done.returncode == 0, done.stderr
     assert "checked against transformers' Qwen3ForCausalLM: every tensor it holds is written, and no other" in done.stdout, done.stdout
     assert "imported: []" in done.stdout, done.stdout
+
+
+def test_a_refusal_comes_through_the_child_in_one_line(hf_model_factory, tmp_path):
+    """The fault of test_a_config_of_a_class_without_a_tensor_the_export_writes..., in a whole mcore-to-hf process
+    that imports neither torch nor transformers: the child refuses, the export says it in one line, nothing is left."""
+    hf = hf_model_factory("qwen3-8b")
+    convert_hf_to_mcore(hf, tmp_path / "mcore")
+    argv = ["mcore-to-hf", "--load-dir", str(tmp_path / "mcore"), "--save-dir", str(tmp_path / "back")]
+    code = ("import dataclasses, sys; from mconvert import mappings; from mconvert.cli import main; "
+            "family = mappings.FAMILIES['qwen3']; write = family.write_config; "
+            "mappings.FAMILIES['qwen3'] = dataclasses.replace(family, write_config=lambda spec: "
+            "{**write(spec), 'model_type': 'llama', 'architectures': ['LlamaForCausalLM']}); "
+            f"code = main({argv!r}); "
+            "print('imported:', sorted(m for m in ('torch', 'transformers') if m in sys.modules)); sys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode != 0 and "imported: []" in done.stdout, (done.stdout, done.stderr)
+    error = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(error) == 1 and "transformers' LlamaForCausalLM does not hold" in error[0], done.stderr
+    assert_nothing_left(tmp_path / "back")

@@ -222,13 +222,19 @@ class TransformersCheck:
     """check_against_transformers of an export, in a child process (`python -m mconvert.converters.whole_export
     REQUEST.json`, which prints its outcome as one JSON line) started when made, so that torch's and transformers'
     imports run beside the export's writes; `result()` joins it. Where torch or transformers is not installed,
-    no process is started. Used as a context manager, a child still running on exit (the export failed or was
-    interrupted) is killed; it runs in its own session, so that a Ctrl-C reaches the export alone."""
+    no process is started; where the exporting process has both imported already (a library caller, the tests), the
+    check runs in it, at once: a child would only import them again. Used as a context manager, a child still
+    running on exit (the export failed or was interrupted) is killed; it runs in its own session, so that a Ctrl-C
+    reaches the export alone."""
 
     def __init__(self, plan: Plan, config: dict[str, Any], written: Iterable[str]) -> None:
         self.process: subprocess.Popen | None = None
+        self.checked: str | None = None
         self.skipped = next((f"{name} is not installed" for name in ("torch", "transformers") if importlib.util.find_spec(name) is None), None)
         if self.skipped is not None:
+            return
+        if "torch" in sys.modules and "transformers" in sys.modules:
+            self.checked = check_against_transformers(check_request(plan, config, written))
             return
         descriptor, request = tempfile.mkstemp(prefix="mconvert-check-", suffix=".json")
         self.request = Path(request)
@@ -253,6 +259,8 @@ class TransformersCheck:
 
     def result(self) -> str:
         """The summary's line of what the export was checked against; a refusal raised as the export's error."""
+        if self.checked is not None:
+            return self.checked
         if self.process is None:
             return f"not checked against transformers' class: {self.skipped}"
         out, err = self.process.communicate()
