@@ -46,7 +46,7 @@ def release(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0].split("rc")[0].split(".dev")[0])[:3])
 
 
-def _importable(module: str) -> bool:
+def importable(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
     except ImportError:  # its parent package is missing (or refuses to import)
@@ -58,7 +58,7 @@ def problems(requirements: tuple[Requirement, ...]) -> list[str]:
     found = []
     for requirement in requirements:
         wanted = f"{requirement.distribution}>={requirement.minimum}"
-        if not _importable(requirement.module):
+        if not importable(requirement.module):
             found.append(f"{wanted} (not installed)")
             continue
         try:

@@ -31,7 +31,6 @@ so: the check's absence is not an error of the export.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -43,6 +42,7 @@ from typing import Any
 
 from mconvert.converters.mcore_sources import stored_key
 from mconvert.converters.plan import Plan
+from mconvert.dependencies import importable
 from mconvert.errors import ConversionError
 from mconvert.mappings import language_model_of, remote_code_architecture
 
@@ -230,7 +230,7 @@ class TransformersCheck:
     def __init__(self, plan: Plan, config: dict[str, Any], written: Iterable[str]) -> None:
         self.process: subprocess.Popen | None = None
         self.checked: str | None = None
-        self.skipped = next((f"{name} is not installed" for name in ("torch", "transformers") if importlib.util.find_spec(name) is None), None)
+        self.skipped = next((f"{name} is not installed" for name in ("torch", "transformers") if not importable(name)), None)
         if self.skipped is not None:
             return
         if "torch" in sys.modules and "transformers" in sys.modules:
