@@ -135,6 +135,8 @@ def record(request, environment, tmp_path_factory):
         family, layout = params.get("case") or params.get("vllm_case") or params["sync_case"]
     elif "quantized" in params:  # test_quantized_exports.py: (release, export or fault)
         family, layout = params["quantized"]
+    elif "adapter_save" in params:  # test_vllm.py: a Megatron-Bridge adapter save, served at TP 1
+        family, layout = f"adapter {params['adapter_save']}", "tp1"
     elif "training_family" in params:  # at its case's training layout
         family = params["training_family"]
         layout = FAMILY[family].training

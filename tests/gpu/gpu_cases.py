@@ -136,36 +136,37 @@ VLLM_MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128
 # 0.5 keeps the fault 40 times past the limit; the dense families keep 0.25. DeepSeek-V3's router (bf16 in vLLM, group-
 # limited top-k) takes the same limit for the same reason: measured then (2 x H200, 2026-11-27), its logprobs parted by
 # 0.18 and one token trailed transformers' best by 0.35 (a near-tie that routing flipped), the fault by 10.1. Both the
-# logprob difference and the trailing gap of an MoE family are held to it.
+# logprob difference and the trailing gap of an MoE family are held to it; the other MoE families take it for the same
+# reason, before their own first measurement.
 MOE_ROUTING_LOGPROB = 0.5
 
 FAMILIES = [
     Family("llama", "llama-3.1-8b", **DENSE),
     Family("qwen2", "qwen2.5-7b-instruct", **DENSE),
     Family("qwen3", "qwen3-8b", **DENSE),
-    Family("qwen2_moe", "qwen1.5-moe-a2.7b"),
+    Family("qwen2_moe", "qwen1.5-moe-a2.7b", vllm_logprob=MOE_ROUTING_LOGPROB),
     Family("qwen3_moe", "qwen3-30b-a3b", vllm_logprob=MOE_ROUTING_LOGPROB),
-    Family("mixtral", "mixtral-8x7b-v0.1"),
+    Family("mixtral", "mixtral-8x7b-v0.1", vllm_logprob=MOE_ROUTING_LOGPROB),
     Family("deepseek", "deepseek-v3", overrides=MLA_ROPE_FUSION, vllm_overrides=VLLM_MLA,
            vllm_logprob=MOE_ROUTING_LOGPROB),
     # Kimi-K2.5's language model (its vision tower is left out, and copied back by the export).
-    Family("kimi_k25", "kimi-k2.5", overrides=MLA_ROPE_FUSION),
-    Family("glm4_moe", "glm-4.5-air"),
+    Family("kimi_k25", "kimi-k2.5", overrides=MLA_ROPE_FUSION, vllm_overrides=VLLM_MLA, vllm_logprob=MOE_ROUTING_LOGPROB),
+    Family("glm4_moe", "glm-4.5-air", vllm_logprob=MOE_ROUTING_LOGPROB),
     # Its indexer keeps 32 of up to 160 tokens, and ties in its scores fall by device: the reference on the GPU.
     Family("deepseek_v32", "deepseek-v3.2", reference_on_gpu=True),
     Family("gpt_oss", "gpt-oss-20b", overrides={"sliding_window": 32}, layouts=("tp2pp2etp1", "tp2ep4etp1", "ep4"),
            skipped={"tp2pp2": BIASED_EXPERTS + " (tp2pp2etp1 instead)", "tp2ep2": BIASED_EXPERTS + " (tp2ep4etp1 instead)"}),
-    Family("qwen3_next", "qwen3-next-80b-a3b-instruct", layers=4, **DELTA_NET),
+    Family("qwen3_next", "qwen3-next-80b-a3b-instruct", layers=4, vllm_logprob=MOE_ROUTING_LOGPROB, **DELTA_NET),
     Family("qwen3_5", "qwen3.5-0.8b", layers=4, **DENSE, **DELTA_NET),
     Family("qwen3_5_text", "qwen3.5-35b-a3b", layers=4, text_only=True, **DELTA_NET),
     # transformers 5.17 (the GPU machines') turns rope on the head's dims that partial_rotary_factor says, not rotary_dim.
-    Family("minimax_m2", "minimax-m2.7", overrides={"partial_rotary_factor": 0.5}),
+    Family("minimax_m2", "minimax-m2.7", overrides={"partial_rotary_factor": 0.5}, vllm_logprob=MOE_ROUTING_LOGPROB),
     # Rope on interleaved pairs: the printed flags keep Transformer Engine's fused rope (TE >= 2.3 rotates pairs).
     Family("ernie4_5", "ernie-4.5-0.3b-pt", **DENSE),
-    Family("olmoe", "olmoe-1b-7b-0924"),
-    Family("glm4_moe_lite", "glm-4.7-flash", family="deepseek"),
-    Family("dots1", "dots.llm1.inst", family="glm4_moe", overrides={"sliding_window": 32, "max_window_layers": 1}),
-    Family("hy_v3", "hy3-preview"),
+    Family("olmoe", "olmoe-1b-7b-0924", vllm_logprob=MOE_ROUTING_LOGPROB),
+    Family("glm4_moe_lite", "glm-4.7-flash", family="deepseek", vllm_overrides=VLLM_MLA, vllm_logprob=MOE_ROUTING_LOGPROB),
+    Family("dots1", "dots.llm1.inst", family="glm4_moe", overrides={"sliding_window": 32, "max_window_layers": 1}, vllm_logprob=MOE_ROUTING_LOGPROB),
+    Family("hy_v3", "hy3-preview", vllm_logprob=MOE_ROUTING_LOGPROB),
     # Norms after the sublayers (mconvert's --spec); OLMo 3 from OLMo 2's config: windows on three layers in four,
     # grouped-query attention.
     Family("olmo2", "olmo-2-1124-7b-instruct", **DENSE),
@@ -181,10 +182,10 @@ FAMILIES = [
             "full_attention": {"rope_type": "default", "rope_theta": 1_000_000}, "sliding_attention": {"rope_type": "default", "rope_theta": 10_000}}},
         **DENSE),
     # Without causal_conv1d (a CUDA build) megatron-core's fused Mamba path cannot run: its other path, the same function.
-    Family("nemotron_h", "nemotron-3-nano-30b-a3b", layers=6, model_class="hybrid", **MAMBA),
+    Family("nemotron_h", "nemotron-3-nano-30b-a3b", layers=6, model_class="hybrid", vllm_logprob=MOE_ROUTING_LOGPROB, **MAMBA),
     # Latent MoE: megatron-core's latent projections are Transformer Engine's (a stand-in on CPU ranks).
     Family("nemotron_h_latent", "nemotron-3-super-120b-a12b", layers=4, family="nemotron_h", model_class="hybrid",
-           overrides={"hybrid_override_pattern": "ME*E"}, **MAMBA),
+           overrides={"hybrid_override_pattern": "ME*E"}, vllm_logprob=MOE_ROUTING_LOGPROB, **MAMBA),
 ]
 
 

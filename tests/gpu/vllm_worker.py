@@ -1,7 +1,7 @@
 """vLLM's side of tests/gpu/test_vllm.py, run in a process of its own with vLLM's packages on its path
 (scripts/gpu/vllm_setup.sh installs them apart: their pins, pydantic's among them, stay out of the Megatron runs).
 
-    python tests/gpu/vllm_worker.py serve JOBS.json      # each job: load a model directory in vLLM, greedy tokens
+    python tests/gpu/vllm_worker.py serve JOBS.json      # each job: load a model directory in vLLM (and an adapter), greedy tokens
     python tests/gpu/vllm_worker.py sync JOB.json        # weight sync from a Megatron model into a live engine
 
 A job's result is written to its "out" file as soon as it is done (a later job's failure leaves the earlier ones);
@@ -24,24 +24,33 @@ from pathlib import Path
 # this one's), and each may take a fifth of the GPU.
 ENGINE = dict(enforce_eager=True, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.2,
               kv_cache_memory_bytes=1 << 30, seed=0)
+# The largest adapter rank a LoRA job's engine takes (vLLM's choices: 1, 8, 16, 32, ...).
+LORA_RANK = 16
 # An engine that has not served its job after this long is taken as hung.
 JOB_LIMIT_S = 150
 
 
-def engine(model: str, tp: int = 1, dtype: str = "bfloat16", attention_backend: str | None = None):
+def engine(model: str, tp: int = 1, dtype: str = "bfloat16", attention_backend: str | None = None, lora: bool = False):
     from vllm import LLM
 
     options = dict(ENGINE, model=model, tensor_parallel_size=tp, dtype=dtype)
     if attention_backend:
         options["attention_backend"] = attention_backend
+    if lora:  # one adapter of rank up to LORA_RANK
+        options.update(enable_lora=True, max_loras=1, max_lora_rank=LORA_RANK)
     return LLM(**options)
 
 
-def greedy(llm, prompts: list[list[int]], tokens: int) -> dict:
+def greedy(llm, prompts: list[list[int]], tokens: int, lora: str | None = None) -> dict:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0, detokenize=False)
-    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False)
+    request = None
+    if lora is not None:
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest("adapter", 1, lora)
+    outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False, lora_request=request)
     result = {"tokens": [], "logprobs": []}
     for output in outputs:
         completion = output.outputs[0]
@@ -81,8 +90,8 @@ def serve(jobs: list[dict]) -> None:
         llm = None
         signal.alarm(JOB_LIMIT_S)
         try:
-            llm = engine(job["model"], job.get("tp", 1), job.get("dtype", "bfloat16"), job.get("attention_backend"))
-            result = greedy(llm, job["prompts"], job["tokens"])
+            llm = engine(job["model"], job.get("tp", 1), job.get("dtype", "bfloat16"), job.get("attention_backend"), lora="lora" in job)
+            result = greedy(llm, job["prompts"], job["tokens"], job.get("lora"))
         except Exception:  # noqa: BLE001 (the job's test fails with it; the next job goes on)
             result = {"error": traceback.format_exc()[-4000:]}
         finally:
