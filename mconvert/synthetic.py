@@ -89,6 +89,8 @@ def shrink(config: dict[str, Any], layers: int = 2, **overrides: Any) -> dict[st
         small["num_experts_per_tok"] = 2
     if "moe_intermediate_size" in config:
         small["moe_intermediate_size"] = 32
+    if "expert_hidden_dim" in config:  # Hy3's experts' width again, the name vLLM reads it by
+        small["expert_hidden_dim"] = small.get("moe_intermediate_size", 32)
     if config.get("shared_expert_intermediate_size"):
         small["shared_expert_intermediate_size"] = 96
     if config.get("first_k_dense_replace"):

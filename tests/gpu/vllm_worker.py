@@ -26,14 +26,17 @@ ENGINE = dict(enforce_eager=True, skip_tokenizer_init=True, max_model_len=512, m
               kv_cache_memory_bytes=1 << 30, seed=0)
 # The largest adapter rank a LoRA job's engine takes (vLLM's choices: 1, 8, 16, 32, ...).
 LORA_RANK = 16
-# An engine that has not served its job after this long is taken as hung.
+# An engine that has not served its job after this long is taken as hung (a job may name its own "limit_s").
 JOB_LIMIT_S = 150
 
 
-def engine(model: str, tp: int = 1, dtype: str = "bfloat16", attention_backend: str | None = None, lora: bool = False):
+def engine(model: str, tp: int = 1, dtype: str = "bfloat16", attention_backend: str | None = None, lora: bool = False,
+           text_only: bool = False):
     from vllm import LLM
 
     options = dict(ENGINE, model=model, tensor_parallel_size=tp, dtype=dtype)
+    if text_only:  # an image-text model served on text: no image processor is read (the test models have none)
+        options["language_model_only"] = True
     if attention_backend:
         options["attention_backend"] = attention_backend
     if lora:  # one adapter of rank up to LORA_RANK
@@ -79,7 +82,7 @@ def shut(llm) -> None:
 
 
 def hung(signum, frame):
-    raise TimeoutError(f"the job ran past {JOB_LIMIT_S} s")
+    raise TimeoutError("the job ran past its time limit")
 
 
 def serve(jobs: list[dict]) -> None:
@@ -88,9 +91,10 @@ def serve(jobs: list[dict]) -> None:
         started = time.time()
         print(f"vllm_worker: {job['name']}: {job['model']} at TP {job.get('tp', 1)}", flush=True)
         llm = None
-        signal.alarm(JOB_LIMIT_S)
+        signal.alarm(job.get("limit_s", JOB_LIMIT_S))
         try:
-            llm = engine(job["model"], job.get("tp", 1), job.get("dtype", "bfloat16"), job.get("attention_backend"), lora="lora" in job)
+            llm = engine(job["model"], job.get("tp", 1), job.get("dtype", "bfloat16"), job.get("attention_backend"), lora="lora" in job,
+                         text_only=job.get("text_only", False))
             result = greedy(llm, job["prompts"], job["tokens"], job.get("lora"))
         except Exception:  # noqa: BLE001 (the job's test fails with it; the next job goes on)
             result = {"error": traceback.format_exc()[-4000:]}
