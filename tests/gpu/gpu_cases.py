@@ -134,10 +134,10 @@ VLLM_MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128
 # type for mask_2d": blocks of 16 and 32, 4 x H200); the released models' heads are 128 wide, keys and values alike.
 VLLM_DELTA_NET = {"linear_key_head_dim": 128, "linear_value_head_dim": 128}
 
-# vLLM 0.25.0's Olmo3 reads config.rope_theta (KeyError without it, 4 x H200), which transformers 5 keeps under
-# rope_parameters only when it saves a config; released OLMo 3 configs hold it at the top (tests/gpu/test_vllm.py writes
-# it back). OLMo 2 7B's value.
-OLMO3_ROPE_THETA = {"rope_theta": 500_000}
+# vLLM's multimodal rope asserts that the sections cover the rotated half of a head (transformers' text positions, the
+# same in all three sections, do not mind): the shrunk Qwen3.5's 32-wide heads rotate a quarter, 8 dims.
+QWEN3_5_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25,
+                                    "mrope_interleaved": True, "mrope_section": [2, 1, 1]}}
 
 # Qwen3-MoE in vLLM: bf16 router logits (transformers' fp32) meet near-ties between experts' scores, and a position
 # whose top-k experts differ gets another mixture: measured on 2 x H200 (2026-11-27), vLLM's tokens within 0.037 of
@@ -167,7 +167,7 @@ FAMILIES = [
            skipped={"tp2pp2": BIASED_EXPERTS + " (tp2pp2etp1 instead)", "tp2ep2": BIASED_EXPERTS + " (tp2ep4etp1 instead)"}),
     Family("qwen3_next", "qwen3-next-80b-a3b-instruct", layers=4, vllm_overrides=VLLM_DELTA_NET, vllm_logprob=MOE_ROUTING_LOGPROB,
            **DELTA_NET),
-    Family("qwen3_5", "qwen3.5-0.8b", layers=4, vllm_overrides=VLLM_DELTA_NET, **DENSE, **DELTA_NET),
+    Family("qwen3_5", "qwen3.5-0.8b", layers=4, vllm_overrides={**VLLM_DELTA_NET, **QWEN3_5_ROPE}, **DENSE, **DELTA_NET),
     Family("qwen3_5_text", "qwen3.5-35b-a3b", layers=4, text_only=True, **DELTA_NET),
     # transformers 5.17 (the GPU machines') turns rope on the head's dims that partial_rotary_factor says, not rotary_dim.
     Family("minimax_m2", "minimax-m2.7", overrides={"partial_rotary_factor": 0.5}, vllm_logprob=MOE_ROUTING_LOGPROB),
@@ -181,8 +181,7 @@ FAMILIES = [
     # grouped-query attention.
     Family("olmo2", "olmo-2-1124-7b-instruct", **DENSE),
     Family("olmo3", "olmo-2-1124-7b-instruct", layers=4, overrides={
-        "model_type": "olmo3", "architectures": ["Olmo3ForCausalLM"], "sliding_window": 32, "num_key_value_heads": 2},
-        vllm_overrides=OLMO3_ROPE_THETA, **DENSE),
+        "model_type": "olmo3", "architectures": ["Olmo3ForCausalLM"], "sliding_window": 32, "num_key_value_heads": 2}, **DENSE),
     # Norms before and after the sublayers, a tanh-GELU GeGLU and the sliding-window layers' own rope (mconvert's
     # --spec), the embedding multiplier and attention scale as MuP's flags; windows on three layers in four. The
     # image-text checkpoint without its 4B's linear rope scaling, which pretrain_gpt.py does not pass GPTModel

@@ -25,6 +25,7 @@ transformers' reference in fp32 with TF32 off.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -59,6 +60,7 @@ TP2 = ("llama", "qwen3_moe")
 ADAPTER_SAVES = REPO / "tests" / "fixtures" / "megatron_bridge_lora"
 ADAPTERS = ("tp2", "canonical-tp1", "moe-lora")
 ADAPTER_VOCABULARY = 256  # the fixtures' bases': the adapter prompts are the prompts' tokens modulo it
+LORA_RANK = 16  # the largest adapter rank the engine takes (vLLM's choices: 1, 8, 16, 32, ...)
 # Engines started side by side for the served jobs, and conversions run side by side before them.
 SERVE_WORKERS, CONVERSIONS = 4, 8
 # An engine that compiles its Triton kernels: Nemotron-H's warm-up of vLLM's Mamba-2 kernels alone took 84 s, and its
@@ -173,8 +175,16 @@ class Work:
             if family in self.errors:
                 continue
             case = FAMILY[family]
-            backend = None if "kv_lora_rank" in case.vllm_overrides else "FLASH_ATTN"  # MLA: vLLM picks
-            options = {"attention_backend": backend, "text_only": "vision_config" in real_config(case.config)}
+            config = real_config(case.config)
+            text, engine = config.get("text_config", config), {}
+            if "vision_config" in config:  # served on text: no image processor is read (the test models have none)
+                engine["language_model_only"] = True
+            if "linear_key_head_dim" in text:  # on Hopper vLLM takes FlashInfer's delta-net prefill, not carried
+                engine["additional_config"] = {"gdn_prefill_backend": "triton"}
+            # Multi-latent attention and image-text models: the backend vLLM picks (Gemma 3's image prefix needs one
+            # other than FlashAttention 3).
+            backend = None if "kv_lora_rank" in case.vllm_overrides or "vision_config" in config else "FLASH_ATTN"
+            options = {"attention_backend": backend, "engine": engine}
             if case.compiles_kernels:
                 options["limit_s"] = COMPILING_JOB_LIMIT_S
             jobs.append(self.job(f"{family}-tp1", self.export(family), **options))
@@ -190,8 +200,12 @@ class Work:
             except Exception as error:  # noqa: BLE001 (its case fails with it)
                 self.errors[save] = str(error)
                 continue
-            jobs.append({**self.job(f"adapter-{save}", ADAPTER_SAVES / base_of(save), attention_backend="FLASH_ATTN"),
-                         "prompts": self.adapter_prompts, "lora": str(adapter)})
+            # Adapters of fused 3-D experts (PEFT's target_parameters): vLLM reads them into its per-expert layout when
+            # the engine takes both formats and the request says so.
+            experts = "target_parameters" in json.loads((adapter / "adapter_config.json").read_text())
+            engine = {"enable_lora": True, "max_loras": 1, "max_lora_rank": LORA_RANK, "enable_mixed_moe_lora_format": experts}
+            jobs.append({**self.job(f"adapter-{save}", ADAPTER_SAVES / base_of(save), attention_backend="FLASH_ATTN", engine=engine),
+                         "prompts": self.adapter_prompts, "lora": str(adapter), "lora_3d": experts})
         # The jobs dealt out to SERVE_WORKERS engines side by side: each engine's start is mostly the host's work.
         for index in range(SERVE_WORKERS):
             if jobs[index::SERVE_WORKERS]:
@@ -239,18 +253,18 @@ class Work:
         for family in families:
             case, hf = FAMILY[family], self.root / family / "hf"
             try:
-                make_hf_checkpoint(shrink(real_config(case.config), layers=case.layers, **{**case.overrides, **case.vllm_overrides}), hf,
-                                   weight_std=0.1)
+                # A copy: transformers' config classes rewrite a rope dict they are given in place.
+                overrides = copy.deepcopy({**case.overrides, **case.vllm_overrides})
+                make_hf_checkpoint(shrink(real_config(case.config), layers=case.layers, **overrides), hf, weight_std=0.1)
             except Exception as error:  # noqa: BLE001 (its cases fail with it)
                 self.errors[family] = str(error)
                 continue
-            # A field of the vLLM case that transformers' save dropped (a transformers 5 config keeps rope_theta under
-            # rope_parameters only) is written back, as a release's config.json holds it.
+            # The vLLM case's fields as given, where transformers' save wrote them otherwise (a transformers 5 config
+            # holds OLMo 3's rope per layer type), as a release's config.json holds them.
             saved = json.loads((hf / "config.json").read_text())
             text = saved.get("text_config", saved)
-            dropped = {key: value for key, value in case.vllm_overrides.items() if key not in text}
-            if dropped:
-                text.update(dropped)
+            if any(text.get(key) != value for key, value in case.vllm_overrides.items()):
+                text.update(case.vllm_overrides)
                 (hf / "config.json").write_text(json.dumps(saved, indent=2))
             for path in hf.glob("*.safetensors"):
                 tensors = load_file(path)
@@ -328,15 +342,16 @@ def first_mlp(model):
     raise LookupError("no layer 0 MLP or mixer")
 
 
-def transformers_logprobs(hf: Path, sequences: list[list[int]], fault: bool = False, adapter: Path | None = None):
-    """Transformers' fp32 log-softmax at every position of each sequence, on the GPU (TF32 off), the model as mconvert
-    verify builds it; with `adapter`, peft's model with that adapter; with `fault`, layer 0's MLP weights negated."""
+def transformers_logprobs(hf: Path, sequences: list[list[int]], fault: bool = False, adapter: Path | None = None, bf16: bool = False):
+    """Transformers' fp32 (or bf16) log-softmax at every position of each sequence, on the GPU (TF32 off), the model as
+    mconvert verify builds it; with `adapter`, peft's model with that adapter; with `fault`, layer 0's MLP weights
+    negated."""
     import torch
 
     from mconvert.verify.hf_side import load_hf_model
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    model = load_hf_model(hf, torch.float32)
+    model = load_hf_model(hf, torch.bfloat16 if bf16 else torch.float32)
     if adapter is not None:
         # peft probes Transformer Engine at import; where the GPU tests installed it, its core library does not link in
         # a process whose torch has loaded its own cuDNN (libcudnn_heuristic: undefined symbol, 4 x H200). peft
@@ -392,8 +407,13 @@ def test_vllm_serves_the_export(vllm_case, vllm_work, record):
     limit, gap_limit = FAMILY[family].vllm_logprob or LOGPROB, FAMILY[family].vllm_logprob or GAP
     gap, difference, where = against_transformers(hf, vllm_work.prompts, served)
     _, fault_difference, _ = against_transformers(hf, vllm_work.prompts, served, fault=True)
+    # What bf16 alone does to transformers' own logprobs of vLLM's tokens: how far routing in bf16 moves this model.
+    sequences = [prompt + tokens for prompt, tokens in zip(vllm_work.prompts, served["tokens"])]
+    bf16 = [[float(row[len(prompt) - 1 + step, token]) for step, token in enumerate(tokens)]
+            for row, prompt, tokens in zip(transformers_logprobs(hf, sequences, bf16=True), vllm_work.prompts, served["tokens"])]
+    _, bf16_difference, bf16_where = compared(transformers_logprobs(hf, sequences), vllm_work.prompts, {**served, "logprobs": bf16})
     record("max_logprob_gap", gap, gap_limit, gap <= gap_limit, seconds=served["seconds"], tokens=NEW_TOKENS, prompts=list(PROMPT_LENGTHS),
-           where=where)
+           where=where, transformers_bf16_against_fp32=dict(bf16_where, max_logprob_difference=bf16_difference))
     record("max_logprob_difference", difference, limit, difference <= limit)
     record("fault_max_logprob_difference", fault_difference, limit, fault_difference > limit, fault="layer 0's MLP (or mixer) weights negated")
     assert gap <= gap_limit and difference <= limit, (gap, difference)

@@ -24,27 +24,21 @@ from pathlib import Path
 # this one's), and each may take a fifth of the GPU.
 ENGINE = dict(enforce_eager=True, skip_tokenizer_init=True, max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.2,
               kv_cache_memory_bytes=1 << 30, seed=0)
-# The largest adapter rank a LoRA job's engine takes (vLLM's choices: 1, 8, 16, 32, ...).
-LORA_RANK = 16
 # An engine that has not served its job after this long is taken as hung (a job may name its own "limit_s").
 JOB_LIMIT_S = 150
 
 
-def engine(model: str, tp: int = 1, dtype: str = "bfloat16", attention_backend: str | None = None, lora: bool = False,
-           text_only: bool = False):
+def engine(model: str, tp: int = 1, dtype: str = "bfloat16", attention_backend: str | None = None, **options):
+    """An engine of ENGINE's size for `model`; `options` are the job's own engine arguments (tests/gpu/test_vllm.py)."""
     from vllm import LLM
 
-    options = dict(ENGINE, model=model, tensor_parallel_size=tp, dtype=dtype)
-    if text_only:  # an image-text model served on text: no image processor is read (the test models have none)
-        options["language_model_only"] = True
+    options = dict(ENGINE, model=model, tensor_parallel_size=tp, dtype=dtype, **options)
     if attention_backend:
         options["attention_backend"] = attention_backend
-    if lora:  # one adapter of rank up to LORA_RANK
-        options.update(enable_lora=True, max_loras=1, max_lora_rank=LORA_RANK)
     return LLM(**options)
 
 
-def greedy(llm, prompts: list[list[int]], tokens: int, lora: str | None = None) -> dict:
+def greedy(llm, prompts: list[list[int]], tokens: int, lora: str | None = None, lora_3d: bool = False) -> dict:
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=0, detokenize=False)
@@ -52,7 +46,7 @@ def greedy(llm, prompts: list[list[int]], tokens: int, lora: str | None = None) 
     if lora is not None:
         from vllm.lora.request import LoRARequest
 
-        request = LoRARequest("adapter", 1, lora)
+        request = LoRARequest("adapter", 1, lora, is_3d_lora_weight=lora_3d)
     outputs = llm.generate([{"prompt_token_ids": prompt} for prompt in prompts], params, use_tqdm=False, lora_request=request)
     result = {"tokens": [], "logprobs": []}
     for output in outputs:
@@ -93,9 +87,8 @@ def serve(jobs: list[dict]) -> None:
         llm = None
         signal.alarm(job.get("limit_s", JOB_LIMIT_S))
         try:
-            llm = engine(job["model"], job.get("tp", 1), job.get("dtype", "bfloat16"), job.get("attention_backend"), lora="lora" in job,
-                         text_only=job.get("text_only", False))
-            result = greedy(llm, job["prompts"], job["tokens"], job.get("lora"))
+            llm = engine(job["model"], job.get("tp", 1), job.get("dtype", "bfloat16"), job.get("attention_backend"), **job.get("engine", {}))
+            result = greedy(llm, job["prompts"], job["tokens"], job.get("lora"), job.get("lora_3d", False))
         except Exception:  # noqa: BLE001 (the job's test fails with it; the next job goes on)
             result = {"error": traceback.format_exc()[-4000:]}
         finally:
