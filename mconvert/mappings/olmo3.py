@@ -57,14 +57,12 @@ def write_config(spec: ModelSpec) -> dict[str, Any]:
     config = write_dense_config(spec, "olmo3", "Olmo3ForCausalLM")
     layers = spec.sliding_layers or (spec.sliding_window is not None,) * spec.num_layers
     config.pop("use_sliding_window", None)
-    # Every layer type's rope, since transformers 5.24 gives the sliding-window layers theta 500000 where it names none;
-    # and the one rope's keys beside them, as transformers holds the config once read: vLLM 0.25.0's Olmo3 reads
-    # rope_parameters["rope_theta"] (a KeyError without it, 4 x H200).
+    # Every layer type's rope, since transformers 5.24 gives the sliding-window layers theta 500000 where it names none.
     rope = {"rope_type": "default", **(config["rope_scaling"] or {}), "rope_theta": spec.rope_theta}
     config.update(
         sliding_window=spec.sliding_window or spec.hf_config.get("sliding_window", DEFAULT_WINDOW),
         layer_types=["sliding_attention" if windowed else "full_attention" for windowed in layers],
-        rope_parameters={**rope, **{kind: dict(rope) for kind in LAYER_TYPES}},
+        rope_parameters={kind: dict(rope) for kind in LAYER_TYPES},
     )
     return config
 

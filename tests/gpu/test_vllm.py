@@ -44,7 +44,7 @@ VLLM_SITE = Path(os.environ.get("VLLM_SITE", "/tmp/site-vllm"))
 # Families vLLM 0.25.0 serves, the risky ones last (multi-latent attention picks its own backend, first run at the
 # released dims; the delta-net and Mamba layers run vLLM's own Triton kernels): a job that hangs takes only the time of
 # those after it in its engine's queue.
-SERVED = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "mixtral", "qwen2_moe", "glm4_moe", "olmoe", "olmo2", "olmo3",
+SERVED = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "mixtral", "qwen2_moe", "glm4_moe", "olmoe", "olmo2",
           "ernie4_5", "dots1", "minimax_m2", "hy_v3", "gemma3_text", "gemma3", "qwen3_5", "qwen3_next", "nemotron_h",
           "nemotron_h_latent", "deepseek", "glm4_moe_lite", "kimi_k25")
 # Families mconvert converts that vLLM 0.25.0 does not serve, and why (its model registry and code, read in its wheel).
@@ -52,6 +52,9 @@ NOT_SERVED = {
     "deepseek_v32": "its sparse attention indexer runs on CUDA with DeepGEMM only (sparse_attn_indexer.py), which compiles "
                     "with nvcc at run time and is not carried",
     "qwen3_5_text": "no causal-LM class for Qwen3.5-MoE's text model (only Qwen3_5MoeForConditionalGeneration)",
+    "olmo3": "its Olmo3 reads one rope (rope_parameters['rope_theta'], olmo2.py), while the GPU machines' transformers "
+             "5.17 holds OLMo 3's rope per layer type (a KeyError); a config holding both fails transformers' own "
+             "validation (H200, 2026-11-27)",
 }
 TP2 = ("llama", "qwen3_moe")
 # Megatron-Bridge's adapter saves (tests/fixtures/megatron_bridge_lora) whose `adapter-to-hf` export vLLM serves as a
@@ -337,7 +340,7 @@ def first_mlp(model):
 
     for pattern in (r"layers\.0\.mlp$", r"layers\.0\.mixer$"):
         for name, module in model.named_modules():
-            if re.search(pattern, name):
+            if re.search(pattern, name) and not re.search("vision|visual", name):  # the language model's, not the tower's
                 return name, module
     raise LookupError("no layer 0 MLP or mixer")
 
@@ -371,28 +374,34 @@ def transformers_logprobs(hf: Path, sequences: list[list[int]], fault: bool = Fa
 
 def against_transformers(hf: Path, prompts: list[list[int]], served: dict, fault: bool = False,
                          adapter: Path | None = None) -> tuple[float, float, dict]:
+    """`compared` against transformers' fp32 logprobs of the prompts followed by vLLM's tokens."""
+    return compared([transformers_logprobs(hf, continued(prompts, served), fault, adapter)], prompts, served)
+
+
+def continued(prompts: list[list[int]], served: dict) -> list[list[int]]:
+    """Each prompt followed by the tokens vLLM generated after it."""
+    return [prompt + tokens for prompt, tokens in zip(prompts, served["tokens"])]
+
+
+def compared(references: list, prompts: list[list[int]], served: dict) -> tuple[float, float, dict]:
     """(the largest gap between transformers' best logprob and that of vLLM's token, the largest difference between
-    the two engines' logprobs of vLLM's tokens, where: `compared`) over every generated position."""
-    return compared(transformers_logprobs(hf, [prompt + tokens for prompt, tokens in zip(prompts, served["tokens"])], fault, adapter),
-                    prompts, served)
-
-
-def compared(logprobs: list, prompts: list[list[int]], served: dict) -> tuple[float, float, dict]:
-    """(largest gap, largest difference, where they are): at the position of the largest difference, vLLM's token
-    and both engines' logprobs of it, transformers' best token and its logprob; and how many positions pass LOGPROB."""
+    the two engines' logprobs of vLLM's tokens, where) over every generated position, each position against the
+    nearest of `references` (transformers' logprobs at one precision or more). `where`: at the position of the largest
+    difference, vLLM's token and logprob and each reference's logprob of it and best token; how many positions pass
+    LOGPROB."""
     gap = difference = 0.0
     where: dict = {"positions": 0, "over_logprob_limit": 0}
-    for index, (row_logprobs, prompt, tokens, vllm_logprobs) in enumerate(zip(logprobs, prompts, served["tokens"], served["logprobs"])):
+    for index, (prompt, tokens, vllm_logprobs) in enumerate(zip(prompts, served["tokens"], served["logprobs"])):
         for step, (token, vllm_logprob) in enumerate(zip(tokens, vllm_logprobs)):
-            row = row_logprobs[len(prompt) - 1 + step]
-            gap = max(gap, float(row.max() - row[token]))
-            here = abs(float(row[token]) - vllm_logprob)
+            rows = [reference[index][len(prompt) - 1 + step] for reference in references]
+            gap = max(gap, min(float(row.max() - row[token]) for row in rows))
+            here = min(abs(float(row[token]) - vllm_logprob) for row in rows)
             where["positions"] += 1
             where["over_logprob_limit"] += here > LOGPROB
             if here > difference:
                 difference = here
-                where.update(prompt=index, step=step, token=token, vllm_logprob=vllm_logprob, logprob=float(row[token]),
-                             best=int(row.argmax()), best_logprob=float(row.max()))
+                where.update(prompt=index, step=step, token=token, vllm_logprob=vllm_logprob, logprobs=[float(row[token]) for row in rows],
+                             best=[int(row.argmax()) for row in rows], best_logprobs=[float(row.max()) for row in rows])
     return gap, difference, where
 
 
@@ -405,15 +414,16 @@ def test_vllm_serves_the_export(vllm_case, vllm_work, record):
     hf = vllm_work.root / family / "hf"
     # An MoE's routing in bf16 (gpu_cases.MOE_ROUTING_LOGPROB) moves both.
     limit, gap_limit = FAMILY[family].vllm_logprob or LOGPROB, FAMILY[family].vllm_logprob or GAP
-    gap, difference, where = against_transformers(hf, vllm_work.prompts, served)
+    # vLLM runs in bf16: at a position where bf16 alone moves transformers' own logprobs (an expert chosen otherwise at
+    # a near-tie of the router: Mixtral's and OLMoE's first runs parted from transformers' fp32 by 0.88 and 1.82, and
+    # transformers' bf16 from its fp32 by 0.85 and 1.74 at the same positions, 4 x H200 and H200), vLLM is held to
+    # transformers at the nearer of the two precisions.
+    fp32, bf16 = (transformers_logprobs(hf, continued(vllm_work.prompts, served), bf16=half) for half in (False, True))
+    gap, difference, where = compared([fp32, bf16], vllm_work.prompts, served)
+    fp32_gap, fp32_difference, _ = compared([fp32], vllm_work.prompts, served)
     _, fault_difference, _ = against_transformers(hf, vllm_work.prompts, served, fault=True)
-    # What bf16 alone does to transformers' own logprobs of vLLM's tokens: how far routing in bf16 moves this model.
-    sequences = [prompt + tokens for prompt, tokens in zip(vllm_work.prompts, served["tokens"])]
-    bf16 = [[float(row[len(prompt) - 1 + step, token]) for step, token in enumerate(tokens)]
-            for row, prompt, tokens in zip(transformers_logprobs(hf, sequences, bf16=True), vllm_work.prompts, served["tokens"])]
-    _, bf16_difference, bf16_where = compared(transformers_logprobs(hf, sequences), vllm_work.prompts, {**served, "logprobs": bf16})
     record("max_logprob_gap", gap, gap_limit, gap <= gap_limit, seconds=served["seconds"], tokens=NEW_TOKENS, prompts=list(PROMPT_LENGTHS),
-           where=where, transformers_bf16_against_fp32=dict(bf16_where, max_logprob_difference=bf16_difference))
+           where=where, against_fp32_only={"max_logprob_gap": fp32_gap, "max_logprob_difference": fp32_difference})
     record("max_logprob_difference", difference, limit, difference <= limit)
     record("fault_max_logprob_difference", fault_difference, limit, fault_difference > limit, fault="layer 0's MLP (or mixer) weights negated")
     assert gap <= gap_limit and difference <= limit, (gap, difference)
