@@ -4,10 +4,10 @@ quantization_config. Which tensors those are is read from the original's safeten
 as it is written. Three formats: block-quantized FP8 (`FP8Blocks`: each weight in float8_e4m3fn with the original's
 block size and a `_scale_inv` beside it, `quantize_fp8_blocks`), compressed-tensors' symmetric pack-quantized INT4
 (`PackedInt4`: each linear layer `M` as `M.weight_packed`, `M.weight_scale` and `M.weight_shape`, `quantize_int4`) and
-gpt-oss's MXFP4 (`MXFP4`: each expert tensor `X` as `X_blocks` and `X_scales`, `quantize_mxfp4`). INT4 and MXFP4
-keep the original's own scale, read from it a tensor at a time, for each group whose values are exactly integers (e2m1
-values) times it, and so give back the original's bytes for what training left as it was; the other groups, and FP8's
-blocks (whose scale its values give back as it was), are quantized afresh."""
+gpt-oss's MXFP4 (`MXFP4`: each expert tensor `X` as `X_blocks` and `X_scales`, `quantize_mxfp4`). All three
+keep the original's own scale, read from it a tensor at a time, for each group (block) whose values are exactly
+integers (e2m1, float8_e4m3fn values) times it, and so give back the original's bytes for what training left as it
+was, whatever rule made its scales; the other groups are quantized afresh."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import numpy as np
 from mconvert import dtypes
 from mconvert.converters.plan import Plan
 from mconvert.errors import ConversionError
+from mconvert.formats.fp8_source import quantize_fp8_on_source
 from mconvert.formats.hf_checkpoint import HFCheckpoint
 from mconvert.formats.quantized import (
     COMPRESSED_TENSORS,
@@ -34,7 +35,6 @@ from mconvert.formats.quantized import (
     fp8_block_size,
     pack_quantized,
     quantization_config,
-    quantize_fp8_blocks,
     quantize_int4,
     quantize_mxfp4,
 )
@@ -96,20 +96,28 @@ class Unquantized:
 
 @dataclass(frozen=True)
 class FP8Blocks(Unquantized):
-    """Block-quantized FP8: each tensor of `names` in float8_e4m3fn, its `_scale_inv` (fp32, one per `block`, partial
-    blocks at the edges counted) right after it."""
+    """Block-quantized FP8: each tensor of `names` in float8_e4m3fn, its `_scale_inv` (one per `block`, partial blocks
+    at the edges counted) right after it, in the dtype the `original` stores it in (fp32, or float8_e8m0fnu for
+    power-of-two scales). `power_of_two` (`scale_fmt: ue8m0`): fresh scales rounded up to powers of two. A block
+    whose values are exactly float8_e4m3fn values times the `original`'s scale keeps that scale (fp8_source)."""
 
     names: frozenset[str] = frozenset()
     block: tuple[int, int] = (128, 128)
+    power_of_two: bool = False
+    original: HFCheckpoint | None = field(default=None, compare=False, repr=False)
     what = "in FP8 blocks with their _scale_inv"
+
+    def scale_dtype(self, name: str) -> np.dtype:
+        return dtypes.float32 if self.original is None else self.original.scales[name][0].dtype
 
     def stored(self, name: str, dtype: Any, shape: tuple[int, ...]) -> Layout:
         grid = tuple(-(-size // step) for size, step in zip(shape[-2:], self.block))
-        return {name: (dtypes.float8_e4m3fn, shape), name + SCALE_SUFFIX: (dtypes.float32, (*shape[:-2], *grid))}
+        return {name: (dtypes.float8_e4m3fn, shape), name + SCALE_SUFFIX: (self.scale_dtype(name), (*shape[:-2], *grid))}
 
     def quantized(self, name: str, values: np.ndarray, index: int | None) -> list[tuple[str, np.ndarray]]:
-        quantized, scales = quantize_fp8_blocks(values, self.block)
-        return [(name, quantized), (name + SCALE_SUFFIX, scales)]
+        source = None if self.original is None else self.original.read_stored(self.original.scales[name][0], name + SCALE_SUFFIX, index)
+        quantized, scales = quantize_fp8_on_source(values, self.block, source, self.power_of_two)
+        return [(name, quantized), (name + SCALE_SUFFIX, scales.astype(self.scale_dtype(name)))]
 
 
 @dataclass(frozen=True)
@@ -205,25 +213,28 @@ def quantized_export(quantize: str | None, hf_config_dir: str | os.PathLike | No
 def fp8_blocks(quantize: str, directory: Path, reference: dict[str, Any], plan: Plan) -> FP8Blocks:
     """The tensors of the export `plan` that the FP8 original in `directory` stores in blocks, with its block size."""
     quantization = quantization_config(reference)
-    if quantization.get("scale_fmt") is not None:
+    power_of_two = quantization.get("scale_fmt") == "ue8m0"
+    if quantization.get("scale_fmt") not in (None, "float", "ue8m0"):
         raise ConversionError(
-            f"--quantize {quantize}: --hf-config {directory} has scale_fmt {quantization['scale_fmt']} (power-of-two "
-            "scales): not supported yet, only fp32 block scales are written back"
+            f"--quantize {quantize}: --hf-config {directory} has scale_fmt {quantization['scale_fmt']}: not supported "
+            "(float and ue8m0, power-of-two scales, are)"
         )
     block = fp8_block_size(reference)
     original = HFCheckpoint(directory, fp8_block=block, check_finite=False)  # headers only
     shapes = plan.hf_shapes()
+    scale_dtypes = (dtypes.float32, dtypes.float8_e8m0fnu) if power_of_two else (dtypes.float32,)
     for name, (scale, _) in original.scales.items():
         stored = original.tensors[name]
-        if (stored.dtype, scale.dtype) != (dtypes.float8_e4m3fn, dtypes.float32):
+        if stored.dtype != dtypes.float8_e4m3fn or scale.dtype not in scale_dtypes:
             raise ConversionError(
                 f"--quantize {quantize}: {original.where(name)} is {stored.dtype.name} with {scale.dtype.name} block scales: "
-                "only float8_e4m3fn with fp32 scales is written back yet"
+                f"only float8_e4m3fn with {' or '.join(d.name for d in scale_dtypes)} scales is written back"
+                + ("" if power_of_two else " without scale_fmt ue8m0")
             )
         if name in shapes and tuple(stored.shape) != tuple(shapes[name]):
             raise ConversionError(f"--quantize {quantize}: {original.where(name)} has shape {list(stored.shape)}, the export's {list(shapes[name])}")
     names = frozenset(original.scales) & shapes.keys()
-    return FP8Blocks(quantization, "quantization_config" not in reference, names, block)
+    return FP8Blocks(quantization, "quantization_config" not in reference, names, block, power_of_two, original)
 
 
 def packed_int4(quantize: str, directory: Path, reference: dict[str, Any], plan: Plan) -> PackedInt4:
