@@ -2,8 +2,9 @@
 checkpoint (`--hf-config`) stores quantized are written so again, and config.json keeps the original's
 quantization_config. Which tensors those are is read from the original's safetensors headers alone; each is quantized
 as it is written. Three formats: block-quantized FP8 (`FP8Blocks`: each weight in float8_e4m3fn with the original's
-block size and a `_scale_inv` beside it, `quantize_fp8_blocks`), compressed-tensors' symmetric pack-quantized INT4
-(`PackedInt4`: each linear layer `M` as `M.weight_packed`, `M.weight_scale` and `M.weight_shape`, `quantize_int4`) and
+block size and a `_scale_inv` beside it, `quantize_fp8_blocks`), compressed-tensors' pack-quantized INT4
+(`PackedInt4`: each linear layer `M` as `M.weight_packed`, `M.weight_scale`, `M.weight_shape` and, asymmetric,
+`M.weight_zero_point`, `quantize_int4` and `quantize_int4_asymmetric`) and
 gpt-oss's MXFP4 (`MXFP4`: each expert tensor `X` as `X_blocks` and `X_scales`, `quantize_mxfp4`). All three
 keep the original's own scale, read from it a tensor at a time, for each group (block) whose values are exactly
 integers (e2m1, float8_e4m3fn values) times it, and so give back the original's bytes for what training left as it
@@ -23,6 +24,7 @@ from mconvert.converters.plan import Plan
 from mconvert.errors import ConversionError
 from mconvert.formats.fp8_source import quantize_fp8_on_source
 from mconvert.formats.hf_checkpoint import HFCheckpoint
+from mconvert.formats.int4_asymmetric import quantize_int4_asymmetric
 from mconvert.formats.quantized import (
     COMPRESSED_TENSORS,
     MXFP4_BLOCKS,
@@ -32,6 +34,7 @@ from mconvert.formats.quantized import (
     SCALE,
     SCALE_SUFFIX,
     SHAPE,
+    ZERO_POINT,
     fp8_block_size,
     pack_quantized,
     quantization_config,
@@ -122,14 +125,17 @@ class FP8Blocks(Unquantized):
 
 @dataclass(frozen=True)
 class PackedInt4(Unquantized):
-    """compressed-tensors' symmetric pack-quantized INT4: each weight `M.weight` of `names` as `M.weight_packed` (int32,
-    eight integers a word), `M.weight_scale` (one per `group_size` columns, None: one a row) and `M.weight_shape`, the
-    scales and the shape in the dtypes the original stores them in (`stored_dtypes`: by weight name). A group whose
-    values are exactly integers times the `original`'s scale keeps that scale (quantize_int4's `source_scales`)."""
+    """compressed-tensors' pack-quantized INT4: each weight `M.weight` of `names` as `M.weight_packed` (int32, eight
+    integers a word), `M.weight_scale` (one per `group_size` columns, None: one a row), `M.weight_shape` and, not
+    `symmetric`, `M.weight_zero_point` (int32, eight a word down the rows), the scales and the shape in the dtypes
+    the original stores them in (`stored_dtypes`: by weight name). A group whose values are exactly integers (less
+    their zero point) times the `original`'s scale keeps that scale and zero point (quantize_int4's
+    `source_scales`, quantize_int4_asymmetric's `source`)."""
 
     group_size: int | None = None
     stored_dtypes: dict[str, tuple[np.dtype, np.dtype]] = field(default_factory=dict)
     original: HFCheckpoint | None = field(default=None, compare=False, repr=False)
+    symmetric: bool = True
     what = "pack-quantized in INT4 with their weight_scale and weight_shape"
 
     @property
@@ -140,7 +146,8 @@ class PackedInt4(Unquantized):
         module, (rows, columns) = name.removesuffix(".weight"), shape
         scale, size = self.stored_dtypes[name]
         groups = 1 if self.group_size is None else columns // self.group_size
-        return {f"{module}.{PACKED}": (np.dtype(np.int32), (rows, -(-columns // 8))), f"{module}.{SCALE}": (scale, (rows, groups)), f"{module}.{SHAPE}": (size, (2,))}
+        zeros = {} if self.symmetric else {f"{module}.{ZERO_POINT}": (np.dtype(np.int32), (-(-rows // 8), groups))}
+        return {f"{module}.{PACKED}": (np.dtype(np.int32), (rows, -(-columns // 8))), f"{module}.{SCALE}": (scale, (rows, groups)), f"{module}.{SHAPE}": (size, (2,)), **zeros}
 
     def held(self, name: str) -> str:
         return f"{name.removesuffix('.weight')}.{PACKED}" if name in self.names else name
@@ -148,8 +155,13 @@ class PackedInt4(Unquantized):
     def quantized(self, name: str, values: np.ndarray, index: int | None) -> list[tuple[str, np.ndarray]]:
         module, (scale, size) = name.removesuffix(".weight"), self.stored_dtypes[name]
         source = None if self.original is None else self.original.read(f"{module}.{SCALE}")
-        packed, scales = quantize_int4(values, self.group_size, scale, source)
-        return [(f"{module}.{PACKED}", packed), (f"{module}.{SCALE}", scales), (f"{module}.{SHAPE}", np.array(values.shape, dtype=size))]
+        shape = (f"{module}.{SHAPE}", np.array(values.shape, dtype=size))
+        if self.symmetric:
+            packed, scales = quantize_int4(values, self.group_size, scale, source)
+            return [(f"{module}.{PACKED}", packed), (f"{module}.{SCALE}", scales), shape]
+        given = None if source is None else (source, self.original.read(f"{module}.{ZERO_POINT}"))
+        packed, scales, zeros = quantize_int4_asymmetric(values, self.group_size, scale, given)
+        return [(f"{module}.{PACKED}", packed), (f"{module}.{SCALE}", scales), shape, (f"{module}.{ZERO_POINT}", zeros)]
 
 
 @dataclass(frozen=True)
@@ -241,11 +253,6 @@ def packed_int4(quantize: str, directory: Path, reference: dict[str, Any], plan:
     """The weights of the export `plan` that the INT4 original in `directory` stores packed (its `*.weight_packed`),
     with its scheme, and the dtypes of their scales and shapes."""
     scheme = pack_quantized(reference)  # an error for any scheme but 4-bit integer weights in groups or rows
-    if not scheme.symmetric:
-        raise ConversionError(
-            f"--quantize {quantize}: --hf-config {directory} is asymmetric pack-quantized INT4 (zero points): not supported "
-            "yet, only symmetric INT4 is written back"
-        )
     original = HFCheckpoint(directory, check_finite=False)  # headers only: the packed tensors stand as stored
     shapes, found = plan.hf_shapes(), {}
     for module in [name.removesuffix("." + PACKED) for name in original.tensors if name.endswith("." + PACKED)]:
@@ -255,13 +262,17 @@ def packed_int4(quantize: str, directory: Path, reference: dict[str, Any], plan:
             continue
         rows, columns = shapes[name]
         groups = 1 if scheme.group_size is None else columns // scheme.group_size
-        if scale is None or size is None or (packed.shape, scale.shape) != ((rows, -(-columns // 8)), (rows, groups)) or packed.dtype != np.int32:
+        zeros = original.tensors.get(f"{module}.{ZERO_POINT}")
+        fits = zeros is None if scheme.symmetric else zeros is not None and (zeros.dtype, zeros.shape) == (np.int32, (-(-rows // 8), groups))
+        if not fits or scale is None or size is None or (packed.shape, scale.shape) != ((rows, -(-columns // 8)), (rows, groups)) or packed.dtype != np.int32:
+            zero_points = "no zero points" if scheme.symmetric else f"a {module}.{ZERO_POINT} of {groups} packed int32 a word of rows"
             raise ConversionError(
                 f"--quantize {quantize}: {original.where(f'{module}.{PACKED}')} is not the export's {name} {[rows, columns]} "
-                f"packed, with a {module}.{SCALE} of {groups} scales a row and a {module}.{SHAPE}"
+                f"packed, with a {module}.{SCALE} of {groups} scales a row, a {module}.{SHAPE} and {zero_points}"
             )
         found[name] = (scale.dtype, size.dtype)
-    return PackedInt4(quantization_config(reference), "quantization_config" not in reference, scheme.group_size, found, original)
+    quantization = quantization_config(reference)
+    return PackedInt4(quantization, "quantization_config" not in reference, scheme.group_size, found, original, scheme.symmetric)
 
 
 def mxfp4(quantize: str, directory: Path, reference: dict[str, Any], plan: Plan) -> MXFP4:
