@@ -21,12 +21,14 @@ from compressed_tensors.utils.match import match_name
 from safetensors.torch import load_file
 
 from mconvert import dtypes
+from mconvert.cli import main
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
 from mconvert.formats import int4_asymmetric
 from mconvert.formats.int4_asymmetric import quantize_int4_asymmetric
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
+from tests.cli_runner import assert_nothing_left
 from tests.test_fp8 import stored
 from tests.test_fp8_export import headers, tensors
 from tests.test_int4 import QUANTIZATION, with_quantization, write
@@ -141,3 +143,17 @@ def test_a_wrong_asymmetric_quantizer_is_caught(work, fault, tmp_path, monkeypat
     if fault == "no group kept":  # and `fresh` owes nothing to kept groups: quantized afresh, it is the same
         convert_mcore_to_hf(work / "mcore-source", tmp_path / "fresh", hf_config_dir=work / "release", dtype=torch.bfloat16, quantize="as-source")
         assert all(torch.equal(t, original[name]) for name, t in tensors(tmp_path / "fresh").items())
+
+
+def test_an_original_without_its_zero_points_is_one_line(work, tmp_path, capsys):
+    """An asymmetric original one of whose packed weights lacks its weight_zero_point: refused in one line naming
+    the tensor, nothing written."""
+    original = tensors(work / "release")
+    module = next(name for name in original if name.endswith(".weight_zero_point")).removesuffix(".weight_zero_point")
+    del original[f"{module}.weight_zero_point"]
+    write(tmp_path / "original", original, json.loads((work / "release" / "config.json").read_text()))
+    args = ["--load-dir", str(work / "mcore-release"), "--save-dir", str(tmp_path / "out"), "--hf-config", str(tmp_path / "original")]
+    code = main(["mcore-to-hf", *args, "--quantize", "as-source"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1 and f"'{module}.weight_packed'" in err and f"a {module}.weight_zero_point of" in err, err
+    assert_nothing_left(tmp_path / "out")
