@@ -361,3 +361,24 @@ def test_quantize_of_a_source_not_fp8_blocks_is_one_line(work, source, tmp_path,
                 "other value": "not one of as-source"}[source]
     assert expected in err and ("not supported" in err or source in ("config only", "other value")), err
     assert_nothing_left(tmp_path / "out")
+
+
+@pytest.mark.parametrize("changed", ["one block", "one value of a block's last row", "none"])
+def test_only_the_changed_blocks_are_quantized_afresh(changed):
+    """Values dequantized from amax / 400 blocks (40 x 70: partial blocks at both edges), one block changed: that
+    block is what quantize_fp8_blocks makes of the values, every other keeps its bytes and scale; a change in a
+    block's last row alone (its first row, checked first, still exact) too."""
+    weight = torch.randn(40, 70) * 0.05
+    q, scale = rule_quantize(weight)
+    values = dequantize(q, scale).to(torch.bfloat16)
+    if changed == "one block":
+        values[BLOCK[0] : 2 * BLOCK[0], BLOCK[1] : 2 * BLOCK[1]] *= 1.5
+    elif changed != "none":
+        values[2 * BLOCK[0] - 1, 5] += 0.01
+    ours, ours_scale = fp8_source.quantize_fp8_on_source(dtypes.as_numpy(values), BLOCK, scale.numpy())
+    fresh, fresh_scale = quantize_fp8_blocks(dtypes.as_numpy(values), BLOCK)
+    block = np.zeros(scale.shape, dtype=bool)
+    block[1, 0 if changed.startswith("one value") else 1] = changed != "none"
+    assert np.array_equal(ours_scale, np.where(block, fresh_scale, scale.numpy()))
+    spread = np.repeat(np.repeat(block, BLOCK[0], 0)[:40], BLOCK[1], 1)[:, :70]
+    assert np.array_equal(ours.view(np.uint8), np.where(spread, fresh.view(np.uint8), q.view(torch.uint8).numpy()))
