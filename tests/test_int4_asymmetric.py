@@ -157,3 +157,9 @@ def test_an_original_without_its_zero_points_is_one_line(work, tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert code == 1 and len(err.splitlines()) == 1 and f"'{module}.weight_packed'" in err and f"a {module}.weight_zero_point of" in err, err
     assert_nothing_left(tmp_path / "out")
+
+
+def test_the_summary_names_the_zero_points(work, tmp_path, capsys):
+    args = ["--load-dir", str(work / "mcore-release"), "--save-dir", str(tmp_path / "out"), "--hf-config", str(work / "release")]
+    assert main(["mcore-to-hf", *args, "--quantize", "as-source"]) == 0
+    assert "pack-quantized in INT4 with their weight_scale, weight_shape and weight_zero_point" in capsys.readouterr().out

@@ -136,7 +136,11 @@ class PackedInt4(Unquantized):
     stored_dtypes: dict[str, tuple[np.dtype, np.dtype]] = field(default_factory=dict)
     original: HFCheckpoint | None = field(default=None, compare=False, repr=False)
     symmetric: bool = True
-    what = "pack-quantized in INT4 with their weight_scale and weight_shape"
+
+    @property
+    def what(self) -> str:  # type: ignore[override]
+        parts = "weight_scale and weight_shape" if self.symmetric else "weight_scale, weight_shape and weight_zero_point"
+        return f"pack-quantized in INT4 with their {parts}"
 
     @property
     def names(self) -> frozenset[str]:

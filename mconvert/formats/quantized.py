@@ -5,8 +5,8 @@ says `scale_fmt: ue8m0` (DeepSeek-V3.2), both read as their values. MXFP4 (gpt-o
 a weight `X` stored as `X_blocks`, two 4-bit floats a byte, and `X_scales`, one power of two per 32 values. And
 compressed-tensors' pack-quantized INT4 (Kimi-K2-Thinking's and Kimi-K2.5's experts): a linear layer `M` stored as
 `M.weight_packed`, eight 4-bit integers an int32, `M.weight_scale`, one factor per group of a row, `M.weight_shape`
-and, where asymmetric, `M.weight_zero_point`. FP8 blocks, symmetric INT4 and MXFP4 are also written
-(`quantize_fp8_blocks`, `quantize_int4`, `quantize_mxfp4`), for an export in the format of its source.
+and, where asymmetric, `M.weight_zero_point`. FP8 blocks, symmetric INT4 and MXFP4 are also written (`quantize_fp8_blocks`,
+`quantize_int4`, `quantize_mxfp4`; asymmetric INT4 in int4_asymmetric), for an export in the format of its source.
 
 (FP8's block size, whether a config names MXFP4, and the INT4 scheme are all read from config.json's
 quantization_config, or its text_config's where the config describes an image-text model.)"""
