@@ -382,3 +382,15 @@ def test_only_the_changed_blocks_are_quantized_afresh(changed):
     assert np.array_equal(ours_scale, np.where(block, fresh_scale, scale.numpy()))
     spread = np.repeat(np.repeat(block, BLOCK[0], 0)[:40], BLOCK[1], 1)[:, :70]
     assert np.array_equal(ours.view(np.uint8), np.where(spread, fresh.view(np.uint8), q.view(torch.uint8).numpy()))
+
+
+def test_power_of_two_scales_stored_without_ue8m0_in_the_config_are_one_line(work, tmp_path, capsys):
+    """float8_e8m0fnu scales under a config without `scale_fmt: ue8m0`: refused in one line naming the tensor."""
+    shutil.copytree(work / "release-ue8m0", tmp_path / "original")
+    config = json.loads((tmp_path / "original" / "config.json").read_text())
+    (tmp_path / "original" / "config.json").write_text(json.dumps({**config, "quantization_config": QUANTIZATION}))
+    args = ["--load-dir", str(work / "mcore"), "--save-dir", str(tmp_path / "out"), "--hf-config", str(tmp_path / "original")]
+    assert main(["mcore-to-hf", *args, "--quantize", "as-source"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "with float8_e8m0fnu block scales: only float8_e4m3fn with float32 scales" in err and "_proj.weight'" in err, err
+    assert_nothing_left(tmp_path / "out")
