@@ -244,7 +244,7 @@ def with_scheme(release, directory, **weights):
 
 
 REFUSED = {
-    "asymmetric": (dict(symmetric=False), "is asymmetric pack-quantized INT4 (zero points): not supported yet"),
+    "tensor strategy": (dict(strategy="tensor", group_size=None), "config_groups.group_0 weights of strategy tensor"),
     "8 bits": (dict(num_bits=8), "config_groups.group_0 weights of type int, num_bits 8"),
 }
 

@@ -2,12 +2,13 @@
 checkpoint (`--hf-config`) stores quantized are written so again, and config.json keeps the original's
 quantization_config. Which tensors those are is read from the original's safetensors headers alone; each is quantized
 as it is written. Three formats: block-quantized FP8 (`FP8Blocks`: each weight in float8_e4m3fn with the original's
-block size and a `_scale_inv` beside it, `quantize_fp8_blocks`), compressed-tensors' symmetric pack-quantized INT4
-(`PackedInt4`: each linear layer `M` as `M.weight_packed`, `M.weight_scale` and `M.weight_shape`, `quantize_int4`) and
-gpt-oss's MXFP4 (`MXFP4`: each expert tensor `X` as `X_blocks` and `X_scales`, `quantize_mxfp4`). INT4 and MXFP4
-keep the original's own scale, read from it a tensor at a time, for each group whose values are exactly integers (e2m1
-values) times it, and so give back the original's bytes for what training left as it was; the other groups, and FP8's
-blocks (whose scale its values give back as it was), are quantized afresh."""
+block size and a `_scale_inv` beside it, `quantize_fp8_blocks`), compressed-tensors' pack-quantized INT4
+(`PackedInt4`: each linear layer `M` as `M.weight_packed`, `M.weight_scale`, `M.weight_shape` and, asymmetric,
+`M.weight_zero_point`, `quantize_int4` and `quantize_int4_asymmetric`) and
+gpt-oss's MXFP4 (`MXFP4`: each expert tensor `X` as `X_blocks` and `X_scales`, `quantize_mxfp4`). All three
+keep the original's own scale, read from it a tensor at a time, for each group (block) whose values are exactly
+integers (e2m1, float8_e4m3fn values) times it, and so give back the original's bytes for what training left as it
+was, whatever rule made its scales; the other groups are quantized afresh."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ import numpy as np
 from mconvert import dtypes
 from mconvert.converters.plan import Plan
 from mconvert.errors import ConversionError
+from mconvert.formats.fp8_source import quantize_fp8_on_source
 from mconvert.formats.hf_checkpoint import HFCheckpoint
+from mconvert.formats.int4_asymmetric import quantize_int4_asymmetric
 from mconvert.formats.quantized import (
     COMPRESSED_TENSORS,
     MXFP4_BLOCKS,
@@ -31,10 +34,10 @@ from mconvert.formats.quantized import (
     SCALE,
     SCALE_SUFFIX,
     SHAPE,
+    ZERO_POINT,
     fp8_block_size,
     pack_quantized,
     quantization_config,
-    quantize_fp8_blocks,
     quantize_int4,
     quantize_mxfp4,
 )
@@ -96,33 +99,48 @@ class Unquantized:
 
 @dataclass(frozen=True)
 class FP8Blocks(Unquantized):
-    """Block-quantized FP8: each tensor of `names` in float8_e4m3fn, its `_scale_inv` (fp32, one per `block`, partial
-    blocks at the edges counted) right after it."""
+    """Block-quantized FP8: each tensor of `names` in float8_e4m3fn, its `_scale_inv` (one per `block`, partial blocks
+    at the edges counted) right after it, in the dtype the `original` stores it in (fp32, or float8_e8m0fnu for
+    power-of-two scales). `power_of_two` (`scale_fmt: ue8m0`): fresh scales rounded up to powers of two. A block
+    whose values are exactly float8_e4m3fn values times the `original`'s scale keeps that scale (fp8_source)."""
 
     names: frozenset[str] = frozenset()
     block: tuple[int, int] = (128, 128)
+    power_of_two: bool = False
+    original: HFCheckpoint | None = field(default=None, compare=False, repr=False)
     what = "in FP8 blocks with their _scale_inv"
+
+    def scale_dtype(self, name: str) -> np.dtype:
+        return dtypes.float32 if self.original is None else self.original.scales[name][0].dtype
 
     def stored(self, name: str, dtype: Any, shape: tuple[int, ...]) -> Layout:
         grid = tuple(-(-size // step) for size, step in zip(shape[-2:], self.block))
-        return {name: (dtypes.float8_e4m3fn, shape), name + SCALE_SUFFIX: (dtypes.float32, (*shape[:-2], *grid))}
+        return {name: (dtypes.float8_e4m3fn, shape), name + SCALE_SUFFIX: (self.scale_dtype(name), (*shape[:-2], *grid))}
 
     def quantized(self, name: str, values: np.ndarray, index: int | None) -> list[tuple[str, np.ndarray]]:
-        quantized, scales = quantize_fp8_blocks(values, self.block)
-        return [(name, quantized), (name + SCALE_SUFFIX, scales)]
+        source = None if self.original is None else self.original.read_stored(self.original.scales[name][0], name + SCALE_SUFFIX, index)
+        quantized, scales = quantize_fp8_on_source(values, self.block, source, self.power_of_two)
+        return [(name, quantized), (name + SCALE_SUFFIX, scales.astype(self.scale_dtype(name)))]
 
 
 @dataclass(frozen=True)
 class PackedInt4(Unquantized):
-    """compressed-tensors' symmetric pack-quantized INT4: each weight `M.weight` of `names` as `M.weight_packed` (int32,
-    eight integers a word), `M.weight_scale` (one per `group_size` columns, None: one a row) and `M.weight_shape`, the
-    scales and the shape in the dtypes the original stores them in (`stored_dtypes`: by weight name). A group whose
-    values are exactly integers times the `original`'s scale keeps that scale (quantize_int4's `source_scales`)."""
+    """compressed-tensors' pack-quantized INT4: each weight `M.weight` of `names` as `M.weight_packed` (int32, eight
+    integers a word), `M.weight_scale` (one per `group_size` columns, None: one a row), `M.weight_shape` and, not
+    `symmetric`, `M.weight_zero_point` (int32, eight a word down the rows), the scales and the shape in the dtypes
+    the original stores them in (`stored_dtypes`: by weight name). A group whose values are exactly integers (less
+    their zero point) times the `original`'s scale keeps that scale and zero point (quantize_int4's
+    `source_scales`, quantize_int4_asymmetric's `source`)."""
 
     group_size: int | None = None
     stored_dtypes: dict[str, tuple[np.dtype, np.dtype]] = field(default_factory=dict)
     original: HFCheckpoint | None = field(default=None, compare=False, repr=False)
-    what = "pack-quantized in INT4 with their weight_scale and weight_shape"
+    symmetric: bool = True
+
+    @property
+    def what(self) -> str:  # type: ignore[override]
+        parts = "weight_scale and weight_shape" if self.symmetric else "weight_scale, weight_shape and weight_zero_point"
+        return f"pack-quantized in INT4 with their {parts}"
 
     @property
     def names(self) -> frozenset[str]:
@@ -132,7 +150,8 @@ class PackedInt4(Unquantized):
         module, (rows, columns) = name.removesuffix(".weight"), shape
         scale, size = self.stored_dtypes[name]
         groups = 1 if self.group_size is None else columns // self.group_size
-        return {f"{module}.{PACKED}": (np.dtype(np.int32), (rows, -(-columns // 8))), f"{module}.{SCALE}": (scale, (rows, groups)), f"{module}.{SHAPE}": (size, (2,))}
+        zeros = {} if self.symmetric else {f"{module}.{ZERO_POINT}": (np.dtype(np.int32), (-(-rows // 8), groups))}
+        return {f"{module}.{PACKED}": (np.dtype(np.int32), (rows, -(-columns // 8))), f"{module}.{SCALE}": (scale, (rows, groups)), f"{module}.{SHAPE}": (size, (2,)), **zeros}
 
     def held(self, name: str) -> str:
         return f"{name.removesuffix('.weight')}.{PACKED}" if name in self.names else name
@@ -140,8 +159,13 @@ class PackedInt4(Unquantized):
     def quantized(self, name: str, values: np.ndarray, index: int | None) -> list[tuple[str, np.ndarray]]:
         module, (scale, size) = name.removesuffix(".weight"), self.stored_dtypes[name]
         source = None if self.original is None else self.original.read(f"{module}.{SCALE}")
-        packed, scales = quantize_int4(values, self.group_size, scale, source)
-        return [(f"{module}.{PACKED}", packed), (f"{module}.{SCALE}", scales), (f"{module}.{SHAPE}", np.array(values.shape, dtype=size))]
+        shape = (f"{module}.{SHAPE}", np.array(values.shape, dtype=size))
+        if self.symmetric:
+            packed, scales = quantize_int4(values, self.group_size, scale, source)
+            return [(f"{module}.{PACKED}", packed), (f"{module}.{SCALE}", scales), shape]
+        given = None if source is None else (source, self.original.read(f"{module}.{ZERO_POINT}"))
+        packed, scales, zeros = quantize_int4_asymmetric(values, self.group_size, scale, given)
+        return [(f"{module}.{PACKED}", packed), (f"{module}.{SCALE}", scales), shape, (f"{module}.{ZERO_POINT}", zeros)]
 
 
 @dataclass(frozen=True)
@@ -205,36 +229,34 @@ def quantized_export(quantize: str | None, hf_config_dir: str | os.PathLike | No
 def fp8_blocks(quantize: str, directory: Path, reference: dict[str, Any], plan: Plan) -> FP8Blocks:
     """The tensors of the export `plan` that the FP8 original in `directory` stores in blocks, with its block size."""
     quantization = quantization_config(reference)
-    if quantization.get("scale_fmt") is not None:
+    power_of_two = quantization.get("scale_fmt") == "ue8m0"
+    if quantization.get("scale_fmt") not in (None, "float", "ue8m0"):
         raise ConversionError(
-            f"--quantize {quantize}: --hf-config {directory} has scale_fmt {quantization['scale_fmt']} (power-of-two "
-            "scales): not supported yet, only fp32 block scales are written back"
+            f"--quantize {quantize}: --hf-config {directory} has scale_fmt {quantization['scale_fmt']}: not supported "
+            "(float and ue8m0, power-of-two scales, are)"
         )
     block = fp8_block_size(reference)
     original = HFCheckpoint(directory, fp8_block=block, check_finite=False)  # headers only
     shapes = plan.hf_shapes()
+    scale_dtypes = (dtypes.float32, dtypes.float8_e8m0fnu) if power_of_two else (dtypes.float32,)
     for name, (scale, _) in original.scales.items():
         stored = original.tensors[name]
-        if (stored.dtype, scale.dtype) != (dtypes.float8_e4m3fn, dtypes.float32):
+        if stored.dtype != dtypes.float8_e4m3fn or scale.dtype not in scale_dtypes:
             raise ConversionError(
                 f"--quantize {quantize}: {original.where(name)} is {stored.dtype.name} with {scale.dtype.name} block scales: "
-                "only float8_e4m3fn with fp32 scales is written back yet"
+                f"only float8_e4m3fn with {' or '.join(d.name for d in scale_dtypes)} scales is written back"
+                + ("" if power_of_two else " without scale_fmt ue8m0")
             )
         if name in shapes and tuple(stored.shape) != tuple(shapes[name]):
             raise ConversionError(f"--quantize {quantize}: {original.where(name)} has shape {list(stored.shape)}, the export's {list(shapes[name])}")
     names = frozenset(original.scales) & shapes.keys()
-    return FP8Blocks(quantization, "quantization_config" not in reference, names, block)
+    return FP8Blocks(quantization, "quantization_config" not in reference, names, block, power_of_two, original)
 
 
 def packed_int4(quantize: str, directory: Path, reference: dict[str, Any], plan: Plan) -> PackedInt4:
     """The weights of the export `plan` that the INT4 original in `directory` stores packed (its `*.weight_packed`),
     with its scheme, and the dtypes of their scales and shapes."""
     scheme = pack_quantized(reference)  # an error for any scheme but 4-bit integer weights in groups or rows
-    if not scheme.symmetric:
-        raise ConversionError(
-            f"--quantize {quantize}: --hf-config {directory} is asymmetric pack-quantized INT4 (zero points): not supported "
-            "yet, only symmetric INT4 is written back"
-        )
     original = HFCheckpoint(directory, check_finite=False)  # headers only: the packed tensors stand as stored
     shapes, found = plan.hf_shapes(), {}
     for module in [name.removesuffix("." + PACKED) for name in original.tensors if name.endswith("." + PACKED)]:
@@ -244,13 +266,17 @@ def packed_int4(quantize: str, directory: Path, reference: dict[str, Any], plan:
             continue
         rows, columns = shapes[name]
         groups = 1 if scheme.group_size is None else columns // scheme.group_size
-        if scale is None or size is None or (packed.shape, scale.shape) != ((rows, -(-columns // 8)), (rows, groups)) or packed.dtype != np.int32:
+        zeros = original.tensors.get(f"{module}.{ZERO_POINT}")
+        fits = zeros is None if scheme.symmetric else zeros is not None and (zeros.dtype, zeros.shape) == (np.int32, (-(-rows // 8), groups))
+        if not fits or scale is None or size is None or (packed.shape, scale.shape) != ((rows, -(-columns // 8)), (rows, groups)) or packed.dtype != np.int32:
+            zero_points = "no zero points" if scheme.symmetric else f"a {module}.{ZERO_POINT} of {groups} packed int32 a word of rows"
             raise ConversionError(
                 f"--quantize {quantize}: {original.where(f'{module}.{PACKED}')} is not the export's {name} {[rows, columns]} "
-                f"packed, with a {module}.{SCALE} of {groups} scales a row and a {module}.{SHAPE}"
+                f"packed, with a {module}.{SCALE} of {groups} scales a row, a {module}.{SHAPE} and {zero_points}"
             )
         found[name] = (scale.dtype, size.dtype)
-    return PackedInt4(quantization_config(reference), "quantization_config" not in reference, scheme.group_size, found, original)
+    quantization = quantization_config(reference)
+    return PackedInt4(quantization, "quantization_config" not in reference, scheme.group_size, found, original, scheme.symmetric)
 
 
 def mxfp4(quantize: str, directory: Path, reference: dict[str, Any], plan: Plan) -> MXFP4:

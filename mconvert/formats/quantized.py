@@ -5,8 +5,8 @@ says `scale_fmt: ue8m0` (DeepSeek-V3.2), both read as their values. MXFP4 (gpt-o
 a weight `X` stored as `X_blocks`, two 4-bit floats a byte, and `X_scales`, one power of two per 32 values. And
 compressed-tensors' pack-quantized INT4 (Kimi-K2-Thinking's and Kimi-K2.5's experts): a linear layer `M` stored as
 `M.weight_packed`, eight 4-bit integers an int32, `M.weight_scale`, one factor per group of a row, `M.weight_shape`
-and, where asymmetric, `M.weight_zero_point`. FP8 blocks, symmetric INT4 and MXFP4 are also written
-(`quantize_fp8_blocks`, `quantize_int4`, `quantize_mxfp4`), for an export in the format of its source.
+and, where asymmetric, `M.weight_zero_point`. FP8 blocks, symmetric INT4 and MXFP4 are also written (`quantize_fp8_blocks`,
+`quantize_int4`, `quantize_mxfp4`; asymmetric INT4 in int4_asymmetric), for an export in the format of its source.
 
 (FP8's block size, whether a config names MXFP4, and the INT4 scheme are all read from config.json's
 quantization_config, or its text_config's where the config describes an image-text model.)"""
@@ -109,13 +109,14 @@ def dequantize_fp8_blocks(tensor: np.ndarray, scales: np.ndarray, block: tuple[i
 FP8_MAX = np.float32(448.0)
 
 
-def quantize_fp8_blocks(values: np.ndarray, block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+def quantize_fp8_blocks(values: np.ndarray, block: tuple[int, int], power_of_two: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(float8_e4m3fn weight, fp32 scale per `block` of its last two axes): the inverse of `dequantize_fp8_blocks`,
     computed as compressed-tensors' block FP8 (and DeepSeek-V3's own `act_quant`) computes it. Per block, in fp32:
     scale = amax(|w|) / 448, each value w / scale clamped to +-448 and rounded to the nearest float8_e4m3fn (ties to
     even); the scale is stored as `_scale_inv`, the factor that dequantizes (w = q * scale). A block of zeros gets
     fp32's eps as its scale, as compressed-tensors gives it (no division by zero), and zero bytes. Partial blocks
-    at the edges take the amax of their own values."""
+    at the edges take the amax of their own values. `power_of_two` (`scale_fmt: ue8m0`): amax / 448 rounded up to a
+    power of two (DeepGEMM's `ceil_to_ue8m0`), a block of zeros 1, as transformers' Fp8Quantize gives them."""
     block_rows, block_cols = block
     *lead, rows, cols = values.shape
     grid = (-(-rows // block_rows), -(-cols // block_cols))
@@ -126,7 +127,9 @@ def quantize_fp8_blocks(values: np.ndarray, block: tuple[int, int]) -> tuple[np.
         padded[..., :rows, :cols] = values
     blocked = padded.reshape(*lead, grid[0], block_rows, grid[1], block_cols)
     amax = np.maximum(blocked.max(axis=(-3, -1)), -blocked.min(axis=(-3, -1)))
-    scales = np.where(amax > 0, amax / FP8_MAX, np.finfo(np.float32).eps)
+    scales = np.where(amax > 0, amax / FP8_MAX, np.float32(1) if power_of_two else np.finfo(np.float32).eps)
+    if power_of_two:  # the exponent bits of amax / 448, one more where any mantissa bit is set
+        scales = ((scales.view(np.int32) + F32_MANTISSA) & F32_EXPONENT).view(np.float32)
     blocked /= scales[..., :, None, :, None]
     np.clip(blocked, -FP8_MAX, FP8_MAX, out=blocked)
     return dtypes.to_e4m3(np.ascontiguousarray(padded[..., :rows, :cols])), scales
