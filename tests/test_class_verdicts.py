@@ -112,8 +112,9 @@ def test_a_kept_verdict_refuses_a_tensor_the_class_does_not_hold(hf_model_factor
 
 
 def test_another_config_is_another_verdict(hf_model_factory, tmp_path):
-    """The same family with another num_hidden_layers is not checked against the first config's verdict."""
-    for layers, kept in ((2, False), (3, False), (2, True)):
+    """The same family with fewer layers is not checked against the first config's verdict (whose names it writes a
+    part of: held to that verdict, it would leave out the last layer's tensors)."""
+    for layers, kept in ((3, False), (2, False), (3, True)):
         hf = hf_model_factory("qwen3-8b", layers=layers)
         convert_hf_to_mcore(hf, tmp_path / f"mcore{layers}", overwrite=True)
         code, printed = export(tmp_path / f"mcore{layers}", tmp_path / "back", "--overwrite")
@@ -157,3 +158,15 @@ def test_the_cache_turned_off_keeps_nothing(hf_model_factory, tmp_path, monkeypa
         code, printed = export(tmp_path / "mcore", tmp_path / "back", "--overwrite")
         assert code == 0 and CHECKED.format("Qwen3ForCausalLM") in printed and KEPT not in printed, printed
     assert not cache.exists() or not list(cache.iterdir())
+
+
+def test_a_class_not_built_is_not_kept(hf_model_factory, tmp_path, monkeypatch):
+    """Why a class was not built may be the environment's, not the config's: the next export tries again."""
+    hf = hf_model_factory("qwen3-8b")
+    convert_hf_to_mcore(hf, tmp_path / "mcore")
+    family = mappings.FAMILIES["qwen3"]
+    write = family.write_config
+    monkeypatch.setitem(mappings.FAMILIES, "qwen3", dataclasses.replace(family, write_config=lambda spec: {**write(spec), "architectures": ["Qwen3NoSuchClass"]}))
+    code, printed = export(tmp_path / "mcore", tmp_path / "back")
+    assert code == 0 and "not checked against transformers' class: transformers 5" in printed and "has no class Qwen3NoSuchClass" in printed, printed
+    assert entries() == []

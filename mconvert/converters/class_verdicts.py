@@ -11,7 +11,8 @@ trusted (whole_export.knows also refuses a verdict not as class_verdict makes on
 temporary file renamed into place), so a reader sees an old entry or a new one, never a part.
 
 Where: $MCONVERT_CACHE_DIR, else $XDG_CACHE_HOME/mconvert, else ~/.cache/mconvert; MCONVERT_CACHE_DIR set empty turns
-the cache off. Removing the directory clears it. A directory that cannot be written leaves the check as without it.
+the cache off. Removing the directory clears it (as after changing transformers' code in place: an editable install
+keeps its version). A directory that cannot be written leaves the check as without it.
 """
 
 from __future__ import annotations

@@ -210,11 +210,9 @@ def class_verdict(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def well_formed(verdict: Any) -> bool:
-    """Whether `verdict` (read back from a file) is as class_verdict makes one."""
+    """Whether `verdict` (read back from a file) is as class_verdict makes one of a class it built."""
     if not isinstance(verdict, dict):
         return False
-    if "skipped" in verdict:
-        return isinstance(verdict["skipped"], str)
     names, loads = [verdict.get(field) for field in ("held", "tied")], verdict.get("loads")
     return (isinstance(verdict.get("architecture"), str) and isinstance(verdict.get("prefix"), str) and isinstance(loads, dict)
             and all(isinstance(each, list) and all(isinstance(name, str) for name in each) for each in names)
@@ -223,7 +221,7 @@ def well_formed(verdict: Any) -> bool:
 
 def knows(verdict: Any, request: dict[str, Any]) -> bool:
     """Whether `verdict` is well formed and knows where each name the request writes loads."""
-    return well_formed(verdict) and ("skipped" in verdict or set(own_names(request, verdict["prefix"])) <= set(verdict["loads"]))
+    return well_formed(verdict) and set(own_names(request, verdict["prefix"])) <= set(verdict["loads"])
 
 
 def judge(request: dict[str, Any], verdict: dict[str, Any]) -> str:
@@ -281,8 +279,7 @@ class TransformersCheck:
         self.key = verdict_key(config)
         self.kept = read_verdict(self.key)
         if knows(self.kept, self.request):
-            self.checked = judge(self.request, self.kept) + (f" (the class's tensors as kept in {entry_path(self.key)})"
-                                                             if "skipped" not in self.kept else "")
+            self.checked = f"{judge(self.request, self.kept)} (the class's tensors as kept in {entry_path(self.key)})"
             return
         if "torch" in sys.modules and "transformers" in sys.modules:
             self.checked = self.judged(class_verdict(self.request), imported_versions())
@@ -310,9 +307,10 @@ class TransformersCheck:
 
     def judged(self, verdict: dict[str, Any], versions: dict[str, str]) -> str:
         """judge() with a verdict just made, kept first where it was made with the versions its key names (with the
-        names of the verdict kept before, which it did not know every written name of)."""
-        if self.key is not None and versions == {name: self.key[name] for name in ("transformers", "torch")}:
-            if "loads" in verdict and well_formed(self.kept) and "loads" in self.kept:
+        names of the verdict kept before, which it did not know every written name of). Why a class was not built
+        is not kept: it may be this environment's (a package its module needs), not the config's."""
+        if self.key is not None and "skipped" not in verdict and versions == {name: self.key[name] for name in ("transformers", "torch")}:
+            if well_formed(self.kept):
                 verdict["loads"] = {**self.kept["loads"], **verdict["loads"]}
             write_verdict(self.key, verdict)
         return judge(self.request, verdict)
