@@ -7,6 +7,13 @@ import pytest
 from mconvert.synthetic import add_mtp_layers, make_hf_checkpoint, real_config, shrink
 
 
+@pytest.fixture(autouse=True)
+def class_verdict_cache(tmp_path_factory, monkeypatch):
+    """Each test's exports keep what transformers' class holds (converters/class_verdicts.py) in a directory of its
+    own, empty at its start (so that its first export makes the verdict, as before there was a cache), never the user's."""
+    monkeypatch.setenv("MCONVERT_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+
+
 @pytest.fixture(scope="session")
 def hf_model_factory(tmp_path_factory):
     """make(name, layers, max_shard_size, seed, mtp, weight_std, fused_experts, **config overrides) -> directory of a

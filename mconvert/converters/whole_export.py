@@ -9,6 +9,9 @@ table without `mtp` entries: Llama, Qwen3, ... trained with Megatron-LM's --mtp-
 The HF side runs in a child process (TransformersCheck) started as the export starts, beside its writes, and is
 joined before the atomic finish: importing torch and transformers takes seconds, more than a small model's
 conversion, and needs only the config.json and the names the plan will write. A refusal leaves nothing in place.
+What the class holds (class_verdict: its tensors' names, those it ties, where each written name loads) is kept per
+config and transformers version (converters/class_verdicts.py), and the export judged against it (judge): a second
+export of a config imports neither torch nor transformers, and is refused where the first would have been.
 The class is built on the meta device (no memory, offline) as `mconvert verify` picks it (verify/hf_side.py): the one
 config.json's `architectures` names, the transformers class a checkpoint shipping its own code is read as, or, for
 an image-text model transformers has no class for (Kimi-K2.5), its language model's class from text_config, under
@@ -40,6 +43,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from mconvert.converters.class_verdicts import entry_path, read_verdict, verdict_key, write_verdict
 from mconvert.converters.mcore_sources import stored_key
 from mconvert.converters.plan import Plan
 from mconvert.dependencies import importable
@@ -185,47 +189,85 @@ def check_request(plan: Plan, config: dict[str, Any], written: Iterable[str]) ->
             "beside": beside, "beside_kinds": kinds}
 
 
-def check_against_transformers(request: dict[str, Any]) -> str:
-    """Refuse an export whose HF tensors (check_request) miss a tensor that transformers' class for its config holds,
-    or hold one it does not; the line the summary prints: what was checked, or why not."""
+def own_names(request: dict[str, Any], prefix: str) -> dict[str, str]:
+    """The written names the class itself holds (those copied back beside it left out), by their names in the class
+    (its prefix in the checkpoint taken off)."""
+    beside = set(request["beside"])
+    return {name.removeprefix(prefix): name for name in request["written"] if name not in beside}
+
+
+def class_verdict(request: dict[str, Any]) -> dict[str, Any]:
+    """What transformers' class for the request's config holds, as plain data that judge() holds an export against
+    without transformers (and class_verdicts keeps): its name, its prefix in the checkpoint, its state dict's names,
+    those it ties to another, and the name each of the request's written names loads into; or why it was not built."""
     built = transformers_model(request["config"])
     if isinstance(built, str):
-        return f"not checked against transformers' class: {built}"
+        return {"skipped": built}
     model, prefix = built
-    architecture, family = type(model).__name__, request["family"]
-    beside = set(request["beside"])
-    own = {name.removeprefix(prefix): name for name in request["written"] if name not in beside}
-    loaded = loaded_names(model, own)
-    state = model.state_dict()
-    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    missing = sorted(set(state) - set(loaded.values()) - tied)
+    return {"architecture": type(model).__name__, "prefix": prefix, "held": sorted(model.state_dict()),
+            "tied": sorted(getattr(model, "all_tied_weights_keys", None) or {}),
+            "loads": loaded_names(model, own_names(request, prefix))}
+
+
+def well_formed(verdict: Any) -> bool:
+    """Whether `verdict` (read back from a file) is as class_verdict makes one of a class it built."""
+    if not isinstance(verdict, dict):
+        return False
+    names, loads = [verdict.get(field) for field in ("held", "tied")], verdict.get("loads")
+    return (isinstance(verdict.get("architecture"), str) and isinstance(verdict.get("prefix"), str) and isinstance(loads, dict)
+            and all(isinstance(each, list) and all(isinstance(name, str) for name in each) for each in names)
+            and all(isinstance(into, str) for into in loads.values()))
+
+
+def knows(verdict: Any, request: dict[str, Any]) -> bool:
+    """Whether `verdict` is well formed and knows where each name the request writes loads."""
+    return well_formed(verdict) and set(own_names(request, verdict["prefix"])) <= set(verdict["loads"])
+
+
+def judge(request: dict[str, Any], verdict: dict[str, Any]) -> str:
+    """Refuse an export whose HF tensors (check_request) miss a tensor that transformers' class for its config holds
+    (its `verdict`), or hold one it does not; the line the summary prints: what was checked, or why not."""
+    if "skipped" in verdict:
+        return f"not checked against transformers' class: {verdict['skipped']}"
+    architecture, family = verdict["architecture"], request["family"]
+    own = own_names(request, verdict["prefix"])
+    loaded = {name: verdict["loads"][name] for name in own}
+    held = set(verdict["held"])
+    missing = sorted(held - set(loaded.values()) - set(verdict["tied"]))
     if missing:
         raise ConversionError(
             f"the export would leave out {len(missing)} tensor(s) that transformers' {architecture} holds: {listed(missing)} "
             f"(the {family} mapping writes nothing that loads into them)"
         )
     mtp = set(request["mtp"])
-    unheld = [own[name] for name, into in loaded.items() if into not in state]
+    unheld = [own[name] for name, into in loaded.items() if into not in held]
     extra = [name for name in unheld if name not in mtp]
     if extra:
         raise ConversionError(
             f"the export would write {len(extra)} tensor(s) that transformers' {architecture} does not hold: {listed(extra)}"
         )
     notes = [f"{len(unheld)} of the multi-token prediction layers, which it does not hold"] if unheld else []
-    if beside:
-        notes.append(f"{len(beside)} copied back beside it ({' and '.join(request['beside_kinds'])}), which transformers has no class for")
+    if request["beside"]:
+        notes.append(f"{len(request['beside'])} copied back beside it ({' and '.join(request['beside_kinds'])}), which transformers has no class for")
     also = f" (beside them: {'; '.join(notes)})" if notes else ""
     return f"checked against transformers' {architecture}: every tensor it holds is written, and no other{also}"
 
 
+def imported_versions() -> dict[str, str]:
+    """The versions of torch and transformers as imported (those a verdict was made with)."""
+    return {name: sys.modules[name].__version__ for name in ("transformers", "torch") if name in sys.modules}
+
+
 class TransformersCheck:
-    """check_against_transformers of an export, in a child process (`python -m mconvert.converters.whole_export
-    REQUEST.json`, which prints its outcome as one JSON line) started when made, so that torch's and transformers'
-    imports run beside the export's writes; `result()` joins it. Where torch or transformers is not installed,
-    no process is started; where the exporting process has both imported already (a library caller, the tests), the
-    check runs in it, at once: a child would only import them again. Used as a context manager, a child still
-    running on exit (the export failed or was interrupted) is killed; it runs in its own session, so that a Ctrl-C
-    reaches the export alone."""
+    """judge() of an export against class_verdict() of its config: the verdict kept for the config from an earlier
+    export (class_verdicts), where there is one that knows every written name, without importing torch or
+    transformers; else made in a child process (`python -m mconvert.converters.whole_export REQUEST.json`, which
+    prints it as one JSON line) started when made, so that torch's and transformers' imports run beside the
+    export's writes, and kept; `result()` joins it. Where torch or transformers is not installed, no process is
+    started; where the exporting process has both imported already (a library caller, the tests), the verdict is
+    made in it, at once: a child would only import them again. Used as a context manager, a child still running on
+    exit (the export failed or was interrupted) is killed; it runs in its own session, so that a Ctrl-C reaches the
+    export alone."""
 
     def __init__(self, plan: Plan, config: dict[str, Any], written: Iterable[str]) -> None:
         self.process: subprocess.Popen | None = None
@@ -233,17 +275,23 @@ class TransformersCheck:
         self.skipped = next((f"{name} is not installed" for name in ("torch", "transformers") if not importable(name)), None)
         if self.skipped is not None:
             return
+        self.request = check_request(plan, config, written)
+        self.key = verdict_key(config)
+        self.kept = read_verdict(self.key)
+        if knows(self.kept, self.request):
+            self.checked = f"{judge(self.request, self.kept)} (the class's tensors as kept in {entry_path(self.key)})"
+            return
         if "torch" in sys.modules and "transformers" in sys.modules:
-            self.checked = check_against_transformers(check_request(plan, config, written))
+            self.checked = self.judged(class_verdict(self.request), imported_versions())
             return
         descriptor, request = tempfile.mkstemp(prefix="mconvert-check-", suffix=".json")
-        self.request = Path(request)
+        self.request_file = Path(request)
         with os.fdopen(descriptor, "w") as f:
-            json.dump(check_request(plan, config, written), f)
+            json.dump(self.request, f)
         package_root = str(Path(__file__).resolve().parents[2])  # the child imports this mconvert, however started
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([package_root, *filter(None, [os.environ.get("PYTHONPATH")])])}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(self.request)], env=env, start_new_session=True,
+            [sys.executable, "-m", __name__, str(self.request_file)], env=env, start_new_session=True,
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
 
@@ -255,7 +303,17 @@ class TransformersCheck:
             self.process.kill()
             self.process.wait()
         if self.process is not None:
-            self.request.unlink(missing_ok=True)
+            self.request_file.unlink(missing_ok=True)
+
+    def judged(self, verdict: dict[str, Any], versions: dict[str, str]) -> str:
+        """judge() with a verdict just made, kept first where it was made with the versions its key names (with the
+        names of the verdict kept before, which it did not know every written name of). Why a class was not built
+        is not kept: it may be this environment's (a package its module needs), not the config's."""
+        if self.key is not None and "skipped" not in verdict and versions == {name: self.key[name] for name in ("transformers", "torch")}:
+            if well_formed(self.kept):
+                verdict["loads"] = {**self.kept["loads"], **verdict["loads"]}
+            write_verdict(self.key, verdict)
+        return judge(self.request, verdict)
 
     def result(self) -> str:
         """The summary's line of what the export was checked against; a refusal raised as the export's error."""
@@ -264,20 +322,15 @@ class TransformersCheck:
         if self.process is None:
             return f"not checked against transformers' class: {self.skipped}"
         out, err = self.process.communicate()
-        self.request.unlink(missing_ok=True)
+        self.request_file.unlink(missing_ok=True)
         lines = out.strip().splitlines()
         outcome = json.loads(lines[-1]) if self.process.returncode == 0 and lines else None
         if outcome is None:
             said = (err.strip().splitlines() or [f"exit code {self.process.returncode}"])[-1]
             raise ConversionError(f"the check against transformers' class failed in its process ({said})")
-        if "error" in outcome:
-            raise ConversionError(outcome["error"])
-        return outcome["checked"]
+        return self.judged(outcome["verdict"], outcome["versions"])
 
 
 if __name__ == "__main__":
-    try:
-        outcome = {"checked": check_against_transformers(json.loads(Path(sys.argv[1]).read_text()))}
-    except ConversionError as error:
-        outcome = {"error": str(error)}
-    print(json.dumps(outcome))
+    verdict = class_verdict(json.loads(Path(sys.argv[1]).read_text()))
+    print(json.dumps({"verdict": verdict, "versions": imported_versions()}))
