@@ -200,9 +200,11 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
 
 
 def _inspect(options: argparse.Namespace) -> int:
+    from mconvert.hub import resolve_hf_dir
     from mconvert.inspection import run_inspect
 
-    return run_inspect(Path(options.path), options.json, options.check)
+    hf_config = resolve_hf_dir(options.hf_config, "--hf-config", weights=False) if options.hf_config is not None else None
+    return run_inspect(Path(options.path), options.json, options.check, hf_config)
 
 
 def _verify(options: argparse.Namespace) -> int:
@@ -308,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("path", help="checkpoint directory")
     show.add_argument("--json", action="store_true", help="print JSON")
     show.add_argument("--check", action="store_true", help="re-read every file against the sha256 manifest a conversion wrote")
+    show.add_argument("--hf-config", default=None, metavar="HF_DIR",
+                      help="for a Megatron save whose args (or tool's records) do not describe the model: the HF folder of the model it was trained from")
     show.set_defaults(run=_inspect)
 
     check = commands.add_parser("verify", help="compare the HF model's logits with the converted Megatron-Core model's")

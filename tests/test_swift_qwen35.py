@@ -7,6 +7,7 @@ and the delta-net norm read as megatron-core's, a vision tensor missing, one out
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -112,3 +113,18 @@ def test_a_language_model_only_save_takes_the_vision_tower_from_the_hf_model(den
     export = convert_mcore_to_hf(save, tmp_path / "back")
     assert export.copied == len(hf_tensors(hf, "model.visual.")) and not export.saved_beside
     assert_same_tensors(hf, tmp_path / "back")
+
+
+def test_inspect_reads_the_save_as_stored_and_the_model_args_json_names(dense, capsys):
+    from mconvert.cli import main
+
+    hf, _, save, _ = dense
+    capsys.readouterr()
+    assert main(["inspect", "--json", str(save)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tool"] == "ms-swift" and report["family"] == "qwen3_5" and report["config_from"].startswith(str(hf))
+    names = {tensor["name"] for tensor in report["tensors"]}
+    assert "language_model.decoder.layers.0.self_attention.in_proj.weight" in names  # fused, as ms-swift stores it
+    assert {name.removeprefix("visual.visual.") for name in names if name.startswith("visual.")} == {
+        name.removeprefix("model.visual.") for name in hf_tensors(hf, "model.visual.")
+    }
