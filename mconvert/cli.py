@@ -128,7 +128,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     elif plan.spec.mtp_layers:
         print(f"converted {plan.spec.mtp_layers} multi-token prediction layer(s) (--mtp-num-layers; --no-mtp leaves them out)")
     print(
-        f"wrote {save_dir}: {plan.family.name}, {len(plan.shapes)} tensors, "
+        f"wrote {save_dir}: {plan.family.name}, {result.tensors} tensors, "
         f"{options.format} for TP={parallelism.tp} PP={parallelism.pp} EP={parallelism.ep}, {plan.dtype.name}, "
         + summary(started, load_dir, save_dir)
     )
@@ -178,10 +178,10 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
     if not _first_rank():
         return 0
     plan, run = result.plan, result.run
-    beside = "of the save's vision tower" if result.saved_beside else "copied from --hf-config"
+    beside = "the save's vision tower" if result.saved_beside else "copied from --hf-config"
     print(
         f"wrote {save_dir}: {plan.family.name} ({result.config['architectures'][0]}), "
-        f"{len(plan.hf_shapes())} tensors{f' (and {result.copied} {beside})' if result.copied else ''}, "
+        f"{result.tensors} tensors{f' ({result.copied} of them {beside})' if result.copied else ''}, "
         f"{plan.dtype.name}{f', the LoRA adapter of {options.adapter} merged in' if options.adapter else ''}, "
         + summary(started, iteration_dir(run.load_dir, run.iteration), save_dir)
     )

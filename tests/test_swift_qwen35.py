@@ -59,6 +59,8 @@ def test_ms_swift_qwen3_5_save_exports_whole_without_hf_config(swift, tmp_path):
     if architecture == MODELS["dense"][1]:  # the command line once; its printed notes are the export's
         out = run_cli("mcore-to-hf", "--load-dir", save, "--save-dir", tmp_path / "back")
         assert out.returncode == 0, out.stderr
+        vision = len(hf_tensors(hf, "model.visual."))  # the summary counts every tensor written, the tower's too
+        assert f"{len(hf_tensors(tmp_path / 'back'))} tensors ({vision} of them the save's vision tower)" in out.stdout
         notes = out.stdout
     else:
         notes = "\n".join(convert_mcore_to_hf(save, tmp_path / "back").notes)
