@@ -143,10 +143,13 @@ def find_save(path: Path, hf_config: Path | None) -> tuple[Any, Any, dict[str, A
 
 
 def inspect_megatron(load_dir: Path, hf_config: Path | None = None) -> dict[str, Any]:
+    from mconvert.converters.mcore_sources import TorchDistTensors
     from mconvert.converters.mcore_to_hf import plan_export
+    from mconvert.converters.wrapped_save import wrapped
 
     run, source, reference, problem = find_save(load_dir, hf_config)
-    dcp = readers_dcp(source)
+    torch_dist = wrapped(source, TorchDistTensors)  # another tool's layout wraps it
+    dcp = torch_dist.dcp if torch_dist is not None else None
     held = {"path": str(load_dir), "format": source.format, "iteration_dir": source.location, "tool": run.tool}
     if run.config_from:
         held["config_from"] = f"{run.config_dir} ({run.config_from})"
@@ -201,13 +204,6 @@ def inspect_megatron(load_dir: Path, hf_config: Path | None = None) -> dict[str,
         "tensors": tensors,
         "files": _files(load_dir),
     }
-
-
-def readers_dcp(source: Any) -> Any:
-    """The DCP checkpoint a torch_dist reader (or one wrapping it: another tool's layout) reads, else None."""
-    while not hasattr(source, "dcp") and hasattr(source, "inner"):
-        source = source.inner
-    return getattr(source, "dcp", None) if source.format == "torch_dist" else None
 
 
 def inspect_path(path: Path, hf_config: Path | None = None) -> dict[str, Any]:

@@ -16,9 +16,9 @@ import torch
 from mconvert.converters import swift_saves
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+from mconvert.errors import ConversionError
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
-from mconvert.errors import ConversionError
 from tests.cli_runner import run_cli
 from tests.test_tool_saves import END, IMAGE, START, assert_same_tensors, image_text_logits
 from tests.tool_saves import hf_tensors, model_tensors, swift_qwen3_5_save, write_torch_dist

@@ -137,7 +137,10 @@ def swift_layers(text: dict, hf: dict[str, torch.Tensor], mcore: dict[str, torch
         if local == "mlp.linear_fc1.layer_norm_weight" and key.replace(local, "pre_mlp_layernorm.weight") in mcore:
             continue
         tensors[key] = tensor
-    per_head = lambda *parts: torch.cat([x.reshape(heads, -1, *x.shape[1:]) for x in parts], 1).reshape(-1, *parts[0].shape[1:])  # noqa: E731
+
+    def per_head(*parts: torch.Tensor) -> torch.Tensor:  # each key head's rows of every part, head after head
+        return torch.cat([x.reshape(heads, -1, *x.shape[1:]) for x in parts], 1).reshape(-1, *parts[0].shape[1:])
+
     for layer in range(text["num_hidden_layers"]):
         at, of = f"decoder.layers.{layer}.self_attention.", f"{layers}{layer}."
         if of + "linear_attn.conv1d.weight" in hf:

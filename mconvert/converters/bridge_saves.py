@@ -11,7 +11,6 @@ not matter; a block's tensors are stacked (`decoder.layers.<name>`, leading axis
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import re
 from collections.abc import Callable, Iterable
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from mconvert.converters.plan import Piece, Plan
+from mconvert.converters.wrapped_save import WrappedSave, wrapped
 from mconvert.dtypes import cast
 from mconvert.errors import ConversionError
 
@@ -60,21 +60,11 @@ BLOCKS = "decoder.layers."
 
 
 @dataclass
-class LanguageModelTensors:
+class LanguageModelTensors(WrappedSave):
     """A save's language model under `language_model.` (a MegatronTensors of the save's GPTModel keys), and the
     save's vision tower under `vision`, read apart (`vision_tower`): Megatron-Bridge's, here."""
 
-    inner: Any  # the save's reader (TorchDistTensors)
-    format = "torch_dist"
     vision = VISION_MODEL  # the prefix of the save's vision tower
-
-    @property
-    def args(self) -> argparse.Namespace | None:
-        return self.inner.args
-
-    @property
-    def location(self) -> str:
-        return self.inner.location
 
     @property
     def weights_dtype(self) -> Any:
@@ -186,9 +176,8 @@ def vision_keys(hf_names: Iterable[str], prefix: str) -> dict[str, tuple[str, ..
 def vision_tower(source: Any, plan: Plan) -> dict[str, SavedTensor]:
     """The HF tensors of the vision tower a vision-language save holds (`source` a LanguageModelTensors, or a reader
     wrapping one), none for any other save."""
-    while not isinstance(source, LanguageModelTensors) and hasattr(source, "inner"):
-        source = source.inner
-    return source.vision_tower(plan) if isinstance(source, LanguageModelTensors) else {}
+    save = wrapped(source, LanguageModelTensors)
+    return save.vision_tower(plan) if save is not None else {}
 
 
 def region_reader(dcp: Any, key: str, offsets: Shape, region: Shape, shape: Shape, qkv_heads: int, dtype: np.dtype) -> Callable[[], np.ndarray]:

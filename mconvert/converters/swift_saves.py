@@ -31,16 +31,15 @@ that adding 1 back gives w exactly)."""
 
 from __future__ import annotations
 
-import argparse
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from mconvert.converters.bridge_saves import LanguageModelTensors, SavedTensor, region_reader
 from mconvert.converters.plan import Piece, Plan
+from mconvert.converters.wrapped_save import WrappedSave
 from mconvert.errors import ConversionError
 from mconvert.mappings.spec import ModelSpec
 
@@ -77,29 +76,15 @@ def gated_qkv_as_megatron_cores(stored: np.ndarray, spec: ModelSpec) -> np.ndarr
 
 
 @dataclass
-class SwiftTensors:
+class SwiftTensors(WrappedSave):
     """An ms-swift torch_dist save (`inner`, a TorchDistTensors, or a SwiftLanguageModel of an image-text save) with its
     Qwen3-Next or Qwen3.5 delta-net and gated-attention tensors presented in megatron-core's layout; other families'
     tensors pass through as stored."""
 
-    inner: Any
-    format = "torch_dist"
     spec: ModelSpec | None = field(default=None, init=False)  # the model read, known once the plan is (stored_shapes)
     # Whether the save holds the fused delta-net keys (a Qwen3-Next family's save in mcore-bridge's layout), told
     # by stored_shapes; without them (megatron-core's own keys) every tensor passes through as stored.
     fused: bool = field(default=False, init=False)
-
-    @property
-    def args(self) -> argparse.Namespace | None:
-        return self.inner.args
-
-    @property
-    def location(self) -> str:
-        return self.inner.location
-
-    @property
-    def weights_dtype(self) -> Any:
-        return self.inner.weights_dtype
 
     def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
         shapes = self.inner.stored_shapes(plan)
@@ -141,14 +126,10 @@ class SwiftTensors:
             return gated_qkv_as_megatron_cores(self.read_whole(key, piece.offsets), spec)
         return self.inner.read_piece(piece, into)
 
-    def read_whole(self, key: str, offsets: Shape) -> np.ndarray:
-        """The stored tensor `key` (a layer's, at `offsets` of a stacked one), without its leading axes."""
-        return self.inner.read_whole(key, offsets)
-
     def byte_span(self, key: str, offsets: Shape, shape: Shape, dtype: np.dtype) -> tuple[Path, int] | None:
         if self.fused and (SECTION_KEY.match(key) or key.endswith((OUT_NORM, LINEAR_QKV))):
             return None
-        return self.inner.byte_span(key, offsets, shape, dtype)
+        return super().byte_span(key, offsets, shape, dtype)
 
 
 @dataclass
