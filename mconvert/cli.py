@@ -128,7 +128,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
     elif plan.spec.mtp_layers:
         print(f"converted {plan.spec.mtp_layers} multi-token prediction layer(s) (--mtp-num-layers; --no-mtp leaves them out)")
     print(
-        f"wrote {save_dir}: {plan.family.name}, {len(plan.shapes)} tensors, "
+        f"wrote {save_dir}: {plan.family.name}, {result.tensors} tensors, "
         f"{options.format} for TP={parallelism.tp} PP={parallelism.pp} EP={parallelism.ep}, {plan.dtype.name}, "
         + summary(started, load_dir, save_dir)
     )
@@ -178,10 +178,10 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
     if not _first_rank():
         return 0
     plan, run = result.plan, result.run
-    beside = "of the save's vision tower" if result.saved_beside else "copied from --hf-config"
+    beside = "the save's vision tower" if result.saved_beside else "copied from --hf-config"
     print(
         f"wrote {save_dir}: {plan.family.name} ({result.config['architectures'][0]}), "
-        f"{len(plan.hf_shapes())} tensors{f' (and {result.copied} {beside})' if result.copied else ''}, "
+        f"{result.tensors} tensors{f' ({result.copied} of them {beside})' if result.copied else ''}, "
         f"{plan.dtype.name}{f', the LoRA adapter of {options.adapter} merged in' if options.adapter else ''}, "
         + summary(started, iteration_dir(run.load_dir, run.iteration), save_dir)
     )
@@ -200,9 +200,11 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
 
 
 def _inspect(options: argparse.Namespace) -> int:
+    from mconvert.hub import resolve_hf_dir
     from mconvert.inspection import run_inspect
 
-    return run_inspect(Path(options.path), options.json, options.check)
+    hf_config = resolve_hf_dir(options.hf_config, "--hf-config", weights=False) if options.hf_config is not None else None
+    return run_inspect(Path(options.path), options.json, options.check, hf_config)
 
 
 def _verify(options: argparse.Namespace) -> int:
@@ -308,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("path", help="checkpoint directory")
     show.add_argument("--json", action="store_true", help="print JSON")
     show.add_argument("--check", action="store_true", help="re-read every file against the sha256 manifest a conversion wrote")
+    show.add_argument("--hf-config", default=None, metavar="HF_DIR",
+                      help="for a Megatron save whose args (or tool's records) do not describe the model: the HF folder of the model it was trained from")
     show.set_defaults(run=_inspect)
 
     check = commands.add_parser("verify", help="compare the HF model's logits with the converted Megatron-Core model's")

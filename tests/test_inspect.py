@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from mconvert.converters.manifest import MANIFEST
 from mconvert.converters.progress import PlainProgress, progress_for
 from mconvert.mcore.parallelism import Parallelism
+from tests.tool_saves import copy_hf_config, without_args
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +62,47 @@ def test_inspect_hf(converted, capsys):
     assert {"name": "model.embed_tokens.weight", "shape": [1000, 64], "dtype": "float32", "file": "model.safetensors"} in report["tensors"]
     assert report["suits"]["tp"] == [1, 2, 4]  # 4 heads; 2 query groups, which TP may divide or be a multiple of
     assert report["files"]["manifest"] is False
+
+
+def test_inspect_a_save_without_args_says_what_it_holds_and_needs(converted, tmp_path, capsys):
+    """A Megatron-LM save without args: its stored tensors, and --hf-config as what it needs; with it, the model, its
+    layout not recorded."""
+    hf, out = converted
+    save = shutil.copytree(out, tmp_path / "save")
+    without_args(save)
+    code, report = inspect_json(capsys, str(save))
+    assert code == 0 and report["tool"] == "Megatron-LM" and "family" not in report
+    assert report["needs"].startswith("--hf-config HF_DIR") and "no Megatron-LM args" in report["needs"]
+    assert {"name": "embedding.word_embeddings.weight", "shape": [1024, 64], "dtype": "float32", "chunks": 2, "chunk_shape": [512, 64]} in report["tensors"]
+    assert main(["inspect", str(save)]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text[0] == f"{save}: torch_dist checkpoint, {len(report['tensors'])} model tensors; which model they are is not recorded"
+    assert text[1].startswith("needs: --hf-config HF_DIR") and text[2].startswith(f"then: mconvert inspect {save} --hf-config HF_DIR")
+    code, report = inspect_json(capsys, str(save), "--hf-config", str(hf))
+    assert code == 0 and report["family"] == "qwen2" and report["written_for"] is None and report["args"] is None
+    assert report["vocab"]["stored_rows"] == 1024 and "needs" not in report
+    assert main(["inspect", str(save), "--hf-config", str(hf)]) == 0
+    assert "written for: not recorded (no Megatron-LM args stored)" in capsys.readouterr().out
+
+
+def test_inspect_a_tools_run_folder_reads_the_config_its_records_name(converted, tmp_path, capsys):
+    """verl's run folder (global_step_<N>/actor/dist_ckpt, the HF config in huggingface/) is read whole; a
+    Megatron-Bridge save whose run_config.yaml names a folder that is not there says so, and what it needs."""
+    hf, out = converted
+    actor = tmp_path / "verl" / "global_step_3" / "actor"
+    shutil.copytree(out / "release", actor / "dist_ckpt")
+    without_args(actor / "dist_ckpt")
+    copy_hf_config(hf, actor / "huggingface")
+    code, report = inspect_json(capsys, str(tmp_path / "verl"))
+    assert code == 0 and report["tool"] == "verl" and report["family"] == "qwen2"
+    assert report["config_from"] == f"{actor / 'huggingface'} (verl's {actor / 'huggingface'})"
+    assert report["iteration_dir"] == str(actor / "dist_ckpt")
+    bridge = shutil.copytree(out, tmp_path / "bridge")
+    without_args(bridge)
+    (bridge / "release" / "run_config.yaml").write_text("model:\n  hf_model_id: /nowhere/qwen2-tiny\n")
+    code, report = inspect_json(capsys, str(bridge))
+    assert code == 0 and report["tool"] == "Megatron-Bridge" and "family" not in report
+    assert "/nowhere/qwen2-tiny" in report["needs"] and "run_config.yaml's model.hf_model_id" in report["needs"]
 
 
 def test_manifest_and_check(converted, tmp_path, capsys):

@@ -121,36 +121,67 @@ def with_args(mcore_dir: Path, **fields) -> None:
     torch.save(common, path)
 
 
-def swift_qwen3_next_save(hf_dir: Path, mcore_dir: Path, out: Path, iteration: int = 2, tp: int = 2) -> Path:
-    """ms-swift 4.6.0's save of Qwen3-Next under mcore-bridge 1.6.5's default GatedDeltaNet and GatedSelfAttention:
-    its fused tensors made from the HF ones as mcore-bridge's bridge makes them (gpt_bridge.py `_set_linear_in_proj`,
-    `_set_linear_attn_state`, `_set_qkv`): each delta-net layer's in_proj [qkvz; ba] and conv1d [q; k; v] per key head
-    under one key, its output norm HF's w, the gated linear_qkv per query group [q_proj's rows; k; v]; the rest as
-    megatron-core's (mconvert's save), the MoE post-attention norm under the Transformer Engine spec's name alone; no
-    args describing the model in the save, `args.json` beside it naming the HF model and the TP size."""
-    config = json.loads((Path(hf_dir) / "config.json").read_text())
-    heads, groups = config["linear_num_key_heads"], config["num_key_value_heads"]
-    hf = hf_tensors(hf_dir, "model.layers.")
+def swift_layers(text: dict, hf: dict[str, torch.Tensor], mcore: dict[str, torch.Tensor], layers: str) -> dict[str, torch.Tensor]:
+    """mconvert's megatron-core tensors with each layer's attention as mcore-bridge 1.6.5's bridge makes it from the
+    HF tensors (under `layers`, config `text`; gpt_bridge.py `_set_linear_in_proj`, `_set_linear_attn_state`,
+    `_set_qkv`, qwen3_next_gdn.py's `_set_linear_in_proj` for Qwen3-Next): each delta-net layer's in_proj per key head
+    [q; k; v; z; b; a] and conv1d [q; k; v] under one key, its output norm HF's w, the gated linear_qkv per query group
+    [q_proj's rows; k; v]; the MoE post-attention norm under the Transformer Engine spec's name alone."""
+    heads, groups = text["linear_num_key_heads"], text["num_key_value_heads"]
+    key_dim, value_dim = text["linear_key_head_dim"] * heads, text["linear_value_head_dim"] * text["linear_num_value_heads"]
     tensors = {}
-    for key, tensor in model_tensors(mcore_dir).items():
+    for key, tensor in mcore.items():
         local = key.split(".", 3)[3] if key.startswith("decoder.layers.") else ""
         if local.startswith(("self_attention.in_proj.weight.", "self_attention.conv1d.weight.", "self_attention.out_norm.", "self_attention.linear_qkv.weight")):
             continue
-        if local == "mlp.linear_fc1.layer_norm_weight" and key.replace(local, "pre_mlp_layernorm.weight") in tensors:
+        if local == "mlp.linear_fc1.layer_norm_weight" and key.replace(local, "pre_mlp_layernorm.weight") in mcore:
             continue
         tensors[key] = tensor
-    for layer in range(config["num_hidden_layers"]):
-        at, of = f"decoder.layers.{layer}.self_attention.", f"model.layers.{layer}."
-        if of + "linear_attn.in_proj_qkvz.weight" in hf:
-            qkvz, ba, conv = (hf[of + f"linear_attn.{name}.weight"] for name in ("in_proj_qkvz", "in_proj_ba", "conv1d"))
-            tensors[at + "in_proj.weight"] = torch.cat([x.reshape(heads, -1, x.shape[-1]) for x in (qkvz, ba)], 1).reshape(-1, qkvz.shape[-1])
-            key_dim, value_dim = config["linear_key_head_dim"] * heads, config["linear_value_head_dim"] * config["linear_num_value_heads"]
-            parts = torch.split(conv, [key_dim, key_dim, value_dim])
-            tensors[at + "conv1d.weight"] = torch.cat([x.reshape(heads, -1, *conv.shape[1:]) for x in parts], 1).reshape(conv.shape)
+
+    def per_head(*parts: torch.Tensor) -> torch.Tensor:  # each key head's rows of every part, head after head
+        return torch.cat([x.reshape(heads, -1, *x.shape[1:]) for x in parts], 1).reshape(-1, *parts[0].shape[1:])
+
+    for layer in range(text["num_hidden_layers"]):
+        at, of = f"decoder.layers.{layer}.self_attention.", f"{layers}{layer}."
+        if of + "linear_attn.conv1d.weight" in hf:
+            if of + "linear_attn.in_proj_qkvz.weight" in hf:  # Qwen3-Next: HF's rows already per key head
+                tensors[at + "in_proj.weight"] = per_head(*(hf[of + f"linear_attn.{name}.weight"] for name in ("in_proj_qkvz", "in_proj_ba")))
+            else:  # Qwen3.5: in_proj_qkv flat [q; k; v] of all heads
+                q, k, v = torch.split(hf[of + "linear_attn.in_proj_qkv.weight"], [key_dim, key_dim, value_dim])
+                tensors[at + "in_proj.weight"] = per_head(q, k, v, *(hf[of + f"linear_attn.in_proj_{name}.weight"] for name in "zba"))
+            tensors[at + "conv1d.weight"] = per_head(*torch.split(hf[of + "linear_attn.conv1d.weight"], [key_dim, key_dim, value_dim]))
             tensors[at + "out_norm.weight"] = hf[of + "linear_attn.norm.weight"]
         else:
             q, k, v = (hf[of + f"self_attn.{name}_proj.weight"] for name in "qkv")
             tensors[at + "linear_qkv.weight"] = torch.cat([x.reshape(groups, -1, x.shape[-1]) for x in (q, k, v)], 1).reshape(-1, q.shape[-1])
+    return tensors
+
+
+def swift_save(tensors: dict[str, torch.Tensor], hf_dir: Path, out: Path, iteration: int, tp: int) -> Path:
+    """ms-swift's save folder: no args describing the model in the save, `args.json` beside naming the HF model and
+    the TP size."""
     write_torch_dist(tensors, out / f"iter_{iteration:07d}", tracker=str(iteration))
     (out / "args.json").write_text(json.dumps({"model": str(hf_dir), "tensor_model_parallel_size": tp, "save": str(out)}))
     return out
+
+
+def swift_qwen3_next_save(hf_dir: Path, mcore_dir: Path, out: Path, iteration: int = 2, tp: int = 2) -> Path:
+    """ms-swift 4.6.0's save of Qwen3-Next under mcore-bridge 1.6.5's default GatedDeltaNet and GatedSelfAttention
+    (swift_layers); the rest as megatron-core's (mconvert's save)."""
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    tensors = swift_layers(config, hf_tensors(hf_dir, "model.layers."), model_tensors(mcore_dir), "model.layers.")
+    return swift_save(tensors, hf_dir, out, iteration, tp)
+
+
+def swift_qwen3_5_save(hf_dir: Path, mcore_dir: Path, out: Path, iteration: int = 2, tp: int = 2, vision: bool = True) -> Path:
+    """ms-swift 4.6.0's save of Qwen3.5's image-text model, mcore-bridge 1.6.5's MultimodalGPTModel: the language
+    model's megatron-core keys under `language_model.` with its layers as swift_layers makes them, and, unless its
+    run is `language_model_only` (`vision` False), transformers' vision tower under `visual.visual.` in HF's names
+    (Qwen3_5Vit, `model.visual` -> `visual`), as HF holds it."""
+    config = json.loads((Path(hf_dir) / "config.json").read_text())
+    layers = "model.language_model.layers."
+    language = swift_layers(config["text_config"], hf_tensors(hf_dir, layers), model_tensors(mcore_dir), layers)
+    tensors = {"language_model." + key: tensor for key, tensor in language.items()}
+    if vision:
+        tensors.update({"visual.visual." + name.removeprefix(VISION): tensor for name, tensor in hf_tensors(hf_dir, VISION).items()})
+    return swift_save(tensors, hf_dir, out, iteration, tp)

@@ -11,7 +11,6 @@ not matter; a block's tensors are stacked (`decoder.layers.<name>`, leading axis
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import re
 from collections.abc import Callable, Iterable
@@ -22,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from mconvert.converters.plan import Piece, Plan
+from mconvert.converters.wrapped_save import WrappedSave, wrapped
 from mconvert.dtypes import cast
 from mconvert.errors import ConversionError
 
@@ -60,20 +60,11 @@ BLOCKS = "decoder.layers."
 
 
 @dataclass
-class LanguageModelTensors:
+class LanguageModelTensors(WrappedSave):
     """A save's language model under `language_model.` (a MegatronTensors of the save's GPTModel keys), and the
-    save's vision tower, read apart (vision_tower)."""
+    save's vision tower under `vision`, read apart (`vision_tower`): Megatron-Bridge's, here."""
 
-    inner: Any  # the save's reader (TorchDistTensors)
-    format = "torch_dist"
-
-    @property
-    def args(self) -> argparse.Namespace | None:
-        return self.inner.args
-
-    @property
-    def location(self) -> str:
-        return self.inner.location
+    vision = VISION_MODEL  # the prefix of the save's vision tower
 
     @property
     def weights_dtype(self) -> Any:
@@ -84,16 +75,52 @@ class LanguageModelTensors:
 
     def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
         shapes = self.all_shapes(plan)
-        other = sorted(key for key in shapes if not key.startswith((LANGUAGE_MODEL, VISION_MODEL)))
+        other = sorted(key for key in shapes if not key.startswith((LANGUAGE_MODEL, self.vision)))
         if other:
-            raise ConversionError(f"{self.location}: tensor '{other[0]}' is neither the language model's ({LANGUAGE_MODEL}) nor the vision tower's ({VISION_MODEL})")
+            raise ConversionError(f"{self.location}: tensor '{other[0]}' is neither the language model's ({LANGUAGE_MODEL}) nor the vision tower's ({self.vision})")
         return {key.removeprefix(LANGUAGE_MODEL): shape for key, shape in shapes.items() if key.startswith(LANGUAGE_MODEL)}
 
     def read_piece(self, piece: Piece, into: np.ndarray | None = None) -> np.ndarray:
         return self.inner.read_piece(dataclasses.replace(piece, keys=tuple(LANGUAGE_MODEL + key for key in piece.keys)), into)
 
+    def read_whole(self, key: str, offsets: Shape) -> np.ndarray:
+        return self.inner.read_whole(LANGUAGE_MODEL + key, offsets)
+
     def byte_span(self, key: str, offsets: Shape, shape: Shape, dtype: np.dtype) -> tuple[Path, int] | None:
         return self.inner.byte_span(LANGUAGE_MODEL + key, offsets, shape, dtype)
+
+    def vision_shapes(self, plan: Plan) -> dict[str, Shape]:
+        """The stored vision tensors' shapes, by key within the vision tower."""
+        return {key.removeprefix(self.vision): shape for key, shape in self.all_shapes(plan).items() if key.startswith(self.vision)}
+
+    def vision_tower(self, plan: Plan) -> dict[str, SavedTensor]:
+        """The HF tensors of the vision tower the save holds, every stored vision tensor taken by a name of the
+        table, in the export's dtype."""
+        shapes = self.vision_shapes(plan)
+        if not shapes:
+            return {}
+        prefixes = plan.family.table.copied_back
+        vision = (plan.spec.hf_config or {}).get("vision_config") or {}
+        if not prefixes or "num_heads" not in vision:
+            raise ConversionError(f"{self.location}: holds a vision tower ({VISION_MODEL}), which the {plan.family.name} export has no place for")
+        prefix, heads, dcp, dtype = prefixes[0], int(vision["num_heads"]), self.inner.dcp, plan.dtype
+        found: dict[str, SavedTensor] = {}
+        for key, shape in shapes.items():
+            if key in TOWER_NAMES:
+                whole = tuple(shape)
+                found[prefix + TOWER_NAMES[key]] = SavedTensor(dtype, whole, region_reader(dcp, VISION_MODEL + key, (0,) * len(whole), whole, whole, 0, dtype))
+                continue
+            per_block = re.fullmatch(rf"{re.escape(BLOCKS)}(\d+)\.(.+)", key)
+            name = per_block.group(2) if per_block else key.removeprefix(BLOCKS)
+            if not key.startswith(BLOCKS) or name not in BLOCK_NAMES:
+                raise ConversionError(f"{self.location}: vision tensor '{VISION_MODEL}{key}' is not one Megatron-Bridge's Qwen3.5 vision tower holds")
+            blocks = [int(per_block.group(1))] if per_block else range(shape[0])
+            inner = tuple(shape) if per_block else tuple(shape[1:])
+            for block in blocks:
+                offsets = (0,) * len(inner) if per_block else (block, *(0,) * len(inner))
+                region = inner if per_block else (1, *inner)
+                found[f"{prefix}blocks.{block}.{BLOCK_NAMES[name]}"] = SavedTensor(dtype, inner, region_reader(dcp, VISION_MODEL + key, offsets, region, inner, heads if name in FUSED_QKV else 0, dtype))
+        return found
 
 
 @dataclass(frozen=True)
@@ -147,36 +174,10 @@ def vision_keys(hf_names: Iterable[str], prefix: str) -> dict[str, tuple[str, ..
 
 
 def vision_tower(source: Any, plan: Plan) -> dict[str, SavedTensor]:
-    """The HF tensors of the vision tower a Megatron-Bridge save holds (none for any other save), every stored vision
-    tensor taken by a name of the table, in the export's dtype."""
-    if not isinstance(source, LanguageModelTensors):
-        return {}
-    shapes = {key.removeprefix(VISION_MODEL): shape for key, shape in source.all_shapes(plan).items() if key.startswith(VISION_MODEL)}
-    if not shapes:
-        return {}
-    prefixes = plan.family.table.copied_back
-    vision = (plan.spec.hf_config or {}).get("vision_config") or {}
-    if not prefixes or "num_heads" not in vision:
-        raise ConversionError(f"{source.location}: holds a vision tower ({VISION_MODEL}), which the {plan.family.name} export has no place for")
-    prefix, heads, dcp, dtype = prefixes[0], int(vision["num_heads"]), source.inner.dcp, plan.dtype
-    found: dict[str, SavedTensor] = {}
-
-    for key, shape in shapes.items():
-        if key in TOWER_NAMES:
-            whole = tuple(shape)
-            found[prefix + TOWER_NAMES[key]] = SavedTensor(dtype, whole, region_reader(dcp, VISION_MODEL + key, (0,) * len(whole), whole, whole, 0, dtype))
-            continue
-        per_block = re.fullmatch(rf"{re.escape(BLOCKS)}(\d+)\.(.+)", key)
-        name = per_block.group(2) if per_block else key.removeprefix(BLOCKS)
-        if not key.startswith(BLOCKS) or name not in BLOCK_NAMES:
-            raise ConversionError(f"{source.location}: vision tensor '{VISION_MODEL}{key}' is not one Megatron-Bridge's Qwen3.5 vision tower holds")
-        blocks = [int(per_block.group(1))] if per_block else range(shape[0])
-        inner = tuple(shape) if per_block else tuple(shape[1:])
-        for block in blocks:
-            offsets = (0,) * len(inner) if per_block else (block, *(0,) * len(inner))
-            region = inner if per_block else (1, *inner)
-            found[f"{prefix}blocks.{block}.{BLOCK_NAMES[name]}"] = SavedTensor(dtype, inner, region_reader(dcp, VISION_MODEL + key, offsets, region, inner, heads if name in FUSED_QKV else 0, dtype))
-    return found
+    """The HF tensors of the vision tower a vision-language save holds (`source` a LanguageModelTensors, or a reader
+    wrapping one), none for any other save."""
+    save = wrapped(source, LanguageModelTensors)
+    return save.vision_tower(plan) if save is not None else {}
 
 
 def region_reader(dcp: Any, key: str, offsets: Shape, region: Shape, shape: Shape, qkv_heads: int, dtype: np.dtype) -> Callable[[], np.ndarray]:

@@ -53,6 +53,7 @@ class Conversion:
     mtp_not_held: tuple[str, int] | None = None
     # HF tensors stored in a wider dtype than the checkpoint holds them in (their values round), with that dtype.
     narrowed: tuple[tuple[str, np.dtype], ...] = ()
+    tensors: int = 0  # every tensor written: the plan's, and a vision tower's beside them (Megatron-Bridge's layout)
 
 
 def mtp_layers_held(family: Family, spec: ModelSpec, names) -> int:
@@ -394,5 +395,6 @@ def convert_hf_to_mcore(
     named = mtp_layers_named(family, config)
     narrowed = plan.narrowed({name: stored.dtype for name, stored in hf.tensors.items()})
     return Conversion(plan, args, flags, dropped_mtp_layers=held - spec.mtp_layers, left_out=tuple(left_out.items()),
+                      tensors=len(written.shapes) + (len(tower.shapes) if tower else 0),
                       mtp_not_held=(family.table.mtp_count_field, named) if named > held else None,
                       narrowed=tuple((name, hf.tensors[name].dtype) for name in narrowed))

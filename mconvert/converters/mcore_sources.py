@@ -19,7 +19,7 @@ from mconvert.converters.fsdp_saves import FsdpCheckpoint
 from mconvert.converters.legacy_source import LegacyCheckpoint
 from mconvert.converters.plan import Piece, Plan
 from mconvert.converters.save_folders import SWIFT_ARGS
-from mconvert.converters.swift_saves import SwiftTensors
+from mconvert.converters.swift_saves import SwiftLanguageModel, SwiftTensors
 from mconvert.dtypes import dtype_of
 from mconvert.errors import ConversionError
 from mconvert.formats.dcp import DCPCheckpoint
@@ -97,6 +97,14 @@ class TorchDistTensors:
         region = self.dcp.read_region(key, *piece_region(piece, self.dcp.shapes[key]), into=into)
         return region.reshape(region.shape[len(piece.offsets) :])
 
+    def read_whole(self, key: str, offsets: Shape) -> np.ndarray:
+        """The stored tensor `key` whole (a layer's, at `offsets` of a stacked one, without its leading axes)."""
+        if key not in self.dcp.shapes:
+            raise ConversionError(f"{self.location}: tensor '{key}' is missing from the checkpoint")
+        shape = self.dcp.shapes[key]
+        region = (*(1,) * len(offsets), *shape[len(offsets) :])
+        return self.dcp.read_region(key, (*offsets, *(0,) * (len(shape) - len(offsets))), region).reshape(region[len(offsets) :])
+
     def byte_span(self, key: str, offsets: Shape, shape: Shape, dtype: np.dtype) -> tuple[Path, int] | None:
         return self.dcp.byte_span(key, offsets, shape) if dtype_of(self.dcp.dtypes[key]) == dtype else None
 
@@ -133,8 +141,9 @@ def open_megatron_checkpoint(load_dir: str | os.PathLike, iteration: int | None 
     - torch_dist: a DCP folder with metadata.json, written by mconvert, Megatron-LM or megatron-core alone, whose
       args (common.pt, or a `common_state` object) describe the model, describe none (ms-swift) or are absent (a
       bare model's save: Megatron-Bridge); a vision-language model's, the language model under `language_model.`
-      (Megatron-Bridge's Qwen3.5: mconvert.converters.bridge_saves); ms-swift's, its args.json beside, whose
-      Qwen3-Next delta-net layers are laid out otherwise (mconvert.converters.swift_saves).
+      (Megatron-Bridge's Qwen3.5: mconvert.converters.bridge_saves; ms-swift's: its vision tower under `visual.`);
+      ms-swift's, its args.json beside, whose Qwen3-Next and Qwen3.5 delta-net layers are laid out otherwise
+      (mconvert.converters.swift_saves).
     - Megatron-FSDP's fsdp_dtensor: a DCP folder without metadata.json, the model under `model.module.`.
     - FSDP2's torch_dcp: the same, the model under `model.`.
     """
@@ -150,9 +159,9 @@ def open_megatron_checkpoint(load_dir: str | os.PathLike, iteration: int | None 
         )
     dcp = DCPCheckpoint(directory)
     if (directory / "metadata.json").exists():
-        tensors = TorchDistTensors(dcp, read_common_args(directory, dcp))
+        tensors, swift = TorchDistTensors(dcp, read_common_args(directory, dcp)), (load_dir / SWIFT_ARGS).exists()
         if any(key.startswith(LANGUAGE_MODEL) for key in dcp.shapes):
-            return LanguageModelTensors(tensors)
-        return SwiftTensors(tensors) if (load_dir / SWIFT_ARGS).exists() else tensors
+            tensors = SwiftLanguageModel(tensors) if swift else LanguageModelTensors(tensors)
+        return SwiftTensors(tensors) if swift else tensors
     megatron_fsdp = any(key.startswith(fsdp_dtensor.MODEL_PREFIX) for key in dcp.shapes)
     return FsdpCheckpoint(dcp, fsdp_dtensor.FORMAT if megatron_fsdp else "torch_dcp")

@@ -276,8 +276,11 @@ class HFExport:
     plan: Plan
     config: dict[str, Any]
     files: tuple[str, ...]
-    # Tensors copied unchanged from the original checkpoint (`copied_back`: the vision tower).
+    # Tensors copied unchanged from the original checkpoint (`copied_back`: the vision tower), or the save's own
+    # vision tower (`saved_beside`).
     copied: int = 0
+    # Every tensor written: the plan's, those beside it (`copied`), and the scales of a quantized export.
+    tensors: int = 0
     source_format: str = "torch_dist"  # the format read (MegatronTensors.format)
     # Whether the --hf-config checkpoint's weights are quantized (its quantization_config, or its text_config's),
     # where these are written unquantized and config.json leaves it out.
@@ -374,6 +377,6 @@ def convert_mcore_to_hf(
     files = tuple(sorted(p.name for p in save_dir.iterdir()))
     dequantized = bool(quantization_config(plan.spec.hf_config)) and not export.names
     return HFExport(
-        plan, config, files, copied=len(beside), source_format=source.format, dequantized=dequantized, quantized=len(export.names), quantized_as=export.what, notes=notes,
+        plan, config, files, copied=len(beside), tensors=len(tensors), source_format=source.format, dequantized=dequantized, quantized=len(export.names), quantized_as=export.what, notes=notes,
         run=run, saved_beside=any(isinstance(stored, SavedTensor) for stored in beside.values()),
     )

@@ -1,19 +1,28 @@
-"""ms-swift's Qwen3-Next saves (mcore-bridge 1.6.5's GatedDeltaNet and GatedSelfAttention, its default), read as
-megatron-core's: recognised by ms-swift's `args.json` beside the save and, for the Qwen3-Next family, by the fused
-delta-net keys (a save without them, in megatron-core's own keys, is read as it is). What differs from megatron-core's layout, read from mcore-bridge's code (`modules/gated_delta_net.py`,
-`gpts/qwen3_next_gdn.py`, `bridge/gpt_bridge.py`'s `_set_linear_attn_state` and `_set_qkv`):
+"""ms-swift's saves of the Qwen3-Next and Qwen3.5 families (mcore-bridge 1.6.5's GatedDeltaNet and GatedSelfAttention,
+its default `USE_MCORE_GDN`), read as megatron-core's: recognised by ms-swift's `args.json` beside the save and, for
+these families, by the fused delta-net keys (a save without them, in megatron-core's own keys, is read as it is).
+What differs from megatron-core's layout, read from mcore-bridge's code (`modules/gated_delta_net.py`,
+`gpts/qwen3_next_gdn.py`, `mm_gpts/qwen3_5_gdn.py`, `bridge/gpt_bridge.py`'s `_set_linear_in_proj`,
+`_set_linear_attn_state` and `_set_qkv`):
 
 - a delta-net layer's input projection is one column-parallel tensor `self_attention.in_proj.weight`, its rows per key
-  head [q; k; v; z; b; a] (HF's in_proj_qkvz and in_proj_ba rows of that head, one after the other), where
+  head [q; k; v; z; b; a] (Qwen3-Next's in_proj_qkvz and in_proj_ba rows of that head, one after the other;
+  Qwen3.5's from its in_proj_qkv, in_proj_z, in_proj_b and in_proj_a, `GPTBridge._set_linear_in_proj`), where
   megatron-core keys each section (`in_proj.weight.query`, ...) with every head's rows in order;
 - its convolution is one tensor `self_attention.conv1d.weight`, channels per key head [q; k; v], where megatron-core
   keys each section;
 - its output norm `self_attention.out_norm.weight` is stored as HF's w (mcore-bridge turns zero-centring off for
-  it), where megatron-core's is zero-centred (w - 1);
+  it, `Qwen3NextLoader.build_model`), where megatron-core's is zero-centred (w - 1);
 - a full-attention layer's gated `linear_qkv` holds, per query group, each head's query and gate rows side by side
   (HF's q_proj rows as they are), then the key and value, where megatron-core groups the queries, then the gates; the
   multi-token prediction layer's too (its layer spec is the decoder's last, full attention: `register.py`'s
   `get_mtp_block_spec`).
+
+Qwen3.5's image-text model is mcore-bridge's MultimodalGPTModel (`model/mm_gpt_model.py`): the language model (the
+layout above) under `language_model.`, and the vision tower transformers' own module (`mm_gpts/qwen3_5.py`'s
+Qwen3_5Vit, whose `visual` is transformers' Qwen3_5VisionModel) under `visual.`, so that megatron-core's default
+sharded state dict keys its tensors `visual.visual.<HF name within model.visual.>`, whole and replicated
+(`SwiftLanguageModel`); a `language_model_only` run saves no vision tower.
 
 Each rank holds whole key heads (query groups) of these column-parallel tensors in that per-head order, and torch_dist
 stores their concatenation over the TP ranks in rank order: every head in order, whatever the TP size the run saved
@@ -22,22 +31,26 @@ that adding 1 back gives w exactly)."""
 
 from __future__ import annotations
 
-import argparse
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from mconvert.converters.bridge_saves import LanguageModelTensors, SavedTensor, region_reader
 from mconvert.converters.plan import Piece, Plan
+from mconvert.converters.wrapped_save import WrappedSave
 from mconvert.errors import ConversionError
 from mconvert.mappings.spec import ModelSpec
 
 Shape = tuple[int, ...]
-FAMILIES = ("qwen3_next",)  # the families whose ms-swift layout this module reads
+# The families whose ms-swift layout this module reads: mcore-bridge registers its Qwen3-Next bridge for
+# `qwen3_next`, its Qwen3.5 one (the same layer layout) for `qwen3_5` and `qwen3_5_moe`, both mconvert's qwen3_5.
+FAMILIES = ("qwen3_next", "qwen3_5")
 IN_PROJ, CONV1D = "self_attention.in_proj.weight", "self_attention.conv1d.weight"
 OUT_NORM, LINEAR_QKV = "self_attention.out_norm.weight", "self_attention.linear_qkv.weight"
+# Qwen3_5Vit.module_mapping: HF's prefix -> the module's within the vision model (`visual.`).
+VISION_MODULES = {"model.visual.": "visual."}
 SECTION_KEY = re.compile(rf"^(.*)({re.escape(IN_PROJ)}|{re.escape(CONV1D)})\.(\w+)$")
 
 
@@ -63,28 +76,15 @@ def gated_qkv_as_megatron_cores(stored: np.ndarray, spec: ModelSpec) -> np.ndarr
 
 
 @dataclass
-class SwiftTensors:
-    """An ms-swift torch_dist save (`inner`, a TorchDistTensors) with its Qwen3-Next delta-net and gated-attention
-    tensors presented in megatron-core's layout; other families' tensors pass through as stored."""
+class SwiftTensors(WrappedSave):
+    """An ms-swift torch_dist save (`inner`, a TorchDistTensors, or a SwiftLanguageModel of an image-text save) with its
+    Qwen3-Next or Qwen3.5 delta-net and gated-attention tensors presented in megatron-core's layout; other families'
+    tensors pass through as stored."""
 
-    inner: Any
-    format = "torch_dist"
     spec: ModelSpec | None = field(default=None, init=False)  # the model read, known once the plan is (stored_shapes)
     # Whether the save holds the fused delta-net keys (a Qwen3-Next family's save in mcore-bridge's layout), told
     # by stored_shapes; without them (megatron-core's own keys) every tensor passes through as stored.
     fused: bool = field(default=False, init=False)
-
-    @property
-    def args(self) -> argparse.Namespace | None:
-        return self.inner.args
-
-    @property
-    def location(self) -> str:
-        return self.inner.location
-
-    @property
-    def weights_dtype(self) -> Any:
-        return self.inner.weights_dtype
 
     def stored_shapes(self, plan: Plan) -> dict[str, Shape]:
         shapes = self.inner.stored_shapes(plan)
@@ -126,16 +126,25 @@ class SwiftTensors:
             return gated_qkv_as_megatron_cores(self.read_whole(key, piece.offsets), spec)
         return self.inner.read_piece(piece, into)
 
-    def read_whole(self, key: str, offsets: Shape) -> np.ndarray:
-        """The stored tensor `key` (a layer's, at `offsets` of a stacked one), without its leading axes."""
-        dcp = self.inner.dcp
-        if key not in dcp.shapes:
-            raise ConversionError(f"{self.location}: tensor '{key}' is missing from the checkpoint")
-        shape = dcp.shapes[key]
-        region = (*(1,) * len(offsets), *shape[len(offsets):])
-        return dcp.read_region(key, (*offsets, *(0,) * (len(shape) - len(offsets))), region).reshape(region[len(offsets):])
-
     def byte_span(self, key: str, offsets: Shape, shape: Shape, dtype: np.dtype) -> tuple[Path, int] | None:
         if self.fused and (SECTION_KEY.match(key) or key.endswith((OUT_NORM, LINEAR_QKV))):
             return None
-        return self.inner.byte_span(key, offsets, shape, dtype)
+        return super().byte_span(key, offsets, shape, dtype)
+
+
+@dataclass
+class SwiftLanguageModel(LanguageModelTensors):
+    """ms-swift's image-text save: the language model under `language_model.`, and transformers' vision tower under
+    `visual.` in its own names (`VISION_MODULES`), each tensor whole, in the export's dtype."""
+
+    vision = "visual."
+
+    def vision_tower(self, plan: Plan) -> dict[str, SavedTensor]:
+        found: dict[str, SavedTensor] = {}
+        for key, shape in self.vision_shapes(plan).items():
+            hf = next((prefix + key.removeprefix(module) for prefix, module in VISION_MODULES.items() if key.startswith(module)), None)
+            if hf is None:
+                raise ConversionError(f"{self.location}: vision tensor '{self.vision}{key}' is not under ms-swift's Qwen3.5 vision tower ({', '.join(self.vision + module for module in VISION_MODULES.values())})")
+            whole = tuple(shape)
+            found[hf] = SavedTensor(plan.dtype, whole, region_reader(self.inner.dcp, self.vision + key, (0,) * len(whole), whole, whole, 0, plan.dtype))
+        return found
