@@ -155,7 +155,7 @@ MOE_MADE_BY_BRIDGE = REPO / "tests" / "fixtures" / "megatron_bridge_qwen35_vl_mo
 
 def stored_against_megatron_bridges_import(save: Path, made: Path = MADE_BY_BRIDGE) -> tuple[set[str], list[str]]:
     """The keys of the regions Megatron-Bridge's own import made of the fixture's HF checkpoint (its Qwen3VLModel on a
-    CPU rank, scripts/fixtures/megatron_bridge_qwen35_vl.py) compared with the save, and those that differ."""
+    CPU rank, scripts/fixtures/megatron_bridge_vl.py) compared with the save, and those that differ."""
     from mconvert.dtypes import as_torch
 
     checkpoint = DCPCheckpoint(save / "release")
