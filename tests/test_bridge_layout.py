@@ -224,6 +224,8 @@ def qwen3_vl(tmp_path_factory):
     result = to_bridge(QWEN3_VL_MADE_BY_BRIDGE / "hf", save)
     assert result.returncode == 0, result.stderr
     assert "Megatron-Bridge (a recipe of its qwen3_vl vision-language model" in result.stdout
+    # Each deepstack merger's TE modules' state, as each block's: by its place in the stack.
+    assert "vision_model.decoder.deepstack_merger_list.linear_fc1._extra_state/shard_1_2" in DCPCheckpoint(save / "release").object_keys
     return save
 
 
