@@ -133,7 +133,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
         + summary(started, load_dir, save_dir)
     )
     if options.layout == MEGATRON_BRIDGE:
-        print(next_steps(save_dir, parallelism))
+        print(next_steps(save_dir, parallelism, plan.family.name))
         return 0
     # The same text as the file, so that what is printed and what is sourced never differ.
     print(f"Megatron-LM flags (also in {save_dir}/{ARGS_SCRIPT}):")

@@ -2,7 +2,9 @@
 vision-language model, at TP 2 and PP 2. Back through mcore-to-hf it gives every HF tensor bit for bit, vision tower
 included, and transformers' image-text logits; the save holds the keys, shapes, records and QKV order Megatron-Bridge's
 own code makes (tests/fixtures/tool_saves/MADE.md). Faults: the vision QKV written in HF's order, a vision tensor the
-layout has no place for, a vision block missing, a model without a vision tower, the fsdp_dtensor format."""
+layout has no place for, a vision block missing, a model without a vision tower, the fsdp_dtensor format. Qwen3-VL
+(its deepstack mergers stacked beside the blocks) the same way, from Megatron-Bridge's own model's fixture: faults, its
+vision QKV in HF's order and its deepstack mergers swapped."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from mconvert.mcore.checkpoint import _load_common
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 from tests.cli_runner import assert_one_line_error, run_cli
 from tests.test_tool_saves import image_text_logits
-from tests.tool_saves import hf_tensors, model_tensors
+from tests.tool_saves import hf_tensors, model_tensors, write_torch_dist
 
 REPO = Path(__file__).resolve().parents[1]
 IMAGE, START, END = 900, 902, 903
@@ -153,11 +155,12 @@ def test_a_model_without_vision_tower_and_the_fsdp_format_are_refused_in_one_lin
 
 MADE_BY_BRIDGE = REPO / "tests" / "fixtures" / "megatron_bridge_qwen35_vl"
 MOE_MADE_BY_BRIDGE = REPO / "tests" / "fixtures" / "megatron_bridge_qwen35_vl_moe"
+QWEN3_VL_MADE_BY_BRIDGE = REPO / "tests" / "fixtures" / "megatron_bridge_qwen3_vl"
 
 
 def stored_against_megatron_bridges_import(save: Path, made: Path = MADE_BY_BRIDGE) -> tuple[set[str], list[str]]:
     """The keys of the regions Megatron-Bridge's own import made of the fixture's HF checkpoint (its Qwen3VLModel on a
-    CPU rank, scripts/fixtures/megatron_bridge_qwen35_vl.py) compared with the save, and those that differ."""
+    CPU rank, scripts/fixtures/megatron_bridge_vl.py) compared with the save, and those that differ."""
     from mconvert.dtypes import as_torch
 
     checkpoint = DCPCheckpoint(save / "release")
@@ -174,7 +177,7 @@ def stored_against_megatron_bridges_import(save: Path, made: Path = MADE_BY_BRID
     return {label.split("@")[0] for label in imported}, sorted(differ)
 
 
-@pytest.mark.parametrize("made", [MADE_BY_BRIDGE, MOE_MADE_BY_BRIDGE], ids=["dense", "moe"])
+@pytest.mark.parametrize("made", [MADE_BY_BRIDGE, MOE_MADE_BY_BRIDGE, QWEN3_VL_MADE_BY_BRIDGE], ids=["dense", "moe", "qwen3-vl"])
 def test_the_save_is_what_megatron_bridges_own_model_and_import_make(made, tmp_path):
     """Its Qwen3VLModel's checkpoint keys and global shapes at TP 2 x PP 2, and every region its own HF import makes;
     the save's one other kind of key is the MoE layers' norm under Transformer Engine's name (written under both
@@ -202,3 +205,80 @@ def test_qkv_in_hfs_order_or_a_padded_vocabulary_differ_from_megatron_bridges_im
     keys = json.loads((MADE_BY_BRIDGE / "keys_tp2_pp2.json").read_text())
     padded = DCPCheckpoint(tmp_path / "lm" / "release").shapes["embedding.word_embeddings.weight"]
     assert list(padded) != keys["language_model.embedding.word_embeddings.weight"]
+
+
+DEEPSTACK = [f"model.visual.deepstack_merger_list.{merger}.{name}" for merger in range(2)
+             for name in ("linear_fc1.bias", "linear_fc1.weight", "linear_fc2.bias", "linear_fc2.weight", "norm.bias", "norm.weight")]
+
+
+def deepstack_swapped(monkeypatch) -> None:
+    """The layout written with Qwen3-VL's two deepstack mergers in each other's place."""
+    keys = bridge_layout.vision_keys
+    monkeypatch.setattr(bridge_layout, "vision_keys", lambda names, prefix: {
+        key: sources[::-1] if "deepstack_merger_list" in key else sources for key, sources in keys(names, prefix).items()})
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    """Megatron-Bridge's Qwen3-VL fixture checkpoint (4 layers, 2 vision blocks each followed by a deepstack merger) in
+    its layout at TP 2, PP 2."""
+    save = tmp_path_factory.mktemp("qwen3_vl") / "mb"
+    result = to_bridge(QWEN3_VL_MADE_BY_BRIDGE / "hf", save)
+    assert result.returncode == 0, result.stderr
+    assert "Megatron-Bridge (a recipe of its qwen3_vl vision-language model" in result.stdout
+    # Each deepstack merger's TE modules' state, as each block's: by its place in the stack.
+    assert "vision_model.decoder.deepstack_merger_list.linear_fc1._extra_state/shard_1_2" in DCPCheckpoint(save / "release").object_keys
+    return save
+
+
+def test_qwen3_vl_round_trip_is_bit_exact_and_whole_by_transformers_class(qwen3_vl, tmp_path):
+    hf = QWEN3_VL_MADE_BY_BRIDGE / "hf"
+    out = run_cli("mcore-to-hf", "--load-dir", qwen3_vl, "--save-dir", tmp_path / "back")
+    assert out.returncode == 0, out.stderr
+    assert "(and 45 of the save's vision tower)" in out.stdout
+    assert "checked against transformers' Qwen3VLForConditionalGeneration: every tensor it holds is written, and no other" in out.stdout
+    assert differing(hf, tmp_path / "back") == []
+    assert torch.equal(image_text_logits(tmp_path / "back"), image_text_logits(hf))
+
+
+def test_qwen3_vl_save_with_its_vision_modules_keyed_one_by_one_exports_the_same(qwen3_vl, tmp_path):
+    """Megatron-Bridge's heterogeneous checkpoints key each block and deepstack merger apart: read the same."""
+    tensors = {}
+    for key, tensor in model_tensors(qwen3_vl).items():
+        stacked = bridge_saves.stacked_prefix(key)
+        tensors.update({f"{stacked}{number}.{key.removeprefix(stacked)}": one for number, one in enumerate(tensor)} if stacked else {key: tensor})
+    assert "vision_model.decoder.deepstack_merger_list.1.linear_fc1.weight" in tensors
+    write_torch_dist(tensors, tmp_path / "mb" / "release")
+    shutil.copy2(qwen3_vl / "release" / "run_config.yaml", tmp_path / "mb" / "release")
+    from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+
+    convert_mcore_to_hf(tmp_path / "mb", tmp_path / "back")
+    assert differing(QWEN3_VL_MADE_BY_BRIDGE / "hf", tmp_path / "back") == []
+
+
+def test_qwen3_vl_deepstack_mergers_swapped_move_exactly_them_back(tmp_path, monkeypatch):
+    from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+    from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+    from mconvert.mcore.parallelism import Parallelism
+
+    deepstack_swapped(monkeypatch)
+    convert_hf_to_mcore(QWEN3_VL_MADE_BY_BRIDGE / "hf", tmp_path / "mb", parallelism=Parallelism(tp=2, pp=2), layout="megatron-bridge")
+    convert_mcore_to_hf(tmp_path / "mb", tmp_path / "back")
+    assert differing(QWEN3_VL_MADE_BY_BRIDGE / "hf", tmp_path / "back") == DEEPSTACK
+
+
+@pytest.mark.parametrize("fault", ["qkv-in-hf-order", "deepstack-swapped"])
+def test_qwen3_vl_faults_differ_from_megatron_bridges_import_in_exactly_their_tensors(fault, tmp_path, monkeypatch):
+    from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
+    from mconvert.mcore.parallelism import Parallelism
+
+    if fault == "qkv-in-hf-order":
+        monkeypatch.setattr(bridge_layout, "interleave_qkv", lambda fused, heads: fused)
+        changed = [f"vision_model.decoder.layers.self_attention.linear_qkv.{kind}" for kind in ("bias", "weight")]
+    else:
+        deepstack_swapped(monkeypatch)
+        changed = [f"vision_model.decoder.deepstack_merger_list.{name}" for name in
+                   ("linear_fc1.bias", "linear_fc1.weight", "linear_fc2.bias", "linear_fc2.weight", "patch_norm.bias", "patch_norm.weight")]
+    convert_hf_to_mcore(QWEN3_VL_MADE_BY_BRIDGE / "hf", tmp_path / "mb", parallelism=Parallelism(tp=2), layout="megatron-bridge")
+    differ = stored_against_megatron_bridges_import(tmp_path / "mb", QWEN3_VL_MADE_BY_BRIDGE)[1]
+    assert differ == sorted(key for key in changed for _ in range(2))  # each key's two regions: its two blocks or mergers

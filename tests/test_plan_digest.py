@@ -71,6 +71,7 @@ DIGESTS = {
     "olmo-2+olmo3": "f9dd15e8ba417f8e894c8a8dbbb4e9af2d07d6285e16ab4f1b137a1c4d2d0ddb",
     "gemma-3-1b-pt": "6bed2a18103522317bfe30188621b1431076d512095faf9de9f0780b3e8d0e47",
     "gemma-3-4b-it": "25e3dd025dd402b9a53fb500771f402d04cc667540b5890b8c544ca85a32572f",
+    "qwen3-vl-8b-instruct": "80b19992219d27c23f3c91805ad0d834e5e50db755619e24eecb89b60b1f9db0",
 }
 
 # Configs beside every shipped one at 4 layers: layers mixed dense and MoE, a pattern with each Nemotron-H block, a

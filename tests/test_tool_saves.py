@@ -51,7 +51,7 @@ def qwen35(tmp_path_factory):
 
 
 def image_text_logits(hf_dir) -> torch.Tensor:
-    """transformers' image-text class on a prompt of 150 tokens with an image of 16 patches in it."""
+    """transformers' image-text class (Qwen3.5's, Qwen3-VL's) on a prompt of 150 tokens with an image of 16 patches in it."""
     model = transformers.AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 800, (1, 150), generator=generator)

@@ -1,10 +1,10 @@
-"""hf-to-mcore's `--layout megatron-bridge`: an HF image-text checkpoint (Qwen3.5) written as Megatron-Bridge 0.6.2
+"""hf-to-mcore's `--layout megatron-bridge`: an HF image-text checkpoint (Qwen3.5, Qwen3-VL) written as Megatron-Bridge 0.6.2
 saves its vision-language model (`Qwen3VLModel`), so that a Megatron-Bridge run loads it
 (`checkpoint.pretrained_checkpoint`, or `checkpoint.load` to resume):
 
 - the language model: the family's plan, megatron-core's GPTModel keys, under `language_model.`;
 - the vision tower under `vision_model.`, by the names and the per-head QKV order mcore-to-hf reads such a save with
-  (mconvert.converters.bridge_saves: one table both ways), its blocks stacked;
+  (mconvert.converters.bridge_saves: one table both ways), its blocks (and Qwen3-VL's deepstack mergers) stacked;
 - `_extra_state` objects for every module owning a tensor (and attention's core), as the language model's;
 - in `release/`: `common.pt` as Megatron-Bridge's (its checkpoint version and sharded state dict metadata, no
   Megatron-LM args), `run_config.yaml` with what its checkpoint loading reads (`model.tensor_model_parallel_size`,
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mconvert.converters.bridge_saves import FUSED_QKV, LANGUAGE_MODEL, VISION_MODEL, interleave_qkv, vision_keys
+from mconvert.converters.bridge_saves import BLOCKS, FUSED_QKV, LANGUAGE_MODEL, VISION_MODEL, interleave_qkv, stacked_prefix, vision_keys
 from mconvert.converters.plan import Plan
 from mconvert.dtypes import cast
 from mconvert.errors import ConversionError
@@ -39,7 +39,6 @@ RUN_CONFIG = "run_config.yaml"
 # What Megatron-Bridge's save passes megatron-core as the sharded state dict's metadata without a distributed
 # optimizer (training/checkpointing.py `_build_sharded_state_dict_metadata`), kept in common.pt.
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-BLOCKS = VISION_MODEL + "decoder.layers."
 
 
 def prefixed(plan: Plan, prefix: str = LANGUAGE_MODEL) -> Plan:
@@ -75,18 +74,21 @@ class VisionTower:
             inner = {hf.tensors[name].shape for name in sources}
             if len(inner) != 1:
                 raise ConversionError(f"{source}: the vision blocks' tensors of '{key}' differ in shape: {sorted(inner)}")
-            shapes[key] = ((len(sources),) if key.startswith(BLOCKS) else ()) + tuple(inner.pop())
+            shapes[key] = ((len(sources),) if stacked_prefix(key) else ()) + tuple(inner.pop())
         return cls(keys, shapes, heads, plan.dtype)
 
     def extra_state_keys(self) -> list[str]:
-        """A module's `_extra_state` key for each module owning a tensor, and attention's core, per block."""
+        """A module's `_extra_state` key for each module owning a tensor, and attention's core, per block (per
+        numbered module: a deepstack merger's as a block's)."""
+        blocks = VISION_MODEL + BLOCKS
         modules = {key.rsplit(".", 1)[0] for key in self.keys}
-        modules |= {BLOCKS + module for scope, module in EXTRA_STATE_ONLY_MODULES.items() if any(key.startswith(BLOCKS + scope) for key in self.keys)}
-        depth = next(shape[0] for key, shape in self.shapes.items() if key.startswith(BLOCKS))
+        modules |= {blocks + module for scope, module in EXTRA_STATE_ONLY_MODULES.items() if any(key.startswith(blocks + scope) for key in self.keys)}
+        counts = {stacked_prefix(key): shape[0] for key, shape in self.shapes.items() if stacked_prefix(key)}
         found = []
         for module in sorted(modules):
-            blocks = [((block,), (depth,)) for block in range(depth)] if module.startswith(BLOCKS) else [((), ())]
-            found += [extra_state_key(module, offsets, leading) for offsets, leading in blocks]
+            count = counts.get(stacked_prefix(module + "."))
+            numbered = [((number,), (count,)) for number in range(count)] if count else [((), ())]
+            found += [extra_state_key(module, offsets, leading) for offsets, leading in numbered]
         return found
 
     def declare(self, writer: DCPWriter) -> None:
@@ -94,12 +96,12 @@ class VisionTower:
             writer.declare(key, shape, self.dtype)
 
     def write(self, writer: DCPWriter, hf: HFCheckpoint) -> None:
-        """Every vision tensor, one HF tensor at a time (a block's slice of a stacked key)."""
+        """Every vision tensor, one HF tensor at a time (a block's or deepstack merger's slice of a stacked key)."""
         for key, sources in self.keys.items():
-            stacked = key.startswith(BLOCKS)
+            stacked = stacked_prefix(key) is not None
             for block, name in enumerate(sources):
                 tensor = hf.read(name)
-                if key.removeprefix(BLOCKS) in FUSED_QKV:
+                if key.removeprefix(VISION_MODEL + BLOCKS) in FUSED_QKV:
                     tensor = interleave_qkv(tensor, self.heads)
                 tensor = np.ascontiguousarray(cast(tensor, self.dtype))
                 writer.write_chunk(key, ((block,) if stacked else ()) + (0,) * tensor.ndim, tensor[None] if stacked else tensor)
@@ -122,7 +124,7 @@ def run_config(load_dir: Path, parallelism: Parallelism) -> str:
                    for section, fields in sections.items())
 
 
-def next_steps(save_dir: Path, parallelism: Parallelism) -> str:
-    return (f"next: in Megatron-Bridge (a Qwen3.5 vision-language recipe, model from the same HF checkpoint, TP "
+def next_steps(save_dir: Path, parallelism: Parallelism, family: str) -> str:
+    return (f"next: in Megatron-Bridge (a recipe of its {family} vision-language model, model from the same HF checkpoint, TP "
             f"{parallelism.tp} PP {parallelism.pp}):\n  checkpoint.pretrained_checkpoint={save_dir}\n"
             f"  mconvert mcore-to-hf --load-dir {save_dir} --save-dir OUT   # back to HF, vision tower included")

@@ -1,12 +1,14 @@
-"""Megatron-Bridge's vision-language saves (Qwen3.5, its Qwen3VLModel): the language model, megatron-core's GPTModel
-keys, under `language_model.`, and the vision tower beside it under `vision_model.`, a megatron-core transformer
-block of its own with Megatron-Bridge's patch embedding, position embedding and merger. Recognised by the keys
+"""Megatron-Bridge's vision-language saves (Qwen3.5 and Qwen3-VL, its Qwen3VLModel): the language model,
+megatron-core's GPTModel keys, under `language_model.`, and the vision tower beside it under `vision_model.`, a
+megatron-core transformer block of its own with Megatron-Bridge's patch embedding, position embedding and merger
+(and Qwen3-VL's deepstack mergers, under the block: `decoder.deepstack_merger_list.`). Recognised by the keys
 (`open_megatron_checkpoint` wraps a save holding `language_model.` keys); the language model is read through the
 family's plan as any GPTModel save, the vision tower is written under the HF image-text names by the table below,
-read from Megatron-Bridge 0.6.2's Qwen3.5 bridge (`qwen35_vl_bridge._get_vision_mappings`): renames, and each
-block's fused QKV de-interleaved (its ConcatenatedQKVMapping: per head [q; k; v] rows, every head its own query
-group, where HF holds [q; k; v] of all heads). torch_dist stores global tensors, so the TP size of the save does
-not matter; a block's tensors are stacked (`decoder.layers.<name>`, leading axis the block) or keyed per block
+read from Megatron-Bridge 0.6.2's Qwen3.5 and Qwen3-VL bridges (`qwen35_vl_bridge._get_vision_mappings`,
+`qwen3_vl_bridge.Qwen3VLBridge.mapping_registry`): renames, and each block's fused QKV de-interleaved (its
+ConcatenatedQKVMapping: per head [q; k; v] rows, every head its own query group, where HF holds [q; k; v] of all
+heads). torch_dist stores global tensors, so the TP size of the save does not matter; a block's (or deepstack
+merger's) tensors are stacked (`decoder.layers.<name>`, leading axis the block) or keyed one by one
 (`decoder.layers.<i>.<name>`, Megatron-Bridge's heterogeneous checkpoints), both read."""
 
 from __future__ import annotations
@@ -44,19 +46,30 @@ BLOCK_NAMES = {
     "mlp.linear_fc2.weight": "mlp.linear_fc2.weight",
     "mlp.linear_fc2.bias": "mlp.linear_fc2.bias",
 }
+# A patch merger's names, Qwen3-VL's deepstack mergers' as the final one's (`merger.`).
+MERGER_NAMES = {
+    "patch_norm.weight": "norm.weight",
+    "patch_norm.bias": "norm.bias",
+    "linear_fc1.weight": "linear_fc1.weight",
+    "linear_fc1.bias": "linear_fc1.bias",
+    "linear_fc2.weight": "linear_fc2.weight",
+    "linear_fc2.bias": "linear_fc2.bias",
+}
 TOWER_NAMES = {
     "patch_embed.proj.weight": "patch_embed.proj.weight",
     "patch_embed.proj.bias": "patch_embed.proj.bias",
     "pos_embed.weight": "pos_embed.weight",
-    "merger.patch_norm.weight": "merger.norm.weight",
-    "merger.patch_norm.bias": "merger.norm.bias",
-    "merger.linear_fc1.weight": "merger.linear_fc1.weight",
-    "merger.linear_fc1.bias": "merger.linear_fc1.bias",
-    "merger.linear_fc2.weight": "merger.linear_fc2.weight",
-    "merger.linear_fc2.bias": "merger.linear_fc2.bias",
+    **{"merger." + megatron: "merger." + hf for megatron, hf in MERGER_NAMES.items()},
+}
+BLOCKS = "decoder.layers."
+# The tower's numbered modules, each stacked under one key a name (the leading axis its number, as the blocks and
+# Qwen3-VL's deepstack mergers are; Qwen3VLVisionTransformerBlock.sharded_state_dict) or keyed one by one
+# (`<prefix><number>.<name>`): Megatron-Bridge's prefix -> (HF's prefix, the names).
+STACKED = {
+    BLOCKS: ("blocks.", BLOCK_NAMES),
+    "decoder.deepstack_merger_list.": ("deepstack_merger_list.", MERGER_NAMES),
 }
 FUSED_QKV = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")
-BLOCKS = "decoder.layers."
 
 
 @dataclass
@@ -110,16 +123,19 @@ class LanguageModelTensors(WrappedSave):
                 whole = tuple(shape)
                 found[prefix + TOWER_NAMES[key]] = SavedTensor(dtype, whole, region_reader(dcp, VISION_MODEL + key, (0,) * len(whole), whole, whole, 0, dtype))
                 continue
-            per_block = re.fullmatch(rf"{re.escape(BLOCKS)}(\d+)\.(.+)", key)
-            name = per_block.group(2) if per_block else key.removeprefix(BLOCKS)
-            if not key.startswith(BLOCKS) or name not in BLOCK_NAMES:
-                raise ConversionError(f"{self.location}: vision tensor '{VISION_MODEL}{key}' is not one Megatron-Bridge's Qwen3.5 vision tower holds")
-            blocks = [int(per_block.group(1))] if per_block else range(shape[0])
-            inner = tuple(shape) if per_block else tuple(shape[1:])
-            for block in blocks:
-                offsets = (0,) * len(inner) if per_block else (block, *(0,) * len(inner))
-                region = inner if per_block else (1, *inner)
-                found[f"{prefix}blocks.{block}.{BLOCK_NAMES[name]}"] = SavedTensor(dtype, inner, region_reader(dcp, VISION_MODEL + key, offsets, region, inner, heads if name in FUSED_QKV else 0, dtype))
+            stacked = next((stacked for stacked in STACKED if key.startswith(stacked)), None)
+            hf_prefix, names = STACKED.get(stacked, ("", {}))
+            one = re.fullmatch(rf"{re.escape(stacked or '')}(\d+)\.(.+)", key)
+            name = one.group(2) if one else key.removeprefix(stacked or "")
+            if stacked is None or name not in names:
+                raise ConversionError(f"{self.location}: vision tensor '{VISION_MODEL}{key}' is not one Megatron-Bridge's Qwen vision tower holds")
+            numbers = [int(one.group(1))] if one else range(shape[0])
+            inner = tuple(shape) if one else tuple(shape[1:])
+            qkv_heads = heads if stacked == BLOCKS and name in FUSED_QKV else 0
+            for number in numbers:
+                offsets = (0,) * len(inner) if one else (number, *(0,) * len(inner))
+                region = inner if one else (1, *inner)
+                found[f"{prefix}{hf_prefix}{number}.{names[name]}"] = SavedTensor(dtype, inner, region_reader(dcp, VISION_MODEL + key, offsets, region, inner, qkv_heads, dtype))
         return found
 
 
@@ -150,26 +166,34 @@ def interleave_qkv(fused: np.ndarray, heads: int) -> np.ndarray:
     return regroup_qkv(fused, heads, to_megatron=True)
 
 
+def stacked_prefix(key: str) -> str | None:
+    """The prefix (under `vision_model.`) of the numbered modules whose stacked key `key` is; None for the rest."""
+    return next((VISION_MODEL + prefix for prefix in STACKED if key.startswith(VISION_MODEL + prefix)), None)
+
+
 def vision_keys(hf_names: Iterable[str], prefix: str) -> dict[str, tuple[str, ...]]:
-    """Each key of the vision tower as Megatron-Bridge's Qwen3.5 model saves it (under `vision_model.`; its blocks
-    stacked, `decoder.layers.<name>` with the block as leading axis: its vision config leaves
-    `hetereogenous_dist_checkpoint` off) and the HF tensors (under `prefix`) it is made of, in block order. From the
+    """Each key of the vision tower as Megatron-Bridge's Qwen3VLModel saves it (under `vision_model.`; its numbered
+    modules stacked, `decoder.layers.<name>` with the block as leading axis: its vision config leaves
+    `hetereogenous_dist_checkpoint` off) and the HF tensors (under `prefix`) it is made of, in their order. From the
     same table the export reads the save by; an HF vision tensor the table has no name for is an error."""
     tower = {hf: mb for mb, hf in TOWER_NAMES.items()}
-    block = {hf: mb for mb, hf in BLOCK_NAMES.items()}
+    numbered = [(re.compile(rf"{re.escape(hf_prefix)}(\d+)\.(.+)"), stacked, {hf: mb for mb, hf in names.items()})
+                for stacked, (hf_prefix, names) in STACKED.items()]
     keys: dict[str, list[tuple[int, str]]] = {}
     for name in hf_names:
         local = name.removeprefix(prefix)
-        found = re.fullmatch(r"blocks\.(\d+)\.(.+)", local)
         if local in tower:
             keys[VISION_MODEL + tower[local]] = [(0, name)]
-        elif found and found.group(2) in block:
-            keys.setdefault(VISION_MODEL + BLOCKS + block[found.group(2)], []).append((int(found.group(1)), name))
-        else:
-            raise ConversionError(f"tensor '{name}': a vision tensor Megatron-Bridge's Qwen3.5 vision tower has no place for")
+            continue
+        found = next(((match, stacked, names) for pattern, stacked, names in numbered
+                      if (match := pattern.fullmatch(local)) and match.group(2) in names), None)
+        if found is None:
+            raise ConversionError(f"tensor '{name}': a vision tensor Megatron-Bridge's Qwen vision tower has no place for")
+        match, stacked, names = found
+        keys.setdefault(VISION_MODEL + stacked + names[match.group(2)], []).append((int(match.group(1)), name))
     for key, held in keys.items():
-        if key.startswith(VISION_MODEL + BLOCKS) and sorted(number for number, _ in held) != list(range(len(held))):
-            raise ConversionError(f"tensor '{key}': the HF vision blocks holding it are not numbered 0 to {len(held) - 1}")
+        if stacked_prefix(key) and sorted(number for number, _ in held) != list(range(len(held))):
+            raise ConversionError(f"tensor '{key}': the HF vision modules holding it are not numbered 0 to {len(held) - 1}")
     return {key: tuple(name for _, name in sorted(held)) for key, held in keys.items()}
 
 

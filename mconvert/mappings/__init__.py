@@ -32,6 +32,7 @@ from mconvert.mappings import (
     qwen3_5,
     qwen3_moe,
     qwen3_next,
+    qwen3_vl,
 )
 from mconvert.mappings.family import Family, Table
 from mconvert.mappings.not_expressible import why_not_expressible
@@ -44,7 +45,7 @@ FAMILIES: dict[str, Family] = {
         llama.FAMILY, qwen2.FAMILY, qwen3.FAMILY, qwen2_moe.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY, deepseek.FAMILY, glm4_moe.FAMILY,
         deepseek_v32.FAMILY, gpt_oss.FAMILY, qwen3_next.FAMILY, qwen3_5.FAMILY, qwen3_5.TEXT_FAMILY, minimax_m2.FAMILY,
         nemotron_h.FAMILY, ernie4_5.FAMILY, olmoe.FAMILY, hy_v3.FAMILY, olmo2.FAMILY, olmo3.FAMILY, kimi_k25.FAMILY,
-        gemma3.FAMILY, gemma3.TEXT_FAMILY,
+        gemma3.FAMILY, gemma3.TEXT_FAMILY, qwen3_vl.FAMILY,
     )
 }
 

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,6 +45,16 @@ def without_flash_linear_attention() -> Iterator[None]:
             sys.modules["fla"] = saved
 
 
+def auto_class(transformers: Any, config: dict[str, Any]) -> Any:
+    """The causal-LM auto class, or the image-text one for an image-text model that has no causal-LM class
+    (Qwen3-VL's Qwen3VLForConditionalGeneration, run on text)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if "text_config" in config and config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
+
+
 def load_hf_model(hf_dir: str | Path, dtype: torch.dtype):
     """transformers' model of an HF directory, offline. A checkpoint that ships its own code (auto_map) under a
     model_type transformers does not know is built as the transformers class its `architectures` names, as
@@ -64,7 +75,7 @@ def load_hf_model(hf_dir: str | Path, dtype: torch.dtype):
     with transformers_log_held() as held, without_flash_linear_attention():
         try:
             if taken is None:
-                model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, **options)
+                model = auto_class(transformers, config).from_pretrained(hf_dir, **options)
             else:
                 family, architecture = taken
                 fields = {key: value for key, value in described.items() if key not in ("auto_map", "model_type")}
