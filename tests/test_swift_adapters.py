@@ -239,8 +239,9 @@ def test_a_peft_adapter_round_trips_through_ms_swifts_layout_bit_for_bit(tp, rsl
     dcp.load(written, checkpoint_id=str(directory), no_dist=True)
     scale = 16.0 / (math.sqrt(8) if rslora else 8)
     assert (logits(merged_base(written, tp, scale)) - peft_logits(adapter)).abs().max().item() < LOGITS_TOLERANCE
-    # And back: the same tensors, bit for bit, and the same settings.
-    back = to_hf(save, tmp_path / "back")
+    # And back (the base found from args.json's `model`): the same tensors, bit for bit, and the same settings.
+    assert main(["adapter-to-hf", "--load-dir", str(save), "--save-dir", str(tmp_path / "back")]) == 0
+    back = tmp_path / "back"
     original, returned = load_file(adapter / ADAPTER_WEIGHTS), load_file(back / ADAPTER_WEIGHTS)
     assert original.keys() == returned.keys() and all(torch.equal(original[k], returned[k]) for k in original)
     config, config_back = (json.loads((d / ADAPTER_CONFIG).read_text()) for d in (adapter, back))
@@ -266,3 +267,13 @@ def test_what_adapter_to_hf_cannot_read_is_refused_in_one_line(args, expected, t
     err = capsys.readouterr().err
     assert code == 1 and expected in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_save_that_names_no_base_needs_hf_config(tmp_path, capsys):
+    args = swift_args(8, 16.0, 1)
+    del args["model"]
+    run = swift_save(tmp_path / "run", random_swift_tensors(), 1, args)
+    capsys.readouterr()
+    assert main(["adapter-to-hf", "--load-dir", str(run), "--save-dir", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "its save names no HF base model; pass --hf-config" in err and len(err.strip().splitlines()) == 1, err

@@ -19,6 +19,7 @@ import numpy as np
 from mconvert.converters.bridge_adapters import ADAPTER, ROW_SPLITS, AdapterSave, LoraSettings, merged, read_lora_settings
 from mconvert.converters.expert_adapters import expert_peft_tensors
 from mconvert.converters.output import atomic_directory, check_target
+from mconvert.converters.save_folders import bridge_record, swift_record
 from mconvert.converters.swift_adapters import LAYOUT as SWIFT
 from mconvert.converters.swift_adapters import SwiftAdapterSave, read_swift_settings, swift_folder
 from mconvert.errors import ConversionError
@@ -174,6 +175,16 @@ def merged_with_adapter(source: Any, adapter_dir: str | Path, plan: Any) -> Merg
     if save.left:
         raise ConversionError(f"--adapter {directory}: '{min(save.left)}' adapts no weight of {source.location}")
     return MergedTensors(source, save, plan.spec)
+
+
+def recorded_base(load_dir: Path, iteration: int | None) -> tuple[str, str]:
+    """(HF base model, where it is named) of an adapter save: ms-swift's args.json `model_dir` or `model`, or
+    Megatron-Bridge's run_config.yaml `checkpoint.hf_source_path` or `model.hf_model_id`."""
+    swift = swift_folder(load_dir, iteration)
+    record = swift_record(swift) if swift is not None else bridge_record(iteration_dir(load_dir, iteration))
+    if record is None:
+        raise ConversionError(f"--load-dir {load_dir}: its save names no HF base model; pass --hf-config")
+    return record
 
 
 @dataclass(frozen=True)
