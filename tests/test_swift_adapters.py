@@ -83,6 +83,10 @@ def swift_save(out: Path, tensors: dict[str, torch.Tensor], tp: int, args: dict)
     for key, tensor in tensors.items():
         writer.declare(key, tuple(tensor.shape), np.dtype(np.float32))
         linear, factor = key[len(STACK):].rsplit(".lora_", 1)
+        if linear.startswith("mlp.experts.experts."):  # one gemm per expert, expert TP 1: each expert's factor whole
+            for layer, expert in np.ndindex(*tensor.shape[:2]):
+                writer.write_chunk(key, (layer, expert, 0, 0), np.ascontiguousarray(tensor[layer, expert : expert + 1].numpy()[None]))
+            continue
         column = LINEARS[linear][2]
         axis = 1 if factor.startswith("B") and column else 2 if factor.startswith("A") and not column else None
         for layer in range(LAYERS):
@@ -277,3 +281,45 @@ def test_a_save_that_names_no_base_needs_hf_config(tmp_path, capsys):
     assert main(["adapter-to-hf", "--load-dir", str(run), "--save-dir", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "its save names no HF base model; pass --hf-config" in err and len(err.strip().splitlines()) == 1, err
+
+
+MOE_BASE = Path(__file__).parent / "fixtures" / "megatron_bridge_lora" / "moe-lora" / "hf"  # Qwen3-MoE: 4 experts of width 32
+
+
+def test_expert_adapters_become_peft_target_parameters_with_the_saved_delta(tmp_path):
+    """LoRA on the routed experts (TEGroupedMLP): per expert lora_A [r, in] and lora_B [out, r] along the expert axis;
+    peft's logits are the base's with W_e + scale x B_e A_e in transformers' fused gate_up_proj and down_proj."""
+    experts, ffn, r = 4, 32, 4
+    generator = torch.Generator().manual_seed(5)
+    shapes = {"linear_fc1": (HIDDEN, 2 * ffn), "linear_fc2": (ffn, HIDDEN)}
+    tensors = {}
+    for linear, (into, out) in shapes.items():
+        tensors[f"{STACK}mlp.experts.experts.{linear}.lora_A.default.weight"] = torch.randn(LAYERS, experts, r, into, generator=generator) * 0.1
+        tensors[f"{STACK}mlp.experts.experts.{linear}.lora_B.default.weight"] = torch.randn(LAYERS, experts, out, r, generator=generator) * 0.1
+    run = swift_save(tmp_path / "run", tensors, 1, dict(swift_args(r, 8.0, 1), model=str(MOE_BASE)))
+    assert main(["adapter-to-hf", "--load-dir", str(run), "--save-dir", str(tmp_path / "adapter")]) == 0
+    config = json.loads((tmp_path / "adapter" / ADAPTER_CONFIG).read_text())
+    assert config["target_parameters"] == [f"model.layers.{i}.mlp.experts.{p}" for i in range(LAYERS) for p in ("down_proj", "gate_up_proj")]
+    base = transformers.AutoModelForCausalLM.from_pretrained(MOE_BASE, dtype=torch.float32).eval()
+    reference = copy.deepcopy(base)
+    weights = reference.state_dict()  # the parameters themselves: changed in place
+    for layer in range(LAYERS):
+        for linear, param in (("linear_fc1", "gate_up_proj"), ("linear_fc2", "down_proj")):
+            a, b = (tensors[f"{STACK}mlp.experts.experts.{linear}.lora_{f}.default.weight"][layer] for f in "AB")
+            weights[f"model.layers.{layer}.mlp.experts.{param}"] += 2.0 * (b @ a)  # scale 8 / 4; HF's [E, out, in]
+    with torch.no_grad():
+        expected, unadapted = reference(TOKENS).logits, base(TOKENS).logits
+        got = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(TOKENS).logits
+    assert (got - expected).abs().max().item() < LOGITS_TOLERANCE
+    assert (unadapted - expected).abs().max().item() > 0.1  # the expert adapters matter
+    # Fault: lora_B stacked expert-major ([out, E, r]) where PEFT reads it rank-major ([out, r, E]).
+    adapter = tmp_path / "adapter"
+    stacked = load_file(adapter / ADAPTER_WEIGHTS)
+    for name in [n for n in stacked if "experts" in n and "lora_B" in n]:
+        out = stacked[name].shape[0]
+        stacked[name] = stacked[name].reshape(out, r, experts).transpose(1, 2).reshape(out, -1).contiguous()
+    save_file(stacked, str(adapter / ADAPTER_WEIGHTS))
+    with torch.no_grad():
+        base = transformers.AutoModelForCausalLM.from_pretrained(MOE_BASE, dtype=torch.float32)
+        wrong = peft.PeftModel.from_pretrained(base, adapter).eval()(TOKENS).logits
+    assert (wrong - expected).abs().max().item() > 100 * LOGITS_TOLERANCE

@@ -15,6 +15,11 @@ What the layout is, read from their code:
   one after the other, each rank's a gate half then an up half ([g_0; u_0; g_1; u_1; ...]): its row order depends
   on the TP the save was made at, which the stored chunks (one per rank) and args.json's
   `tensor_model_parallel_size` tell. linear_qkv's rows are whole query groups per rank: the global order.
+- On routed experts (TEGroupedMLP, `moe_grouped_gemm`) each factor is a TEGroupedLinear of one gemm per local expert,
+  expert TP 1 (`update_layer` refuses more); megatron-core's `_sharded_state_dict_grouped` and TEGroupedMLP key them
+  `mlp.experts.experts.<linear>.lora_A.default.weight` with an expert axis after the layer axis, [L, E, r, in] and
+  [L, E, out, r], each expert's lora_B whole ([gate; up] for linear_fc1): the layout of Megatron-Bridge's per-expert
+  adapters, which `expert_adapters` stacks as PEFT's `target_parameters`.
 - `save_mcore_checkpoint(..., peft_format=True)` (`swift/megatron/utils/megatron_lm_utils.py`,
   `_filter_adapter_state_dict`) keeps the lora_A / lora_B / modules_to_save keys alone, torch_dist in
   `checkpoint-<N>/iter_<N>/` with `common.pt` (the run's args as a Namespace: its TP and PP sizes are what
@@ -116,8 +121,6 @@ class SwiftAdapterSave:
         self.dcp, self.settings, self.spec, self.tp = dcp, settings, spec, tp
         self.stored = {k for k in dcp.shapes if not OPTIMIZER_KEY.match(k) and (".lora_" in k or ".modules_to_save." in k)}
         self.left = set(self.stored)
-        if experts := sorted(k for k in self.stored if ".experts." in k):
-            raise ConversionError(f"{dcp.directory}: '{experts[0]}': ms-swift's adapters of routed experts are not exported yet")
 
     def has(self, module: str) -> bool:
         return any(key.startswith(module + ".lora_") for key in self.stored)
