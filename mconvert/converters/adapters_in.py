@@ -34,8 +34,8 @@ from mconvert.converters.adapters import ADAPTER_CONFIG, _hf_modules
 from mconvert.converters.bridge_adapters import ADAPTER, LORA_A, LORA_B, LORA_TARGET, ROW_SPLITS, LoraSettings
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.save_folders import RUN_CONFIG
-from mconvert.converters.swift_adapters import check_tp, swift_args, write_swift_adapter
 from mconvert.converters.swift_adapters import LAYOUT as SWIFT
+from mconvert.converters.swift_adapters import check_layout, check_tp, swift_args, write_swift_adapter
 from mconvert.dependencies import ADAPTERS, ADAPTERS_INSTALL, require
 from mconvert.errors import ConversionError
 from mconvert.formats.dcp_writer import DCPWriter
@@ -246,6 +246,8 @@ def import_adapter(
     family, spec = get_mapping(read_hf_config(Path(hf_config_dir), "--hf-config"), source="--hf-config config.json")
     if spec.layer_blocks:
         raise ConversionError(f"--hf-config {hf_config_dir}: adapters of hybrid models' layers are not written yet")
+    if layout == SWIFT:
+        check_layout(spec, f"--hf-config {hf_config_dir}")
     adapters = in_every_layer(bridge_modules(read_peft_tensors(adapter_dir), family, spec, settings, adapter_dir), family, spec)
     targets = target_modules(adapters)
     if layout == SWIFT:

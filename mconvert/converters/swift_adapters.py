@@ -37,14 +37,20 @@ from typing import Any
 
 import numpy as np
 
-from mconvert.converters.bridge_adapters import Part, read_layer, stored_chunks
+from mconvert.converters.bridge_adapters import LoraSettings, Part, read_layer
 from mconvert.converters.save_folders import SWIFT_ARGS, numbered, step_folder
 from mconvert.errors import ConversionError
 from mconvert.formats.dcp import DCPCheckpoint
 from mconvert.formats.dcp_writer import DCPWriter
-from mconvert.mappings.spec import ModelSpec
 from mconvert.formats.torch_save import saved_bytes
-from mconvert.mcore.checkpoint import CHECKPOINT_VERSION, METADATA_JSON, TRACKER_FILE, iteration_name, write_tracker
+from mconvert.mappings.spec import ModelSpec
+from mconvert.mcore.checkpoint import (
+    CHECKPOINT_VERSION,
+    METADATA_JSON,
+    TRACKER_FILE,
+    iteration_name,
+    write_tracker,
+)
 from mconvert.mcore.layout import OPTIMIZER_KEY, layer_axis, layer_key
 
 LAYOUT = "ms-swift"
@@ -67,10 +73,8 @@ def swift_folder(load_dir: Path, iteration: int | None) -> Path | None:
     return None
 
 
-def read_swift_settings(folder: Path) -> tuple[Any, int | None]:
+def read_swift_settings(folder: Path) -> tuple[LoraSettings, int | None]:
     """The LoRA settings of an ms-swift checkpoint folder's args.json, and the TP size it records (None if none)."""
-    from mconvert.converters.bridge_adapters import LoraSettings
-
     path = folder / SWIFT_ARGS
     try:
         args = json.loads(path.read_text())
@@ -111,13 +115,21 @@ def is_gated_fc1(module: str, entry: Any) -> bool:
     return module.endswith("linear_fc1") and len(entry.hf_names) == 2
 
 
+def check_layout(spec: ModelSpec, where: str) -> None:
+    """Refuse the models whose attention mcore-bridge lays out otherwise than megatron-core (converters.swift_saves:
+    the gated linear_qkv per head, the fused delta-net projections): their adapters' rows are not mapped yet."""
+    if spec.attention_output_gate or spec.linear_attention is not None:
+        raise ConversionError(f"{where}: ms-swift's adapters of {spec.family} models (mcore-bridge's gated attention and delta-net layouts) are not converted yet")
+
+
 class SwiftAdapterSave:
     """An ms-swift adapter save, with AdapterSave's reading interface (`stored`, `left`, `has`, `parts`): each
     Megatron linear's `lora_A.default` and `lora_B.default`, as its HF modules' adapters."""
 
     pattern = PATTERN
 
-    def __init__(self, dcp: DCPCheckpoint, settings: Any, spec: ModelSpec, tp: int | None = None):
+    def __init__(self, dcp: DCPCheckpoint, settings: LoraSettings, spec: ModelSpec, tp: int | None = None):
+        check_layout(spec, str(dcp.directory))
         self.dcp, self.settings, self.spec, self.tp = dcp, settings, spec, tp
         self.stored = {k for k in dcp.shapes if not OPTIMIZER_KEY.match(k) and (".lora_" in k or ".modules_to_save." in k)}
         self.left = set(self.stored)
@@ -158,7 +170,7 @@ def swift_targets(modules: list[str]) -> list[str]:
     return sorted(names, key=lambda name: order.index(name) if name in order else len(order))
 
 
-def swift_args(settings: Any, targets: list[str], tp: int, model: str) -> dict[str, Any]:
+def swift_args(settings: LoraSettings, targets: list[str], tp: int, model: str) -> dict[str, Any]:
     """args.json: the LoRA fields `load_args_config` reads back (MegatronTunerMixin's), the base model and the
     parallel sizes."""
     return {
