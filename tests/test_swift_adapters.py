@@ -73,10 +73,11 @@ def swift_args(r: int, alpha: float, tp: int, rslora: bool = False, **more) -> d
             "use_rslora": rslora, "target_modules": ["all-linear"], "modules_to_save": [], "tensor_model_parallel_size": tp, **more}
 
 
-def swift_save(out: Path, tensors: dict[str, torch.Tensor], tp: int, args: dict) -> Path:
+def swift_save(out: Path, tensors: dict[str, torch.Tensor], tp: int, args: dict, optimizer: bool = False) -> Path:
     """`out` as ms-swift's run folder: checkpoint-<N>/ with args.json, the tracker and iter_<N>/, each stacked key
     stored as the TP ranks save it (a chunk per rank and layer: lora_B of a column-parallel linear split on its rows,
-    lora_A of a row-parallel one on its input, the duplicated factors whole)."""
+    lora_A of a row-parallel one on its input, the duplicated factors whole); with `optimizer`, Adam's moments of
+    each beside them, as a run without `--no_save_optim` saves them (a non-distributed optimizer's keys)."""
     folder = out / f"checkpoint-{ITERATION}"
     directory = folder / f"iter_{ITERATION:07d}"
     directory.mkdir(parents=True)
@@ -97,6 +98,9 @@ def swift_save(out: Path, tensors: dict[str, torch.Tensor], tp: int, args: dict)
                 if axis:
                     at[axis] = rank * block.shape[axis - 1]
                 writer.write_chunk(key, tuple(at), np.ascontiguousarray(block.numpy()))
+    for key, tensor in tensors.items() if optimizer else ():
+        writer.declare(f"optimizer.state.exp_avg.{key}", tuple(tensor.shape), np.dtype(np.float32))
+        writer.write_chunk(f"optimizer.state.exp_avg.{key}", (0,) * tensor.ndim, np.ascontiguousarray(tensor.numpy()))
     writer.finish()
     (directory / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
     (folder / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
@@ -160,7 +164,7 @@ SAVES = {"tp1": (1, False), "tp2": (2, False), "tp2-rslora": (2, True)}
 def test_peft_gives_the_logits_of_the_base_with_the_saved_delta(save, tmp_path):
     tp, rslora = SAVES[save]
     tensors = random_swift_tensors()
-    run = swift_save(tmp_path / "run", tensors, tp, swift_args(8, 16.0, tp, rslora))
+    run = swift_save(tmp_path / "run", tensors, tp, swift_args(8, 16.0, tp, rslora), optimizer=tp == 2)
     adapter = to_hf(run, tmp_path / "adapter")  # the run's folder: its newest checkpoint-N
     config = json.loads((adapter / ADAPTER_CONFIG).read_text())
     assert (config["r"], config["lora_alpha"], config["use_rslora"], config["lora_dropout"]) == (8, 16.0, rslora, 0.05)
@@ -201,7 +205,7 @@ def _qkv_rows_ungrouped(adapter: Path) -> None:
 @pytest.mark.parametrize("fault", ["orientation", "scaling", "qkv_rows", "fc1_rank_order"])
 def test_each_fault_fails_the_check(fault, tmp_path, monkeypatch):
     tensors = random_swift_tensors()
-    run = swift_save(tmp_path / "run", tensors, 2, swift_args(8, 16.0, 2))
+    run = swift_save(tmp_path / "run", tensors, 2, swift_args(8, 16.0, 2)) / f"checkpoint-{ITERATION}" / f"iter_{ITERATION:07d}"
     if fault == "fc1_rank_order":  # linear_fc1's lora_B read as [gate; up] whole, its TP 2 storage order kept
         monkeypatch.setattr(swift_adapters, "gated_rows_from_ranks", lambda b, tp: b)
     adapter = to_hf(run, tmp_path / "adapter")

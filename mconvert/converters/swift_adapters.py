@@ -63,10 +63,12 @@ ITERATION = 1  # what ms-swift's own `swift export --to_mcore` saves at (save_mc
 
 
 def swift_folder(load_dir: Path, iteration: int | None) -> Path | None:
-    """The ms-swift checkpoint folder (args.json beside the tracker and `iter_*`) that `load_dir` is or holds as
-    `checkpoint-<N>` (`--iteration N`'s, else the tracker's, else the newest); None for a save of another tool."""
+    """The ms-swift checkpoint folder (args.json beside the tracker and `iter_*`) that `load_dir` is, is in (its
+    `iter_*`) or holds as `checkpoint-<N>` (`--iteration N`'s, else the newest); None for a save of another tool."""
     if (load_dir / SWIFT_ARGS).is_file() and (load_dir / TRACKER_FILE).exists():
         return load_dir
+    if load_dir.name.startswith("iter_") and (load_dir.parent / SWIFT_ARGS).is_file() and (load_dir.parent / TRACKER_FILE).exists():
+        return load_dir.parent
     if load_dir.is_dir() and numbered(load_dir, "checkpoint-") and not (load_dir / TRACKER_FILE).exists():
         folder = step_folder(load_dir, "checkpoint-", iteration, LAYOUT)
         return folder if (folder / SWIFT_ARGS).is_file() else None
