@@ -118,6 +118,31 @@ def base_model():
     return copy.deepcopy(_base())
 
 
+def megatron_core_save(directory: str, tensors: dict[str, torch.Tensor]) -> None:
+    """On each TP rank: the rank's part of each factor as mcore-bridge's layer holds it, made a ShardedTensor by
+    megatron-core's own helpers as the factor's linear makes it (`make_tp_sharded_tensor_for_checkpoint` on its
+    split axis for TEColumnParallelLinear's and TERowParallelLinear's weights, `make_sharded_tensor_for_checkpoint`
+    for a duplicated TELinear's), per layer with the layer offset TransformerBlock prepends, and saved by
+    `dist_checkpointing.save`."""
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
+
+    tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+    state = {}
+    for key, tensor in tensors.items():
+        linear, factor = key[len(STACK):].rsplit(".lora_", 1)
+        column = LINEARS[linear][2]
+        axis = 0 if factor.startswith("B") and column else 1 if factor.startswith("A") and not column else None
+        for layer in range(LAYERS):
+            local = (tensor[layer] if axis is None else torch.chunk(tensor[layer], tp, dim=axis)[rank]).contiguous()
+            at = ((0, layer, LAYERS),)
+            state[f"{STACK}{layer}.{key[len(STACK):]}"] = (
+                make_sharded_tensor_for_checkpoint(local, key, at) if axis is None
+                else make_tp_sharded_tensor_for_checkpoint(local, key, axis, prepend_offsets=at)
+            )
+    dist_checkpointing.save(state, directory)
+
+
 def merged_base(tensors: dict[str, torch.Tensor], tp: int, scale: float):
     """The HF base with W + scale x B A in each adapted projection, B A read from the ms-swift layout: linear_qkv's
     rows per query group [q heads; k; v], linear_fc1's per TP rank [gate; up]."""
@@ -340,3 +365,25 @@ def test_models_mcore_bridge_lays_out_otherwise_are_refused_in_one_line(tmp_path
     assert main(["adapter-to-hf", "--load-dir", str(run), "--hf-config", str(base), "--save-dir", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "(mcore-bridge's gated attention and delta-net layouts) are not converted yet" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_megatron_cores_own_save_of_the_layout_exports_the_same(tmp_path):
+    """The save as megatron-core's dist_checkpointing writes it from the TP 2 ranks' factors (gloo, 2 CPU ranks)
+    is stored in the chunks `swift_save` writes, and exports to the same adapter, bit for bit."""
+    from mconvert.formats.dcp import DCPCheckpoint
+    from mconvert.verify.distributed import run_ranks
+
+    tensors = random_swift_tensors()
+    emulated = swift_save(tmp_path / "emulated", tensors, 2, swift_args(8, 16.0, 2)) / f"checkpoint-{ITERATION}"
+    folder = tmp_path / "megatron-core" / f"checkpoint-{ITERATION}"
+    (folder / f"iter_{ITERATION:07d}").mkdir(parents=True)
+    run_ranks(megatron_core_save, str(folder / f"iter_{ITERATION:07d}"), tensors, tp=2, timeout_s=300)
+    for name in ("args.json", "latest_checkpointed_iteration.txt"):
+        shutil.copy(emulated / name, folder / name)
+    chunks = [
+        {key: sorted((tuple(c.offsets), tuple(c.sizes)) for c in checkpoint.metadata.state_dict_metadata[key].chunks) for key in tensors}
+        for checkpoint in (DCPCheckpoint(d / f"iter_{ITERATION:07d}") for d in (emulated, folder))
+    ]
+    assert chunks[0] == chunks[1]
+    ours, theirs = (load_file(to_hf(d, tmp_path / f"adapter-{d.parent.name}") / ADAPTER_WEIGHTS) for d in (emulated, folder))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
