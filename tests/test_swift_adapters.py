@@ -14,7 +14,8 @@ their code does, read line by line:
 - swift/megatron/utils/megatron_lm_utils.py, save_mcore_checkpoint and `_filter_adapter_state_dict(peft_format=True)`:
   the lora keys alone under `iter_<N>/`, stacked over the layers (megatron-core's TransformerBlock), the tracker file;
   swift/megatron/trainers/base.py save_checkpoint: `checkpoint-<N>/` with the run's args.json copied in.
-The judge is peft: its logits of the HF base with the exported adapter equal the logits of the base whose weights
+`test_megatron_cores_own_save_of_the_layout_exports_the_same` checks that layout against megatron-core's own
+dist_checkpointing save of the TP ranks' factors. The judge is peft: its logits of the HF base with the exported adapter equal the logits of the base whose weights
 are W + scale x B A, computed here from the ms-swift-layout tensors by this file's own reading of the layout.
 """
 
@@ -125,7 +126,10 @@ def megatron_core_save(directory: str, tensors: dict[str, torch.Tensor]) -> None
     for a duplicated TELinear's), per layer with the layer offset TransformerBlock prepends, and saved by
     `dist_checkpointing.save`."""
     from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
+    from megatron.core.utils import (
+        make_sharded_tensor_for_checkpoint,
+        make_tp_sharded_tensor_for_checkpoint,
+    )
 
     tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
     state = {}
