@@ -273,6 +273,11 @@ def test_a_peft_adapter_round_trips_through_ms_swifts_layout_bit_for_bit(tp, rsl
     # The written save, read by torch's own DCP reader, holds the delta peft's adapter adds, in ms-swift's layout.
     directory = save / f"iter_{swift_adapters.ITERATION:07d}"
     assert (save / "latest_checkpointed_iteration.txt").read_text() == str(swift_adapters.ITERATION)
+    # What ms-swift's load_mcore_checkpoint reads first: the args' TP and PP sizes, through megatron-core.
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(directory))
+    assert (common["args"].tensor_model_parallel_size, common["args"].pipeline_model_parallel_size, common["iteration"]) == (tp, 1, 1)
     written = {key: torch.empty(LAYERS, *(shape[1:])) for key, shape in ((k, t.shape) for k, t in random_swift_tensors().items())}
     dcp.load(written, checkpoint_id=str(directory), no_dist=True)
     scale = 16.0 / (math.sqrt(8) if rslora else 8)
