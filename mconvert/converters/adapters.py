@@ -19,6 +19,9 @@ import numpy as np
 from mconvert.converters.bridge_adapters import ADAPTER, ROW_SPLITS, AdapterSave, LoraSettings, merged, read_lora_settings
 from mconvert.converters.expert_adapters import expert_peft_tensors
 from mconvert.converters.output import atomic_directory, check_target
+from mconvert.converters.save_folders import bridge_record, swift_record
+from mconvert.converters.swift_adapters import LAYOUT as SWIFT
+from mconvert.converters.swift_adapters import SwiftAdapterSave, read_swift_settings, swift_folder
 from mconvert.errors import ConversionError
 from mconvert.formats.dcp import DCPCheckpoint
 from mconvert.formats.hf_checkpoint import read_hf_config
@@ -43,14 +46,15 @@ def _hf_modules(family: Family, spec: ModelSpec, layer: int) -> dict[str, tuple[
 
 
 def peft_tensors(
-    dcp: DCPCheckpoint, family: Family, spec: ModelSpec, settings: LoraSettings
+    dcp: DCPCheckpoint, family: Family, spec: ModelSpec, settings: LoraSettings, tp: int | None = None
 ) -> tuple[dict[str, np.ndarray], list[str], list[str]]:
     """The PEFT adapter's tensors (`base_model.model.<module>.lora_A.weight`, `...lora_B.weight`, DoRA's
-    `...lora_magnitude_vector`), the HF modules they adapt and the fused expert parameters, from the Megatron-Bridge
-    save `dcp`; every adapter key of the save must be exported."""
-    save = AdapterSave(dcp, settings, spec)
+    `...lora_magnitude_vector`), the HF modules they adapt and the fused expert parameters, from the adapter save
+    `dcp` (Megatron-Bridge's, or ms-swift's by `settings.layout`, recorded at TP `tp`); every adapter key of the
+    save must be exported."""
+    save = SwiftAdapterSave(dcp, settings, spec, tp) if settings.layout == SWIFT else AdapterSave(dcp, settings, spec)
     if not save.stored:
-        raise ConversionError(f"{dcp.directory}: holds no adapter ('*{ADAPTER}*' keys)")
+        raise ConversionError(f"{dcp.directory}: holds no adapter ('{save.pattern}' keys)")
     if any(key.startswith("mtp.") for key in save.stored) or spec.layer_blocks:
         raise ConversionError(f"{dcp.directory}: adapters of multi-token prediction or hybrid layers are not exported yet")
     tensors: dict[str, np.ndarray] = {}
@@ -69,7 +73,8 @@ def peft_tensors(
                 raise ConversionError(f"'{min(k for k in save.stored if k.startswith(key))}': adapters on the MoE router are not exported yet")
             if not isinstance(entry, ROW_SPLITS):
                 raise ConversionError(
-                    f"'{key}{ADAPTER}': PEFT holds one adapter per HF module, and {module}'s weight is not rows of HF modules ({type(entry).__name__})"
+                    f"'{min(k for k in save.stored if k.startswith(key))}': PEFT holds one adapter per HF module, and {module}'s weight "
+                    f"is not rows of HF modules ({type(entry).__name__})"
                 )
             for part in save.parts(key, offsets, entry):
                 hf_module = f"{prefix}{part.hf_name.removesuffix('.weight')}"
@@ -102,7 +107,7 @@ def adapter_config(settings: LoraSettings, modules: list[str], base: str, layers
         "base_model_name_or_path": base,
         "r": settings.dim,
         "lora_alpha": settings.alpha,
-        "use_rslora": False,
+        "use_rslora": settings.rslora,
         "use_dora": settings.kind == "dora",
         # PEFT's ParamWrapper refuses a dropout (it cannot apply one to x inside the experts' matmuls); dropout acts
         # in training only, so an adapter of expert parameters is written without.
@@ -172,6 +177,16 @@ def merged_with_adapter(source: Any, adapter_dir: str | Path, plan: Any) -> Merg
     return MergedTensors(source, save, plan.spec)
 
 
+def recorded_base(load_dir: Path, iteration: int | None) -> tuple[str, str]:
+    """(HF base model, where it is named) of an adapter save: ms-swift's args.json `model_dir` or `model`, or
+    Megatron-Bridge's run_config.yaml `checkpoint.hf_source_path` or `model.hf_model_id`."""
+    swift = swift_folder(load_dir, iteration)
+    record = swift_record(swift) if swift is not None else bridge_record(iteration_dir(load_dir, iteration))
+    if record is None:
+        raise ConversionError(f"--load-dir {load_dir}: its save names no HF base model; pass --hf-config")
+    return record
+
+
 @dataclass(frozen=True)
 class AdapterExport:
     family: Family
@@ -189,12 +204,13 @@ def export_adapter(
     model that `hf_config_dir` holds (or whose config.json it holds), named in the adapter's config as `base_name`
     (a hub id) or by the directory's path."""
     load_dir, save_dir = Path(load_dir), Path(save_dir)
-    directory = iteration_dir(load_dir, iteration)
+    swift = swift_folder(load_dir, iteration)
+    directory = iteration_dir(swift, None) if swift is not None else iteration_dir(load_dir, iteration)
     if not (directory / ".metadata").is_file():
         raise ConversionError(f"{directory}: no .metadata (not a torch_dist adapter save)")
-    settings = read_lora_settings(directory, "adapter-to-hf")
+    settings, tp = read_swift_settings(swift) if swift is not None else (read_lora_settings(directory, "adapter-to-hf"), None)
     family, spec = get_mapping(read_hf_config(Path(hf_config_dir), "--hf-config"), source="--hf-config config.json")
-    tensors, modules, params = peft_tensors(DCPCheckpoint(directory), family, spec, settings)
+    tensors, modules, params = peft_tensors(DCPCheckpoint(directory), family, spec, settings, tp)
     check_target(save_dir, overwrite)
     from safetensors.numpy import save_file
 

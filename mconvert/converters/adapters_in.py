@@ -21,6 +21,7 @@ alpha / dim: dim is r, and alpha is chosen so that the scale is the same.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from mconvert.converters.adapters import ADAPTER_CONFIG, _hf_modules
 from mconvert.converters.bridge_adapters import ADAPTER, LORA_A, LORA_B, LORA_TARGET, ROW_SPLITS, LoraSettings
 from mconvert.converters.output import atomic_directory, check_target
 from mconvert.converters.save_folders import RUN_CONFIG
+from mconvert.converters.swift_adapters import LAYOUT as SWIFT
+from mconvert.converters.swift_adapters import check_layout, check_tp, swift_args, write_swift_adapter
 from mconvert.dependencies import ADAPTERS, ADAPTERS_INSTALL, require
 from mconvert.errors import ConversionError
 from mconvert.formats.dcp_writer import DCPWriter
@@ -224,27 +227,41 @@ class AdapterImport:
 
 
 def import_adapter(
-    adapter_dir: str | Path, save_dir: str | Path, hf_config_dir: str | Path, tp: int = 1, overwrite: bool = False
+    adapter_dir: str | Path, save_dir: str | Path, hf_config_dir: str | Path, tp: int = 1, overwrite: bool = False,
+    layout: str = "megatron-bridge", base_name: str | None = None,
 ) -> AdapterImport:
     """Write the HF PEFT LoRA adapter in `adapter_dir`, of the HF model whose config.json `hf_config_dir` holds, as a
-    Megatron-Bridge adapter-only checkpoint in `save_dir`, recorded as saved at TP `tp`."""
+    Megatron-Bridge adapter-only checkpoint in `save_dir` (or, with `layout` "ms-swift", as ms-swift's adapter save:
+    converters.swift_adapters), recorded as saved at TP `tp`; ms-swift's args.json names the base `base_name` (a hub
+    id) or the directory's path."""
     require(ADAPTERS, "adapter-to-mcore", ADAPTERS_INSTALL)
     import yaml
 
     adapter_dir, save_dir = Path(adapter_dir), Path(save_dir)
     if tp < 1:
         raise ConversionError(f"--tp {tp}: not a tensor-parallel size")
-    _, settings = read_peft_settings(adapter_dir)
+    config, settings = read_peft_settings(adapter_dir)
+    if layout == SWIFT:  # ms-swift's LoRA is PEFT's: the same r, lora_alpha and rsLoRA
+        settings = dataclasses.replace(settings, alpha=float(config["lora_alpha"]), rslora=bool(config.get("use_rslora")), layout=SWIFT)
     family, spec = get_mapping(read_hf_config(Path(hf_config_dir), "--hf-config"), source="--hf-config config.json")
     if spec.layer_blocks:
         raise ConversionError(f"--hf-config {hf_config_dir}: adapters of hybrid models' layers are not written yet")
+    if layout == SWIFT:
+        check_layout(spec, f"--hf-config {hf_config_dir}")
     adapters = in_every_layer(bridge_modules(read_peft_tensors(adapter_dir), family, spec, settings, adapter_dir), family, spec)
     targets = target_modules(adapters)
+    if layout == SWIFT:
+        entries = {module: entry for adapter in adapters for module, (entry, _) in _hf_modules(family, spec, adapter.layer).items()}
+        check_tp(adapters, entries, spec, tp)
     check_target(save_dir, overwrite)
     with atomic_directory(save_dir, overwrite) as work:
-        release = work / RELEASE
-        release.mkdir()
-        keys = write_adapter_checkpoint(release, adapters, spec)
-        (release / RUN_CONFIG).write_text(yaml.safe_dump(run_config(settings, targets, tp), sort_keys=False))
-        write_tracker(work)
+        if layout == SWIFT:
+            args = swift_args(settings, targets, tp, base_name or str(Path(hf_config_dir).absolute()))
+            keys = write_swift_adapter(work, adapters, spec, entries, tp, args)
+        else:
+            release = work / RELEASE
+            release.mkdir()
+            keys = write_adapter_checkpoint(release, adapters, spec)
+            (release / RUN_CONFIG).write_text(yaml.safe_dump(run_config(settings, targets, tp), sort_keys=False))
+            write_tracker(work)
     return AdapterImport(family, settings, targets, keys)

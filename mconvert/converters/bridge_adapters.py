@@ -48,16 +48,19 @@ ROW_SPLITS = (Rename, Concat, QKVInterleave)
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """The PEFT transform of a Megatron-Bridge run, from its run_config.yaml `peft:` section."""
+    """The PEFT transform of a Megatron-Bridge run, from its run_config.yaml `peft:` section (or an ms-swift run's,
+    from its args.json)."""
 
     dim: int
     alpha: float
     dropout: float
     kind: str = "lora"
+    rslora: bool = False  # scale alpha / sqrt(dim): ms-swift's use_rslora (Megatron-Bridge has none)
+    layout: str = "megatron-bridge"  # whose save: "megatron-bridge" or "ms-swift" (converters.swift_adapters)
 
     @property
     def scale(self) -> float:
-        return self.alpha / self.dim
+        return self.alpha / (self.dim**0.5 if self.rslora else self.dim)
 
 
 def read_lora_settings(directory: Path, command: str) -> LoraSettings:
@@ -127,6 +130,7 @@ class AdapterSave:
     def __init__(self, dcp: DCPCheckpoint, settings: LoraSettings, spec: ModelSpec):
         self.dcp, self.settings, self.spec = dcp, settings, spec
         self.stored = {key for key in dcp.shapes if ADAPTER in key}
+        self.pattern = f"*{ADAPTER}*"  # its keys, for messages
         self.left = set(self.stored)
 
     def has(self, module: str) -> bool:
