@@ -24,7 +24,8 @@ suites=$!
 bash scripts/checks/torch_versions.sh > "$versions" 2>&1 &
 torch_versions=$!
 status=0
-MEGATRON_TRAINING_PYTHON="$python312" "${VENV:-.venv}/bin/python" -m pytest -q -p no:cacheprovider --ignore tests/test_fuzz.py \
+# The slowest tests named at the end: CI has 30 minutes.
+MEGATRON_TRAINING_PYTHON="$python312" "${VENV:-.venv}/bin/python" -m pytest -q -p no:cacheprovider --durations=25 --ignore tests/test_fuzz.py \
   --ignore tests/torch_versions "$@" \
   || status=$?
 wait $suites || status=$?
