@@ -21,6 +21,7 @@ from mconvert.dtypes import as_torch
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
 from mconvert.mappings import get_mapping
 from mconvert.mappings.transforms import QKVInterleave
+from tests.adapter_faults import swap_orientation, wrong_scaling
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -112,21 +113,6 @@ def test_peft_merges_into_megatron_bridges_merged_weights(tmp_path):
     assert merged_error(export(1, tmp_path / "adapter")) < WEIGHT_TOLERANCE
 
 
-def _swap_orientation(adapter: Path) -> None:
-    """lora_A written as lora_B's transpose and lora_B as lora_A's (where the shapes still load: o_proj's)."""
-    tensors = load_file(adapter / ADAPTER_WEIGHTS)
-    for name in [n for n in tensors if n.endswith("o_proj.lora_A.weight")]:
-        b_name = name.replace("lora_A", "lora_B")
-        tensors[name], tensors[b_name] = tensors[b_name].T.contiguous(), tensors[name].T.contiguous()
-    save_file(tensors, str(adapter / ADAPTER_WEIGHTS))
-
-
-def _wrong_scaling(adapter: Path) -> None:
-    """lora_alpha written as the rank: a scale of 1 where Megatron-Bridge's alpha / dim is 2."""
-    config = json.loads((adapter / ADAPTER_CONFIG).read_text())
-    (adapter / ADAPTER_CONFIG).write_text(json.dumps(dict(config, lora_alpha=config["r"])))
-
-
 def _kv_swapped(to_hf):
     return lambda self, tensor, spec: (lambda q, k, v: [q, v, k])(*to_hf(self, tensor, spec))
 
@@ -147,9 +133,9 @@ def test_each_fault_fails_the_checks(fault, tmp_path, monkeypatch):
     adapter = export(1, tmp_path / "adapter")
     monkeypatch.undo()  # the check's own split of Megatron-Bridge's merged weights is the right one
     if fault == "orientation":
-        _swap_orientation(adapter)
+        swap_orientation(adapter)
     elif fault == "scaling":
-        _wrong_scaling(adapter)
+        wrong_scaling(adapter)
     assert logits_error(adapter, 1) > 100 * LOGITS_TOLERANCE
     assert merged_error(adapter) > 100 * WEIGHT_TOLERANCE
 

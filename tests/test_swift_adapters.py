@@ -38,6 +38,7 @@ from mconvert.cli import main
 from mconvert.converters import swift_adapters
 from mconvert.converters.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from mconvert.formats.dcp_writer import DCPWriter
+from tests.adapter_faults import swap_orientation, wrong_scaling
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -203,21 +204,6 @@ def test_peft_gives_the_logits_of_the_base_with_the_saved_delta(save, tmp_path):
     assert (logits(base_model()) - reference).abs().max().item() > 0.1
 
 
-def _swap_orientation(adapter: Path) -> None:
-    """o_proj's lora_A written as lora_B's transpose and lora_B as lora_A's (the shapes still load)."""
-    tensors = load_file(adapter / ADAPTER_WEIGHTS)
-    for name in [n for n in tensors if n.endswith("o_proj.lora_A.weight")]:
-        b_name = name.replace("lora_A", "lora_B")
-        tensors[name], tensors[b_name] = tensors[b_name].T.contiguous(), tensors[name].T.contiguous()
-    save_file(tensors, str(adapter / ADAPTER_WEIGHTS))
-
-
-def _wrong_scaling(adapter: Path) -> None:
-    """lora_alpha as the rank: scale 1 where ms-swift's is 2."""
-    config = json.loads((adapter / ADAPTER_CONFIG).read_text())
-    (adapter / ADAPTER_CONFIG).write_text(json.dumps(dict(config, lora_alpha=config["r"])))
-
-
 def _qkv_rows_ungrouped(adapter: Path) -> None:
     """q/k/v's lora_B rows as if linear_qkv's were all queries, then all keys, then all values (not per group)."""
     tensors = load_file(adapter / ADAPTER_WEIGHTS)
@@ -238,7 +224,7 @@ def test_each_fault_fails_the_check(fault, tmp_path, monkeypatch):
     if fault == "fc1_rank_order":  # linear_fc1's lora_B read as [gate; up] whole, its TP 2 storage order kept
         monkeypatch.setattr(swift_adapters, "gated_rows_from_ranks", lambda b, tp: b)
     adapter = to_hf(run, tmp_path / "adapter")
-    {"orientation": _swap_orientation, "scaling": _wrong_scaling, "qkv_rows": _qkv_rows_ungrouped}.get(fault, lambda a: None)(adapter)
+    {"orientation": swap_orientation, "scaling": wrong_scaling, "qkv_rows": _qkv_rows_ungrouped}.get(fault, lambda a: None)(adapter)
     reference = logits(merged_base(tensors, 2, 2.0))
     assert (peft_logits(adapter) - reference).abs().max().item() > 100 * LOGITS_TOLERANCE
 

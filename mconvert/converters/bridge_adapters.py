@@ -93,6 +93,17 @@ class Part:
     magnitude: np.ndarray | None = None
 
 
+def check_adapts(a_key: str, a: np.ndarray, b_key: str, b: np.ndarray, entry: Any, spec: ModelSpec, module: str) -> None:
+    """That lora_A `a` and lora_B `b` adapt the weight of mapping `entry` in the base model `spec`; else a one-line
+    refusal naming both."""
+    out, into = entry.split.shape(spec, entry)
+    if (b.shape[0], a.shape[1]) != (out, into):
+        raise ConversionError(
+            f"'{a_key}' {list(a.shape)} and '{b_key}' {list(b.shape)} do not adapt a {[out, into]} weight, "
+            f"{module.rsplit('layers.', 1)[-1]}'s of the base model"
+        )
+
+
 def read_layer(dcp: DCPCheckpoint, key: str, offsets: tuple[int, ...], ndim: int = 2) -> np.ndarray:
     if key not in dcp.shapes:
         raise ConversionError(f"{dcp.directory}: '{key}' is missing (the rest of its adapter is there)")
@@ -196,12 +207,7 @@ class AdapterSave:
             self.left.discard(key)
             if magnitude.shape != (b.shape[0],):
                 raise ConversionError(f"'{key}' {list(magnitude.shape)}: not one magnitude per row of its lora_B {list(b.shape)}")
-        out, into = entry.split.shape(self.spec, entry)
-        if (b.shape[0], a.shape[1]) != (out, into):
-            raise ConversionError(
-                f"'{name}.{LORA_A}' {list(a.shape)} and '{name}.{LORA_B}' {list(b.shape)} do not adapt a {[out, into]} weight, "
-                f"{module.rsplit('layers.', 1)[-1]}'s of the base model"
-            )
+        check_adapts(f"{name}.{LORA_A}", a, f"{name}.{LORA_B}", b, entry, self.spec, module)
         b_parts = entry.to_hf(b, self.spec)
         m_parts = entry.to_hf(magnitude, self.spec) if magnitude is not None else [None] * len(b_parts)
         return [Part(hf_name, a, b_part, m) for hf_name, b_part, m in zip(entry.hf_names, b_parts, m_parts)]

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from mconvert.converters.bridge_adapters import LoraSettings, Part, read_layer
+from mconvert.converters.bridge_adapters import LoraSettings, Part, check_adapts, read_layer
 from mconvert.converters.save_folders import SWIFT_ARGS, numbered, step_folder
 from mconvert.errors import ConversionError
 from mconvert.formats.dcp import DCPCheckpoint
@@ -146,12 +146,7 @@ class SwiftAdapterSave:
         dim = self.settings.dim
         if a.shape[0] != dim or b.shape[1] != dim:
             raise ConversionError(f"'{a_key}' {list(a.shape)} and '{b_key}' {list(b.shape)}: not rank {dim}, the lora_rank of {SWIFT_ARGS}")
-        out, into = entry.split.shape(self.spec, entry)
-        if (b.shape[0], a.shape[1]) != (out, into):
-            raise ConversionError(
-                f"'{a_key}' {list(a.shape)} and '{b_key}' {list(b.shape)} do not adapt a {[out, into]} weight, "
-                f"{module.rsplit('layers.', 1)[-1]}'s of the base model"
-            )
+        check_adapts(a_key, a, b_key, b, entry, self.spec, module)
         if is_gated_fc1(module, entry):
             tp = len(self.dcp.chunks_of(b_key, (*offsets, 0, 0), (*(1,) * len(offsets), *b.shape)))
             if self.tp is not None and tp != self.tp:
@@ -159,8 +154,8 @@ class SwiftAdapterSave:
                     f"'{b_key}': stored in {tp} row blocks where {SWIFT_ARGS} records tensor_model_parallel_size "
                     f"{self.tp} (ms-swift stores one per TP rank)"
                 )
-            if out % (2 * tp):
-                raise ConversionError(f"'{b_key}': {out} rows do not split into gate and up halves of {tp} TP ranks")
+            if b.shape[0] % (2 * tp):
+                raise ConversionError(f"'{b_key}': {b.shape[0]} rows do not split into gate and up halves of {tp} TP ranks")
             b = gated_rows_from_ranks(b, tp)
         return [Part(hf_name, a, b_part) for hf_name, b_part in zip(entry.hf_names, entry.to_hf(b, self.spec))]
 
