@@ -47,6 +47,7 @@ def kernels() -> dict:
         "FP8 in, fp32": lambda: quantized.dequantize_fp8_blocks(weight, scales, block),
         "FP8 in, bf16": lambda: quantized.dequantize_fp8_blocks(weights, grid, block, dtypes.bfloat16),
         "FP8 out": lambda: quantized.quantize_fp8_blocks(values, block),
+        "FP8 out, power-of-two scales": lambda: quantized.quantize_fp8_blocks(values, block, power_of_two=True),
         "INT4 in": lambda: quantized.dequantize_int4(packed, int4_scales, 96),
         "INT4 in, zero points": lambda: quantized.dequantize_int4(packed, int4_scales, 96, zeros),
         "INT4 out": lambda: quantized.quantize_int4(int4_values, 32, dtypes.bfloat16),

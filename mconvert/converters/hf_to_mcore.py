@@ -89,8 +89,7 @@ def mtp_left_out(family: Family, parallelism: Parallelism) -> str:
     """Why the family leaves out the MTP layers a checkpoint holds, for this model class ("" where it does not): a
     family whose MTP layers the table maps but GPTModel cannot build (beside sparse attention) has them as a
     HybridModel, whose MTP layers are small stacks of its own layers."""
-    table = family.table
-    return "" if parallelism.model_class == "hybrid" and table.mtp else table.mtp_left_out
+    return "" if parallelism.model_class == "hybrid" and family.table.mtp else family.table.mtp_left_out
 
 
 def without_mtp_layers(family: Family, spec: ModelSpec, names, count: int) -> set[str]:
@@ -212,10 +211,9 @@ class FileCopies:
 def build_piece(
     piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: np.dtype, buffers: Buffers, copies: FileCopies | None
 ) -> tuple[list[np.ndarray], list[np.ndarray]] | list[FileChunk]:
-    """`piece_parts` of HF tensors read from files into reused buffers, and those buffers, to hand back once
-    the region is written; or, for a piece whose chunks are runs of stored bytes (`FileCopies.chunks`), those
-    chunks, once its HF tensors are checked for NaN and Inf (`HFCheckpoint.check`). FP8 weights are read in the
-    piece's dtype (rounded once from fp32) where the mapping only moves values (all but Shift, computed in fp32)."""
+    """`piece_parts` of HF tensors read into reused buffers (FP8 weights in the piece's dtype, rounded once from fp32,
+    but for a Shift, which computes in fp32), and those buffers, to hand back once the region is written; or, for a
+    piece whose chunks are runs of stored bytes (`FileCopies.chunks`), those chunks, once `HFCheckpoint.check`ed."""
     chunks = copies.chunks(piece, dtype) if copies else None
     if chunks is not None:
         for ref in piece.sources:
