@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mconvert import dtypes, slices
-from mconvert.formats import quantized
+from mconvert.formats import fp8_source, quantized
 
 RNG = np.random.default_rng(0)
 
@@ -36,6 +36,8 @@ def kernels() -> dict:
     weight, weights = fp8((300, 260)), fp8((2, 200, 256), nan=True)
     scales, grid = RNG.uniform(1e-3, 2e-3, (3, 3)).astype(np.float32), RNG.uniform(1e-3, 2e-3, (2, 2, 2)).astype(np.float32)
     values = quantized.dequantize_fp8_blocks(weight, scales, block, dtypes.bfloat16)
+    kept = values.copy()  # the first block row changed, the rest as the release's scales give them
+    kept[:100] *= dtypes.bfloat16.type(0.75)
     values[::7] *= dtypes.bfloat16.type(0.75)
     packed, int4_scales, zeros = int4(301, 96, 3)
     int4_values = quantized.dequantize_int4(packed, int4_scales, 96)
@@ -48,6 +50,7 @@ def kernels() -> dict:
         "FP8 in, bf16": lambda: quantized.dequantize_fp8_blocks(weights, grid, block, dtypes.bfloat16),
         "FP8 out": lambda: quantized.quantize_fp8_blocks(values, block),
         "FP8 out, power-of-two scales": lambda: quantized.quantize_fp8_blocks(values, block, power_of_two=True),
+        "FP8 out on the source's scales": lambda: fp8_source.quantize_fp8_on_source(kept, block, scales),
         "INT4 in": lambda: quantized.dequantize_int4(packed, int4_scales, 96),
         "INT4 in, zero points": lambda: quantized.dequantize_int4(packed, int4_scales, 96, zeros),
         "INT4 out": lambda: quantized.quantize_int4(int4_values, 32, dtypes.bfloat16),
