@@ -57,8 +57,8 @@ def _parallelism(options: argparse.Namespace):
 
 
 def _add_workers_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=None, help="threads converting at once (default: one per core, up to 8 "
-                        "unless weights are dequantized or quantized, as memory allows); under torchrun, per rank")
+    parser.add_argument("--workers", type=int, default=None, help="threads converting at once (default: one per core, up to 8, as memory "
+                        "allows; a quantized weight's work is spread over every core besides); under torchrun, per rank")
 
 
 def _first_rank() -> bool:

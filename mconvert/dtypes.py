@@ -127,21 +127,17 @@ E4M3_SHIFT, E4M3_MASK, E4M3_UNBIAS = 20, np.array(0x87F00000, dtype=np.uint32).v
 
 def e4m3_blocks(stripes: np.ndarray, factors: np.ndarray) -> np.ndarray | None:
     """`stripes` [n, block rows, columns] of float8_e4m3fn times `factors` [n, blocks a row] (the scales times 2^120),
-    as fp32; None where a value is NaN (S.1111.111), which the bits would give as a number."""
+    as fp32, each step one numpy call over them all (a slice's worth: mconvert.slices); None where a value is NaN
+    (S.1111.111), which the bits would give as a number."""
     count, block_rows, cols = stripes.shape
-    values = np.empty(stripes.shape, dtype=np.float32)
-    bits, codes = values.view(np.int32), stripes.view(np.int8)
-    step = next(rows for rows in range(min(block_rows, max(1, LOOKUPS_AT_ONCE // cols)), 0, -1) if block_rows % rows == 0)
-    magnitudes = np.empty((step, cols), dtype=np.int8)
-    for stripe in range(count):
-        for first in range(0, block_rows, step):
-            part, out = codes[stripe, first : first + step], bits[stripe, first : first + step]
-            if np.bitwise_and(part, 0x7F, out=magnitudes).max() == 0x7F:
-                return None
-            np.left_shift(part, E4M3_SHIFT, out=out, dtype=np.int32)
-            np.bitwise_and(out, E4M3_MASK, out=out)
-            blocked = out.view(np.float32).reshape(step, len(factors[stripe]), -1)
-            blocked *= factors[stripe][:, None]
+    codes = stripes.view(np.int8)
+    if (codes & np.int8(0x7F)).max(initial=0) == 0x7F:
+        return None
+    bits = np.left_shift(codes, E4M3_SHIFT, dtype=np.int32)
+    np.bitwise_and(bits, E4M3_MASK, out=bits)
+    values = bits.view(np.float32)
+    blocked = values.reshape(count, block_rows, factors.shape[-1], -1)
+    blocked *= factors[:, None, :, None]
     return values
 
 

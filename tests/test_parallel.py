@@ -260,15 +260,24 @@ def test_run_pieces_runs_tensor_ops_on_one_core_each_and_restores_the_setting():
         torch.set_num_threads(before)
 
 
-def test_default_workers_follow_the_cores_where_weights_are_dequantized(monkeypatch):
-    """Copying conversions stop at 8 workers (the disk bounds them); dequantizing or quantizing ones take every core,
-    each rank of a torchrun job its share; memory bounds both."""
+def test_default_workers_stop_at_8_and_slices_take_every_core(monkeypatch):
+    """The default workers stop at 8 (the disk bounds a copy beyond; a quantized conversion spreads each large tensor
+    over every core instead), memory bounding them; the slices' threads are one per core, each rank of a torchrun
+    job its share, whatever the worker count."""
+    from mconvert import slices
     from mconvert.converters import parallel
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
     monkeypatch.setattr(parallel, "MEMORY_PER_WORKER", 1 << 20)
-    assert (parallel.default_workers(False), parallel.default_workers(True)) == (8, 64)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert (parallel.default_workers(False), parallel.default_workers(True)) == (8, 16)
+
+    def pool_size(workers: int) -> list[int]:
+        seen = []
+        run_pieces([0], [1], lambda item: seen.append(slices._state["pool"]._max_workers), lambda worker, item, value: None, workers=workers)
+        return seen
+
+    assert (parallel.default_workers(), pool_size(1), pool_size(8)) == (8, [64], [64])
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert (parallel.default_workers(), pool_size(2)) == (4, [4])
     monkeypatch.setattr(parallel, "MEMORY_PER_WORKER", 1 << 50)
-    assert parallel.default_workers(True) == 1
+    assert parallel.default_workers() == 1
+    assert slices._state == {"pool": None, "users": 0}

@@ -25,11 +25,12 @@ from mconvert.converters.progress import NoProgress, Progress
 from mconvert.errors import ConversionError
 from mconvert.formats import dcp_writer
 from mconvert.formats.hf_checkpoint import HFCheckpoint, read_hf_config
-from mconvert.formats.quantized import fp8_block_size, is_mxfp4, pack_quantized, quantization_config
+from mconvert.formats.quantized import fp8_block_size, is_mxfp4, pack_quantized
 from mconvert.formats.safetensors import Rows
 from mconvert.mappings import get_mapping
 from mconvert.mappings.family import Family, mtp_blocks
 from mconvert.mappings.spec import ModelSpec
+from mconvert.mappings.transforms import Shift
 from mconvert.mcore import fsdp_dtensor
 from mconvert.mcore.checkpoint import EMPTY_EXTRA_STATE, RELEASE, iteration_name, write_common, write_tracker
 from mconvert.mcore.parallelism import Parallelism
@@ -88,8 +89,7 @@ def mtp_left_out(family: Family, parallelism: Parallelism) -> str:
     """Why the family leaves out the MTP layers a checkpoint holds, for this model class ("" where it does not): a
     family whose MTP layers the table maps but GPTModel cannot build (beside sparse attention) has them as a
     HybridModel, whose MTP layers are small stacks of its own layers."""
-    table = family.table
-    return "" if parallelism.model_class == "hybrid" and table.mtp else table.mtp_left_out
+    return "" if parallelism.model_class == "hybrid" and family.table.mtp else family.table.mtp_left_out
 
 
 def without_mtp_layers(family: Family, spec: ModelSpec, names, count: int) -> set[str]:
@@ -211,16 +211,16 @@ class FileCopies:
 def build_piece(
     piece: Piece, hf: HFCheckpoint, spec: ModelSpec, dtype: np.dtype, buffers: Buffers, copies: FileCopies | None
 ) -> tuple[list[np.ndarray], list[np.ndarray]] | list[FileChunk]:
-    """`piece_parts` of HF tensors read from files into reused buffers, and those buffers, to hand back once
-    the region is written; or, for a piece whose chunks are runs of stored bytes (`FileCopies.chunks`), those
-    chunks, once its HF tensors are checked for NaN and Inf (`HFCheckpoint.check`)."""
+    """`piece_parts` of HF tensors read into reused buffers (FP8 weights in the piece's dtype, rounded once from fp32,
+    but for a Shift, which computes in fp32), and those buffers, to hand back once the region is written; or, for a
+    piece whose chunks are runs of stored bytes (`FileCopies.chunks`), those chunks, once `HFCheckpoint.check`ed."""
     chunks = copies.chunks(piece, dtype) if copies else None
     if chunks is not None:
         for ref in piece.sources:
             hf.check(ref.name, ref.index)
         return chunks
     taken = [buffers.take(hf.nbytes(ref.name, ref.index)) for ref in piece.sources]
-    sources = [hf.read(ref.name, ref.index, into) for ref, into in zip(piece.sources, taken)]
+    sources = [hf.read(ref.name, ref.index, into, None if isinstance(piece.entry, Shift) else dtype) for ref, into in zip(piece.sources, taken)]
     return piece_parts(piece, sources, spec, dtype), taken
 
 
@@ -324,7 +324,7 @@ def convert_hf_to_mcore(
     Megatron-Bridge's vision-language model loads instead (mconvert.converters.bridge_layout)."""
     load_dir, save_dir = Path(load_dir), Path(save_dir)
     config = read_hf_config(load_dir, "--load-dir")
-    workers = check_workers(workers, quantized=quantization_config(config) is not None)
+    workers = check_workers(workers)
     family, spec = get_mapping(config, model_size, source=str(load_dir / "config.json"))
     check_target(save_dir, overwrite)
     fsdp, bridge = ckpt_format == fsdp_dtensor.FORMAT, layout == MEGATRON_BRIDGE

@@ -318,7 +318,7 @@ def convert_mcore_to_hf(
     arguments: each converts its share of the pieces into the files rank 0 laid out, and rank 0 finishes."""
     save_dir = Path(save_dir)
     shard_bytes = parse_size(max_shard_size)
-    workers = check_workers(workers, quantized=quantize is not None)
+    workers = check_workers(workers)
     check_target(save_dir, overwrite)
     run = find_run_save(load_dir, iteration, config=hf_config_dir is None)
     source = open_megatron_checkpoint(run.load_dir, run.iteration)

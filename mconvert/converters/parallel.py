@@ -27,6 +27,7 @@ from typing import Any, Callable, Hashable, Sequence, TypeVar
 
 import numpy as np
 
+from mconvert import slices
 from mconvert.errors import ConversionError
 
 Item = TypeVar("Item")
@@ -40,34 +41,39 @@ READ_AHEAD_BYTES = 512 << 20
 HAND_OFF_BYTES = 64 << 20
 # Memory the default worker count leaves per worker: a read-ahead window and a large piece being written.
 MEMORY_PER_WORKER = 2 << 30
-# Where a conversion copies bytes the disk, not the cores, bounds it beyond this many workers; where it dequantizes
-# or quantizes weights each byte costs CPU time (FP8 to bf16 at about 0.5 GB/s of source a core), and the cores do.
+# Beyond this many workers the disk, not the cores, bounds a conversion that copies bytes. One that dequantizes or
+# quantizes weights spreads each large tensor over every core (mconvert.slices) instead of taking more workers,
+# which would each hold a tensor more.
 COPYING_WORKERS = 8
 
 
-def default_workers(quantized: bool) -> int:
-    """Workers for this process: one per core it may run on, at most COPYING_WORKERS unless the conversion
-    dequantizes or quantizes weights (`quantized`), and no more than the available memory holds
-    (MEMORY_PER_WORKER each); under torchrun, the machine's share of this rank (cores and memory divided by the
-    ranks on the machine)."""
+def machine_share() -> tuple[int, int]:
+    """(cores, bytes of memory available) of this process: those it may run on and the kernel's MemAvailable (the
+    page cache it can drop counted), under torchrun the machine's share of this rank (divided by the ranks on it)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     try:
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        with open("/proc/meminfo") as f:  # MemAvailable counts the page cache the kernel can drop
+        with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     available = int(line.split()[1]) * 1024
     except (OSError, ValueError):
         available = MEMORY_PER_WORKER
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    cap = cores if quantized else COPYING_WORKERS
-    return max(1, min(cores // local_ranks, cap, available // local_ranks // MEMORY_PER_WORKER))
+    return max(1, cores // local_ranks), available // local_ranks
 
 
-def check_workers(workers: int | None, quantized: bool) -> int:
-    """`workers`, or the default for a conversion that dequantizes or quantizes weights (`quantized`) or not."""
+def default_workers() -> int:
+    """Workers for this process: one per core it may run on, at most COPYING_WORKERS, and no more than the available
+    memory holds (MEMORY_PER_WORKER each)."""
+    cores, available = machine_share()
+    return max(1, min(cores, COPYING_WORKERS, available // MEMORY_PER_WORKER))
+
+
+def check_workers(workers: int | None) -> int:
+    """`workers`, or the default."""
     if workers is None:
-        return default_workers(quantized)
+        return default_workers()
     if workers < 1:
         raise ConversionError(f"--workers {workers}: must be at least 1")
     return workers
@@ -117,7 +123,16 @@ def one_core_per_tensor_op():
         torch.set_num_threads(before)
 
 
+@contextlib.contextmanager
+def _slices_on_every_core():
+    """A large tensor's (de)quantization on one thread per core of this process's share (mconvert.slices), whatever
+    the worker count: the workers wait for their slices, so the threads at work stay about the cores."""
+    with slices.threads(machine_share()[0]):
+        yield
+
+
 @one_core_per_tensor_op()
+@_slices_on_every_core()
 def run_pieces(
     items: Sequence[Item],
     sizes: Sequence[int],

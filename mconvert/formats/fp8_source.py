@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mconvert import dtypes
+from mconvert import dtypes, slices
 from mconvert.formats.quantized import FP8_MAX, dequantize_fp8_blocks, quantize_fp8_blocks
 
 
@@ -18,30 +18,33 @@ def fp8_on_scales(values: np.ndarray, scales: np.ndarray, block: tuple[int, int]
     dtype) on given `scales` (a release's, one per `block`, partial blocks at the edges counted): each value over its
     block's scale, clamped to +-448 and rounded to the nearest float8_e4m3fn; a block exact where each of its values
     is that times the scale as `dequantize_fp8_blocks` gives it back, cast to the values' dtype, bit for bit (-0 is
-    not 0: a release's -0 comes back as -0). Computed on whole
-    blocks (the edges padded with zeros, exact on any scale), the scales broadcast over a blocked view."""
+    not 0: a release's -0 comes back as -0). Computed a slice of block rows at a time on the slices' threads
+    (mconvert.slices), on whole blocks (the edges padded with zeros, exact on any scale)."""
     block_rows, block_cols = block
     *lead, rows, cols = values.shape
     grid = scales.shape[-2:]
-    whole = (rows, cols) == (grid[0] * block_rows, grid[1] * block_cols)
-    if whole:
-        padded = values.astype(np.float32)  # a copy, divided in place
-    else:
-        padded = np.zeros((*lead, grid[0] * block_rows, grid[1] * block_cols), dtype=np.float32)
-        padded[..., :rows, :cols] = values
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # a zero or non-finite scale: never exact
-        padded.reshape(*lead, grid[0], block_rows, grid[1], block_cols)[...] /= scales.astype(np.float32)[..., :, None, :, None]
-        np.clip(padded, -FP8_MAX, FP8_MAX, out=padded)
-        quantized = dtypes.to_e4m3(padded)
-        back = dequantize_fp8_blocks(quantized, scales, block)
+    matrices, factors = values.reshape(-1, rows, cols), scales.reshape(-1, *grid)
+    quantized, exact = np.empty(matrices.shape, dtype=dtypes.float8_e4m3fn), np.empty(factors.shape, dtype=bool)
     bits = np.dtype(f"u{values.dtype.itemsize}")  # compared as bits: ml_dtypes' bf16 comparison is ten times slower
-    if whole:
-        same = back.astype(values.dtype).view(bits) == values.view(bits)
-    else:
+
+    def stripes(item: tuple[int, slice]) -> None:
+        matrix, part = item
+        count, first = part.stop - part.start, part.start // block_rows
+        stripe = factors[matrix, first : first - (-count // block_rows)]
+        padded = np.zeros((len(stripe) * block_rows, grid[1] * block_cols), dtype=np.float32)  # divided in place
+        padded[:count, :cols] = matrices[matrix, part]
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # a zero or non-finite scale: never exact
+            padded.reshape(len(stripe), block_rows, grid[1], block_cols)[...] /= stripe.astype(np.float32)[:, None, :, None]
+            np.clip(padded, -FP8_MAX, FP8_MAX, out=padded)
+            codes = dtypes.to_e4m3(padded)
+            back = dequantize_fp8_blocks(codes, stripe, block)
         same = np.ones(back.shape, dtype=bool)
-        same[..., :rows, :cols] = np.ascontiguousarray(back[..., :rows, :cols]).astype(values.dtype).view(bits) == np.ascontiguousarray(values).view(bits)
-        quantized = np.ascontiguousarray(quantized[..., :rows, :cols])
-    return quantized, same.reshape(*lead, grid[0], block_rows, grid[1], block_cols).all(axis=(-3, -1))
+        same[:count, :cols] = np.ascontiguousarray(back[:count, :cols]).astype(values.dtype).view(bits) == np.ascontiguousarray(matrices[matrix, part]).view(bits)
+        quantized[matrix, part] = codes[:count, :cols]
+        exact[matrix, first : first + len(stripe)] = same.reshape(len(stripe), block_rows, grid[1], block_cols).all(axis=(-3, -1))
+
+    slices.run(stripes, [(matrix, part) for matrix in range(len(matrices)) for part in slices.row_slices(rows, cols, block_rows)])
+    return quantized.reshape(values.shape), exact.reshape(*lead, *grid)
 
 
 def quantize_fp8_on_source(

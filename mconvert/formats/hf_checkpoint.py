@@ -219,14 +219,15 @@ class HFCheckpoint:
         stored, begin, shape, _ = self._region(name, index)
         return stored.file, begin, tuple(shape), stored.dtype
 
-    def read(self, name: str, index: Part = None, into: np.ndarray | None = None) -> np.ndarray:
+    def read(self, name: str, index: Part = None, into: np.ndarray | None = None, dtype: np.dtype | None = None) -> np.ndarray:
         """The tensor `name`, or its slice `index` along the first axis (one expert of a fused expert tensor), as a
         numpy array read into the start of `into` (a uint8 array of at least its bytes, to reuse memory) or fresh memory;
         or some of its rows (`Rows`: a section of a fused projection), each group's run of them read where it lies
         (an FP8 weight's whole, its scales being per block). An MXFP4 weight is a view of its
-        dequantized transpose (gpt-oss stores [out, in], transformers' tensors are [in, out])."""
+        dequantized transpose (gpt-oss stores [out, in], transformers' tensors are [in, out]). An FP8 weight comes in
+        fp32, or in `dtype` where given (its fp32 values rounded once to it, a slice at a time: no fp32 tensor held)."""
         if isinstance(index, Rows) and self.quantized(name):
-            return np.ascontiguousarray(index.select(self.read(name)))
+            return np.ascontiguousarray(index.select(self.read(name, dtype=dtype)))
         if name in self.int4:  # a linear layer's 2-D weight, read whole (a slice `index` of it is cut from it)
             tensor = self._dequantize_int4(name, into)
             tensor = tensor if index is None else np.ascontiguousarray(tensor[index])
@@ -249,7 +250,7 @@ class HFCheckpoint:
             runs = [(begin, length)]
         tensor = self._read_runs(stored, name, runs, shape, into)
         if name in self.scales:
-            tensor = self._dequantize(name, index, tensor)
+            tensor = self._dequantize(name, index, tensor, dtype or dtypes.float32)
         if self.check_finite and not dtypes.finite(tensor):
             raise self._nonfinite(name, index)
         return tensor
@@ -307,12 +308,12 @@ class HFCheckpoint:
             f"{self.tensors[name].file}: tensor '{which}' holds NaN or Inf values (pass --allow-nonfinite to convert it as is)"
         )
 
-    def _dequantize(self, name: str, index: int | None, tensor: np.ndarray) -> np.ndarray:
-        """An FP8 weight (or its slice `index`) times its blocks' scales, in fp32: a tensor at a time, so that
-        memory stays at the tensors in hand."""
+    def _dequantize(self, name: str, index: int | None, tensor: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        """An FP8 weight (or its slice `index`) times its blocks' scales, computed in fp32, in `dtype`: a tensor at a
+        time, so that memory stays at the tensors in hand."""
         scale, block = self.scales[name]
         scales = self.read_stored(scale, name + SCALE_SUFFIX, index)
-        return dequantize_fp8_blocks(tensor, scales, block)
+        return dequantize_fp8_blocks(tensor, scales, block, dtype)
 
     def _dequantize_int4(self, name: str, into: np.ndarray | None) -> np.ndarray:
         """A pack-quantized INT4 weight's values, in its scales' dtype: its packed integers read into `into` (which

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from mconvert import dtypes
+from mconvert import dtypes, slices
 from mconvert.errors import ConversionError
 
 FP8_DTYPES = (dtypes.float8_e4m3fn, dtypes.float8_e5m2)
@@ -59,13 +59,12 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
     *lead, groups, width = blocks.shape
     blocks, scales = blocks.reshape(-1, groups, width), scales.reshape(-1, groups)
     pairs = np.empty(blocks.shape, dtype=np.uint32)
-    step = max(1, dtypes.LOOKUPS_AT_ONCE // (groups * width))
-    index = np.empty((min(step, len(blocks)), groups, width), dtype=np.intp)
-    for first in range(0, len(blocks), step):
-        rows = index[: len(blocks[first : first + step])]
-        np.left_shift(scales[first : first + step, :, None], 8, out=rows, dtype=np.intp)
-        np.bitwise_or(rows, blocks[first : first + step], out=rows)
-        np.take(MXFP4_PAIRS, rows, out=pairs[first : first + step])
+    def rows(part: slice) -> None:
+        index = np.empty(blocks[part].shape, dtype=np.intp)
+        np.left_shift(scales[part, :, None], 8, out=index, dtype=np.intp)
+        np.bitwise_or(index, blocks[part], out=index)
+        np.take(MXFP4_PAIRS, index, out=pairs[part])
+    slices.run(rows, slices.row_slices(len(blocks), groups * width))
     return pairs.view(dtypes.bfloat16).reshape(*lead, groups * width * 2)
 
 
@@ -84,25 +83,28 @@ def fp8_block_size(config: dict) -> tuple[int, int] | None:
     return int(block[0]), int(block[1])
 
 
-def dequantize_fp8_blocks(tensor: np.ndarray, scales: np.ndarray, block: tuple[int, int]) -> np.ndarray:
-    """An FP8 weight times its blocks' scales (one per `block` of its last two axes), in fp32. A float8_e4m3fn one
-    of whole blocks without NaN and with scales below 2^8 (every release's) is rebuilt from its bits a slice of
-    block rows at a time (five times faster than the cast); anything else is cast."""
+def dequantize_fp8_blocks(tensor: np.ndarray, scales: np.ndarray, block: tuple[int, int], dtype: np.dtype = dtypes.float32) -> np.ndarray:
+    """An FP8 weight times its blocks' scales (one per `block` of its last two axes), computed in fp32 and given in
+    `dtype` (fp32, or rounded once to bf16 as a cast of the fp32 product is): a slice of block rows at a time on
+    the slices' threads (mconvert.slices), each rounded into its rows of the result, so that no fp32 tensor is held.
+    A float8_e4m3fn one of whole blocks without NaN and with scales below 2^8 (every release's) is rebuilt from its
+    bits (five times faster than the cast); anything else (a slice holding a NaN too) is cast."""
     block_rows, block_cols = block
-    rows, cols = tensor.shape[-2:]
-    factors = scales.astype(np.float32)
-    if tensor.dtype == dtypes.float8_e4m3fn and not (rows % block_rows or cols % block_cols) and np.abs(factors).max(initial=0) < 2**8:
-        values = dtypes.e4m3_blocks(tensor.reshape(-1, block_rows, cols), factors.reshape(-1, cols // block_cols) * dtypes.E4M3_UNBIAS)
-        if values is not None:
-            return values.reshape(tensor.shape)
-    values = tensor.astype(np.float32)
-    if rows % block_rows or cols % block_cols:  # partial blocks at the edges: each scale spread over its block
-        values *= np.repeat(np.repeat(factors, block_rows, -2)[..., :rows, :], block_cols, -1)[..., :cols]
-        return values
-    # Whole blocks: the scales broadcast over a blocked view, in place (no tensor-sized factors).
-    blocked = values.reshape(*values.shape[:-2], rows // block_rows, block_rows, cols // block_cols, block_cols)
-    blocked *= factors[..., :, None, :, None]
-    return values
+    *lead, rows, cols = tensor.shape
+    matrices = tensor.reshape(-1, rows, cols)
+    factors = scales.astype(np.float32).reshape(len(matrices), *scales.shape[-2:])
+    bits = tensor.dtype == dtypes.float8_e4m3fn and not (rows % block_rows or cols % block_cols) and np.abs(factors).max(initial=0) < 2**8
+    out = np.empty(matrices.shape, dtype=dtype)
+    def stripes(item: tuple[int, slice]) -> None:
+        matrix, part = item
+        weights, grid = matrices[matrix, part], factors[matrix, part.start // block_rows : -(-part.stop // block_rows)]
+        values = dtypes.e4m3_blocks(weights.reshape(-1, block_rows, cols), grid * dtypes.E4M3_UNBIAS) if bits else None
+        if values is None:
+            values = weights.astype(np.float32)  # each scale spread over its block (partial ones at the edges cut)
+            values *= np.repeat(np.repeat(grid, block_rows, 0)[: len(values)], block_cols, 1)[:, :cols]
+        out[matrix, part] = values.reshape(-1, cols)
+    slices.run(stripes, [(matrix, part) for matrix in range(len(matrices)) for part in slices.row_slices(rows, cols, block_rows)])
+    return out.reshape(tensor.shape)
 
 
 # The largest float8_e4m3fn value: a block's largest magnitude is quantized to it.
@@ -119,20 +121,25 @@ def quantize_fp8_blocks(values: np.ndarray, block: tuple[int, int], power_of_two
     power of two (DeepGEMM's `ceil_to_ue8m0`), a block of zeros 1, as transformers' Fp8Quantize gives them."""
     block_rows, block_cols = block
     *lead, rows, cols = values.shape
+    matrices = values.reshape(-1, rows, cols)
     grid = (-(-rows // block_rows), -(-cols // block_cols))
-    if (rows, cols) == (grid[0] * block_rows, grid[1] * block_cols):
-        padded = values.astype(np.float32)  # a copy, divided in place
-    else:
-        padded = np.zeros((*lead, grid[0] * block_rows, grid[1] * block_cols), dtype=np.float32)
-        padded[..., :rows, :cols] = values
-    blocked = padded.reshape(*lead, grid[0], block_rows, grid[1], block_cols)
-    amax = np.maximum(blocked.max(axis=(-3, -1)), -blocked.min(axis=(-3, -1)))
-    scales = np.where(amax > 0, amax / FP8_MAX, np.float32(1) if power_of_two else np.finfo(np.float32).eps)
-    if power_of_two:  # the exponent bits of amax / 448, one more where any mantissa bit is set
-        scales = ((scales.view(np.int32) + F32_MANTISSA) & F32_EXPONENT).view(np.float32)
-    blocked /= scales[..., :, None, :, None]
-    np.clip(blocked, -FP8_MAX, FP8_MAX, out=blocked)
-    return dtypes.to_e4m3(np.ascontiguousarray(padded[..., :rows, :cols])), scales
+    codes, scales = np.empty(matrices.shape, dtype=dtypes.float8_e4m3fn), np.empty((len(matrices), *grid), dtype=np.float32)
+    def stripes(item: tuple[int, slice]) -> None:
+        matrix, part = item
+        count, stripe_rows = part.stop - part.start, -(-(part.stop - part.start) // block_rows)
+        padded = np.zeros((stripe_rows * block_rows, grid[1] * block_cols), dtype=np.float32)  # divided in place
+        padded[:count, :cols] = matrices[matrix, part]
+        blocked = padded.reshape(stripe_rows, block_rows, grid[1], block_cols)
+        amax = np.maximum(blocked.max(axis=(-3, -1)), -blocked.min(axis=(-3, -1)))
+        factors = np.where(amax > 0, amax / FP8_MAX, np.float32(1) if power_of_two else np.finfo(np.float32).eps)
+        if power_of_two:  # the exponent bits of amax / 448, one more where any mantissa bit is set
+            factors = ((factors.view(np.int32) + F32_MANTISSA) & F32_EXPONENT).view(np.float32)
+        blocked /= factors[:, None, :, None]
+        np.clip(blocked, -FP8_MAX, FP8_MAX, out=blocked)
+        codes[matrix, part] = dtypes.to_e4m3(np.ascontiguousarray(padded[:count, :cols]))
+        scales[matrix, part.start // block_rows : part.start // block_rows + stripe_rows] = factors
+    slices.run(stripes, [(matrix, part) for matrix in range(len(matrices)) for part in slices.row_slices(rows, cols, block_rows)])
+    return codes.reshape(values.shape), scales.reshape(*lead, *grid)
 
 
 COMPRESSED_TENSORS = "compressed-tensors"
@@ -224,13 +231,18 @@ def dequantize_int4(packed: np.ndarray, scales: np.ndarray, columns: int, zero_p
     channel), `zero_points` [ceil(rows / 8), groups] int32, packed along the rows. In fp32 here: a 4-bit integer, or
     the difference of two, times a bf16 or fp16 scale is exact there, and is then rounded once to the scales' dtype,
     as torch's bf16 and fp16 products are (computed in fp32, rounded to nearest even); an fp32 scale's product is
-    rounded in fp32, as torch's is."""
+    rounded in fp32, as torch's is. A slice of rows at a time (mconvert.slices), each rounded into its rows."""
     rows, groups = scales.shape
-    grouped = unpack_int4(packed, columns).reshape(rows, groups, columns // groups)
-    if zero_points is not None:
-        grouped -= unpack_int4(zero_points.T, rows).T[..., None]
-    grouped *= scales.astype(np.float32)[..., None]
-    return grouped.reshape(rows, columns).astype(scales.dtype)
+    zeros = None if zero_points is None else unpack_int4(zero_points.T, rows).T
+    out = np.empty((rows, columns), dtype=scales.dtype)
+    def part_of(part: slice) -> None:
+        grouped = unpack_int4(packed[part], columns).reshape(-1, groups, columns // groups)
+        if zeros is not None:
+            grouped -= zeros[part, :, None]
+        grouped *= scales[part].astype(np.float32)[..., None]
+        out[part] = grouped.reshape(-1, columns)
+    slices.run(part_of, slices.row_slices(rows, columns))
+    return out
 
 
 # A signed 4-bit integer's range. compressed-tensors' symmetric scale is a group's largest magnitude over half the
@@ -271,13 +283,13 @@ def quantize_int4(
     rows, columns = values.shape
     size = group_size or columns
     scales = np.empty((rows, columns // size), dtype=scale_dtype)
-    nibbles = np.zeros((rows, -(-columns // 8) * 8), dtype=np.uint8)  # a partial last word: zero bits, as theirs
-    step = max(1, dtypes.LOOKUPS_AT_ONCE // columns)  # rows at a time: each step's temporaries stay in the cache
-    for first in range(0, rows, step):
-        part = slice(first, first + step)
-        scales[part], nibbles[part, :columns] = _int4_rows(values[part], size, scale_dtype, None if source_scales is None else source_scales[part])
-    packed = nibbles[:, 0::2] | nibbles[:, 1::2] << 4
-    return packed.view("<i4").astype(np.int32), scales
+    packed = np.empty((rows, -(-columns // 8)), dtype=np.int32)
+    def part_of(part: slice) -> None:  # a slice of rows (mconvert.slices), packed into its rows
+        nibbles = np.zeros((part.stop - part.start, packed.shape[1] * 8), dtype=np.uint8)  # a partial last word: zero bits, as theirs
+        scales[part], nibbles[:, :columns] = _int4_rows(values[part], size, scale_dtype, None if source_scales is None else source_scales[part])
+        packed[part] = (nibbles[:, 0::2] | nibbles[:, 1::2] << 4).view("<i4")
+    slices.run(part_of, slices.row_slices(rows, columns))
+    return packed, scales
 
 
 def _int4_rows(values: np.ndarray, size: int, scale_dtype: np.dtype, source_scales: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -295,7 +307,8 @@ def _int4_rows(values: np.ndarray, size: int, scale_dtype: np.dtype, source_scal
     if source_scales is not None:
         kept, exact = int4_on_scales(values.reshape(rows, -1, size), source_scales)
         scales = np.where(exact, source_scales, scales)
-        nibbles = np.where(exact[..., None], _nibbles_of(kept), nibbles)
+        with np.errstate(invalid="ignore"):  # NaN where a source scale is zero: such a group is not exact
+            nibbles = np.where(exact[..., None], (kept - INT4_MIN).astype(np.uint8), nibbles)
     return scales, nibbles.reshape(rows, columns)
 
 
@@ -361,10 +374,9 @@ def quantize_mxfp4(values: np.ndarray, source_exponents: np.ndarray | None = Non
     flat, groups = values.reshape(-1, columns), columns // MXFP4_GROUP
     blocks, stored = np.empty((len(flat), groups, MXFP4_GROUP // 2), dtype=np.uint8), np.empty((len(flat), groups), dtype=np.uint8)
     source = None if source_exponents is None else source_exponents.reshape(-1, groups)
-    step = max(1, dtypes.LOOKUPS_AT_ONCE // columns)  # rows at a time: each step's temporaries stay in the cache
-    for first in range(0, len(flat), step):
-        part = slice(first, first + step)
+    def part_of(part: slice) -> None:  # a slice of rows (mconvert.slices)
         blocks[part], stored[part] = _mxfp4_rows(flat[part], None if source is None else source[part])
+    slices.run(part_of, slices.row_slices(len(flat), columns))
     return blocks.reshape(*lead, rows, groups, MXFP4_GROUP // 2), stored.reshape(*lead, rows, groups)
 
 

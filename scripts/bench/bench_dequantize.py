@@ -2,7 +2,7 @@
 and 7168 x 2048, alternating), stored as compressed-tensors' pack-quantized INT4 as Kimi-K2-Thinking stores them (bf16
 scales per 32 columns, Kimi-K2.5's quantization_config) and as block-quantized FP8 as DeepSeek-V3 stores them (fp32
 scales per 128 x 128, its quantization_config), about GB of source each, page cache warm; each tensor ends in bf16, as
-a bf16 conversion stores it (FP8 reads as fp32, cast here as the conversion casts it). NaN and Inf are checked, as
+a bf16 conversion stores it (FP8 read in bf16, as the conversion reads it). NaN and Inf are checked, as
 hf-to-mcore checks them. Prints, per format, GB/s of source (the stored bytes, scales included) and of bf16, the
 median of ROUNDS passes.
 
@@ -14,7 +14,8 @@ in pack-quantized INT4 (as Kimi-K2-Thinking), and from gpt-oss-120b's layers in 
 (experts and vocabulary cut), and mcore-to-hf --quantize as-source of each result back against `cp -r` of that
 checkpoint. Sources are written from mconvert's own plan with numpy (no torch, no transformers): random values
 tiled. Peak RSS (ru_maxrss) is set beside the bound docs/performance.md states: 1 GiB + workers x the larger of
-the largest tensor as read (FP8 weights in fp32, the rest in bf16) and the read-ahead (512 MiB). Writes OUT/quantized.md and OUT/quantized.json.
+the largest tensor in hand (its bf16 values, and a quantized one's stored bytes) and the read-ahead (512 MiB) +
+slice threads (one per core) x 32 MiB. Writes OUT/quantized.md and OUT/quantized.json.
 
   python scripts/bench/bench_dequantize.py --convert --work-dir DIR --out OUT --gib 3
 """
@@ -39,9 +40,9 @@ sys.path.insert(0, str(REPO / "scripts" / "bench"))
 from bench_convert import GiB, remove, run_timed  # noqa: E402
 from bench_scaling import warm  # noqa: E402
 
-from mconvert import dtypes  # noqa: E402
+from mconvert import dtypes, slices  # noqa: E402
 from mconvert.formats.hf_checkpoint import HFCheckpoint  # noqa: E402
-from mconvert.converters.parallel import READ_AHEAD_BYTES, default_workers  # noqa: E402
+from mconvert.converters.parallel import READ_AHEAD_BYTES, default_workers, machine_share  # noqa: E402
 from mconvert.converters.plan import build_plan  # noqa: E402
 from mconvert.formats.quantized import MXFP4_BLOCKS, MXFP4_SCALES, fp8_block_size, pack_quantized  # noqa: E402
 from mconvert.formats.safetensors import SafetensorsWriter  # noqa: E402
@@ -98,9 +99,7 @@ def rates(hf: HFCheckpoint, directory: Path, rounds: int) -> tuple[float, float]
         warm(directory)
         started = time.perf_counter()
         for name in hf.tensors:
-            tensor = hf.read(name, into=buffer)
-            if tensor.dtype != dtypes.bfloat16:
-                tensor = tensor.astype(dtypes.bfloat16)
+            hf.read(name, into=buffer, dtype=dtypes.bfloat16)
         seconds.append(time.perf_counter() - started)
     median = statistics.median(seconds)
     return source / median / 1e9, written / median / 1e9
@@ -121,9 +120,10 @@ def tiled(pool: np.ndarray, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarr
     return np.resize(pool, count).view(dtype).reshape(shape)
 
 
-def write_source(directory: Path, config: dict, rng: np.random.Generator) -> None:
+def write_source(directory: Path, config: dict, rng: np.random.Generator) -> dict:
     """A checkpoint of `config` as its release stores it: every HF tensor mconvert's plan reads, random, the weights
-    the quantization_config names quantized (FP8 blocks, INT4 packed, MXFP4 blocks and scales), the rest in bf16."""
+    the quantization_config names quantized (FP8 blocks, INT4 packed, MXFP4 blocks and scales), the rest in bf16;
+    its layout (name: dtype, shape)."""
     family, spec = get_mapping(config)
     shapes = build_plan(family, spec, Parallelism()).hf_shapes()
     quantization = config.get("quantization_config", {})
@@ -160,6 +160,16 @@ def write_source(directory: Path, config: dict, rng: np.random.Generator) -> Non
         writer.write(name, value if isinstance(value, np.ndarray) else tiled(pools[value], dtype, shape))
     writer.finish()
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return layout
+
+
+def stored_bytes(layout: dict, name: str) -> int:
+    """The bytes a quantized weight `name` is stored in (its quantized parts, `layout` as write_source gives it); 0
+    for one stored in bf16."""
+    parts = [name + suffix for suffix in ("", "_scale_inv", MXFP4_BLOCKS, MXFP4_SCALES, "_packed", "_scale", "_shape")]
+    if layout.get(name, (dtypes.bfloat16,))[0] == dtypes.bfloat16 and name in layout:
+        return 0
+    return sum(int(np.prod(layout[part][1])) * np.dtype(layout[part][0]).itemsize for part in parts if part in layout)
 
 
 def record(out: Path, rows: list[dict], note: str) -> None:
@@ -173,11 +183,11 @@ def record(out: Path, rows: list[dict], note: str) -> None:
 def convert(options: argparse.Namespace) -> int:
     """--convert: each quantized format both ways against `cp -r`, rows appended to OUT as they are measured."""
     options.out.mkdir(parents=True, exist_ok=True)
-    workers = options.workers or default_workers(True)
+    workers, threads = options.workers or default_workers(), machine_share()[0]
     flags = ["--workers", str(options.workers)] if options.workers else []
     rows, started = [], time.perf_counter()
     load = os.getloadavg()
-    print(f"{os.cpu_count()} cores, default workers {default_workers(True)}, running at {workers}; load average {load[0]:.1f}", flush=True)
+    print(f"{os.cpu_count()} cores, default workers {default_workers()}, running at {workers}, {threads} slice threads; load average {load[0]:.1f}", flush=True)
     for what, (model, quantization, expert_gib, rest_gib) in CUTS.items():
         if time.perf_counter() - started > options.deadline_s:
             print(f"{what}: left out, past --deadline-s", flush=True)
@@ -189,12 +199,11 @@ def convert(options: argparse.Namespace) -> int:
         work = options.work_dir / what.split()[0]
         shutil.rmtree(work, ignore_errors=True)
         source, mcore, back, copy = work / "hf", work / "mcore", work / "back", work / "copy"
-        write_source(source, config, np.random.default_rng(0))
-        # The largest tensor as the reader gives it: FP8 weights in fp32, the rest in bf16.
-        fp8 = config.get("quantization_config", {}).get("quant_method") == "fp8"
+        layout = write_source(source, config, np.random.default_rng(0))
+        # The largest tensor in hand: its bf16 values, beside a quantized one's stored bytes.
         shapes = build_plan(*get_mapping(config), Parallelism()).hf_shapes()
-        largest = max((4 if fp8 and is_fp8_on_the_hub(name) else 2) * int(np.prod(shape)) for name, shape in shapes.items())
-        bound = GiB + workers * max(largest, READ_AHEAD_BYTES)
+        largest = max(2 * int(np.prod(shape)) + stored_bytes(layout, name) for name, shape in shapes.items())
+        bound = GiB + workers * max(largest, READ_AHEAD_BYTES) + threads * slices.SLICE_TEMPORARY_BYTES
         python = [sys.executable, "-m", "mconvert.cli"]
         steps = (
             ("hf-to-mcore", source, [*python, "hf-to-mcore", "--load-dir", str(source), "--save-dir", str(mcore), "--ep", "8", *flags], mcore),
