@@ -152,6 +152,7 @@ def _hf_to_mcore(options: argparse.Namespace) -> int:
 def _mcore_to_hf(options: argparse.Namespace) -> int:
     from mconvert.converters.fsdp_saves import FSDP_FORMATS
     from mconvert.converters.mcore_to_hf import convert_mcore_to_hf
+    from mconvert.converters.quantized_export import AS_SOURCE
     from mconvert.converters.progress import progress_for, summary
     from mconvert.hub import resolve_hf_dir
     from mconvert.mcore.checkpoint import iteration_dir
@@ -187,7 +188,8 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
     )
     print(*result.notes, sep="\n")  # what the export's tensors were checked against, what it left out
     if result.quantized:
-        print(f"wrote {result.quantized} tensors {result.quantized_as}, and the quantization_config, as {options.hf_config} stores them")
+        given = f"as {options.hf_config} stores them" if options.quantize == AS_SOURCE else "as DeepSeek-V3's FP8 release states it"
+        print(f"wrote {result.quantized} tensors {result.quantized_as}, and the quantization_config, {given}")
     elif result.dequantized:
         print(f"wrote the weights unquantized: config.json leaves out the quantization_config of {options.hf_config}")
     print("next:")
@@ -298,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--model-size", default=None, help="the family, as hf-to-mcore's --model-size names it; must agree with the checkpoint (default: told from its args)")
     to_hf.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="written dtype (default: the checkpoint's)")
     to_hf.add_argument("--max-shard-size", default=None, help="largest safetensors file (default 2GB: each file is hashed on one core, so files of a few GB finish together where many workers convert)")
-    to_hf.add_argument("--quantize", default=None, help="as-source: write the tensors that the --hf-config checkpoint stores quantized (FP8 blocks, INT4, MXFP4) so again, with its quantization_config (default: unquantized)")
+    to_hf.add_argument("--quantize", default=None, help="as-source: write the tensors that the --hf-config checkpoint stores quantized (FP8 blocks, INT4, MXFP4) so again, with its quantization_config; fp8-block: write the decoder's linear layers in FP8 (e4m3, an fp32 weight_scale_inv per 128x128 block) as DeepSeek-V3's release does, whatever the source (default: unquantized)")
     to_hf.add_argument("--adapter", default=None, metavar="ADAPTER_DIR", help="a Megatron-Bridge LoRA adapter save to merge in: W + alpha/dim B A in fp32, rounded once")
     to_hf.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
     _add_workers_flag(to_hf)

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mconvert.converters.quantized_export import is_fp8_on_the_hub
 from mconvert.formats.quantized import MXFP4_BLOCKS, MXFP4_SCALES
 
 SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float8_e4m3fn": "F8_E4M3", "uint8": "U8"}
@@ -100,13 +101,6 @@ def _write_random_safetensors(path: Path, parameters: list[tuple[str, Any]], gen
                         values.add_(1.0)
                 f.write(values.to(parameter.dtype).cpu().view(torch.uint8).numpy().data)
                 remaining -= len(values)
-
-
-def is_fp8_on_the_hub(name: str) -> bool:
-    """Which weights DeepSeek-V3's and MiniMax-M2's hub checkpoints store block-quantized in FP8: the linear layers of
-    attention and MLPs (experts included, MiniMax-M2's named w1, w2, w3); not embeddings, norms, routers or the output
-    layer."""
-    return name.endswith(("proj.weight", "proj_with_mqa.weight", ".w1.weight", ".w2.weight", ".w3.weight"))
 
 
 def _fp8_blocks(parameters: list[tuple[str, Any]], block: tuple[int, int]) -> list[tuple[str, Any]]:

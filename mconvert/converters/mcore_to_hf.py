@@ -311,7 +311,8 @@ def convert_mcore_to_hf(
     directory `save_dir`: sharded safetensors, their index and config.json, plus the generation config and tokenizer
     files of `hf_config_dir` when given. `model_size` (Megatron-LM's `--model-size` values, or a family name) names the
     family; it must agree with the checkpoint's args (or `hf_config_dir`). `quantize` "as-source" writes the tensors
-    that the `hf_config_dir` checkpoint stores quantized (FP8 blocks, INT4, MXFP4) so again (quantized_export). `adapter`: a
+    that the `hf_config_dir` checkpoint stores quantized (FP8 blocks, INT4, MXFP4) so again, "fp8-block" the linear
+    layers in DeepSeek-V3's FP8 blocks, whatever the source (quantized_export). `adapter`: a
     Megatron-Bridge LoRA save, merged in.
 
     `workers` threads convert pieces at once (None: parallel.default_workers). Started by torchrun, every rank runs this with the same

@@ -13,6 +13,7 @@ was, whatever rule made its scales; the other groups are quantized afresh."""
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,22 @@ from mconvert.formats.quantized import (
 )
 from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, Rows
 
-AS_SOURCE = "as-source"
-QUANTIZE_CHOICES = (AS_SOURCE,)
+AS_SOURCE, FP8_BLOCK = "as-source", "fp8-block"
+QUANTIZE_CHOICES = (AS_SOURCE, FP8_BLOCK)
+# `--quantize fp8-block`'s quantization_config: DeepSeek-V3's release's (Qwen3's FP8 releases state the same), which
+# transformers' FineGrainedFP8Config and vLLM's Fp8Config read; modules_to_not_convert is added per export.
+FP8_BLOCK_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+# A decoder layer's (or an MTP layer's) tensors, and a vision tower's, which keeps its dtype.
+DECODER_LAYER, VISION = re.compile(r"^(.*\.)?layers\.\d+\."), re.compile(r"(^|\.)(visual|vision_tower|vision_model)\.")
 
 Layout = dict[str, tuple[Any, tuple[int, ...]]]
+
+
+def is_fp8_on_the_hub(name: str) -> bool:
+    """Which weights DeepSeek-V3's and MiniMax-M2's hub checkpoints store block-quantized in FP8: the linear layers of
+    attention and MLPs (experts included, MiniMax-M2's named w1, w2, w3); not embeddings, norms, routers or the output
+    layer."""
+    return name.endswith(("proj.weight", "proj_with_mqa.weight", ".w1.weight", ".w2.weight", ".w3.weight"))
 
 
 @dataclass(frozen=True)
@@ -200,6 +213,18 @@ def quantized_export(quantize: str | None, hf_config_dir: str | os.PathLike | No
         return Unquantized()
     if quantize not in QUANTIZE_CHOICES:
         raise ConversionError(f"--quantize {quantize}: not one of {', '.join(QUANTIZE_CHOICES)}")
+    export = fp8_block(plan) if quantize == FP8_BLOCK else as_source(quantize, hf_config_dir, reference, plan)
+    for piece in plan.pieces:
+        for ref in piece.sources:
+            # A tensor written in sections of rows (a fused projection Megatron stores in parts) is never whole in
+            # one place, and its blocks may straddle the sections; an INT4 weight's shape is written whole.
+            if ref.name in export.names and (isinstance(ref.index, Rows) or isinstance(export, PackedInt4) and ref.index is not None):
+                raise ConversionError(f"--quantize {quantize}: tensor '{ref.name}' is written in parts: quantizing it is not supported yet")
+    return export
+
+
+def as_source(quantize: str, hf_config_dir: str | os.PathLike | None, reference: dict[str, Any] | None, plan: Plan) -> Unquantized:
+    """`--quantize as-source`: the tensors that the original in `hf_config_dir` stores quantized, in its format."""
     if hf_config_dir is None or reference is None:
         raise ConversionError(f"--quantize {quantize} needs --hf-config: the original checkpoint, whose quantized tensors are written so again")
     directory = Path(hf_config_dir)
@@ -216,14 +241,22 @@ def quantized_export(quantize: str | None, hf_config_dir: str | os.PathLike | No
             f"--quantize {quantize}: --hf-config {directory} has no {INDEX_FILE} or {SINGLE_FILE} telling which tensors "
             "are quantized: name the original checkpoint's directory"
         )
-    export = {"fp8": fp8_blocks, COMPRESSED_TENSORS: packed_int4, "mxfp4": mxfp4}[method](quantize, directory, reference, plan)
-    for piece in plan.pieces:
-        for ref in piece.sources:
-            # A tensor written in sections of rows (a fused projection Megatron stores in parts) is never whole in
-            # one place, and its blocks may straddle the sections; an INT4 weight's shape is written whole.
-            if ref.name in export.names and (isinstance(ref.index, Rows) or isinstance(export, PackedInt4) and ref.index is not None):
-                raise ConversionError(f"--quantize {quantize}: tensor '{ref.name}' is written in parts: quantizing it is not supported yet")
-    return export
+    return {"fp8": fp8_blocks, COMPRESSED_TENSORS: packed_int4, "mxfp4": mxfp4}[method](quantize, directory, reference, plan)
+
+
+def fp8_block(plan: Plan) -> FP8Blocks:
+    """`--quantize fp8-block`: the linear layers of the export `plan`'s decoder (and MTP) layers, the weights that
+    DeepSeek-V3's release stores in FP8 (`is_fp8_on_the_hub`: attention and MLP projections, experts), in 128 x 128
+    blocks (partial blocks at the edges, as the release's kv_a_proj_with_mqa has, counted), quantized afresh; the rest
+    in the export's dtype. modules_to_not_convert names each other module with a matrix (lm_head, routers, a vision
+    tower's): transformers' FineGrainedFP8 would otherwise make an FP8 layer of any nn.Linear but the output layer, and
+    when given the list it adds nothing to it. A decoder layer's module is named by its name within the layer, which
+    transformers matches as a suffix, in every layer."""
+    shapes = plan.hf_shapes()
+    names = frozenset(name for name, shape in shapes.items() if len(shape) == 2 and is_fp8_on_the_hub(name) and DECODER_LAYER.match(name) and not VISION.search(name))
+    kept = {name.rsplit(".", 1)[0] for name, shape in shapes.items() if len(shape) >= 2 and name not in names}
+    skipped = sorted({module if VISION.search(module) else DECODER_LAYER.sub("", module) for module in kept})
+    return FP8Blocks({**FP8_BLOCK_CONFIG, "modules_to_not_convert": skipped}, False, names, tuple(FP8_BLOCK_CONFIG["weight_block_size"]))
 
 
 def fp8_blocks(quantize: str, directory: Path, reference: dict[str, Any], plan: Plan) -> FP8Blocks:
