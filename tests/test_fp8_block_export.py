@@ -1,13 +1,15 @@
 """`mcore-to-hf --quantize fp8-block`: a bf16 model's export written as DeepSeek-V3's FP8 release is written, its
 source unquantized.
 
-Two shrunk models, Qwen3 (dense) and Qwen3-MoE (128 experts' rows each), random bf16 weights, go to Megatron (bf16)
+Two shrunk models, Qwen3 (dense) and Qwen3-MoE (8 experts), random bf16 weights at 0.1, go to Megatron (bf16, TP 2)
 and back twice: unquantized in bf16 (`plain`), and with `--quantize fp8-block` (`fp8`). Every width is a multiple of
 128, as transformers' dequantization at load needs (it takes the block size from the scales' grid). Each quantized
 weight is held bit for bit to compressed-tensors' block FP8 quantizer (tests/test_fp8_export.py's reference, 128 x 128
 blocks), every other tensor to the unquantized export's; transformers loads the FP8 export with its FineGrainedFP8
 integration, dequantizing at load (`dequantize: True`, as tests/gpu/test_quantized_exports.py loads FP8 on a
-machine without its kernels), and its logits are held to the format's error against the unquantized export's."""
+machine without its kernels): its logits are those of the reference-dequantized weights bit for bit, and the dense
+model's are held to the format's error against the unquantized export's. A DeepSeek-V3 shrunk below 128 checks the
+partial blocks at the edges."""
 
 from __future__ import annotations
 
@@ -208,3 +210,20 @@ def test_a_fused_projection_written_in_parts_is_one_line(tmp_path, capsys):
     assert code == 1 and len(err.splitlines()) == 1 and err.startswith("mconvert: error: --quantize fp8-block: tensor '"), err
     assert "is written in parts" in err, err
     assert_nothing_left(tmp_path / "out")
+
+
+def test_partial_blocks_are_written_as_deepseeks_release_writes_them(tmp_path):
+    """DeepSeek-V3 shrunk (MLA's widths, 24 to 112, below 128, a hidden size of 160): each linear layer quantized as
+    the reference quantizes it, the edge blocks partial, the scales' grid rounded up, as the release's 576-row
+    kv_a_proj_with_mqa has them; routers, norms, embeddings and the output layer as the bf16 export's."""
+    config = shrink(real_config("deepseek-v3"), hidden_size=160)
+    make_hf_checkpoint(config, tmp_path / "source", dtype="bfloat16", weight_std=0.1)
+    convert_hf_to_mcore(tmp_path / "source", tmp_path / "mcore", parallelism=Parallelism(tp=2), dtype=torch.bfloat16)
+    for out, quantize in (("plain", None), ("fp8", "fp8-block")):
+        convert_mcore_to_hf(tmp_path / "mcore", tmp_path / out, hf_config_dir=tmp_path / "source", dtype=torch.bfloat16, quantize=quantize)
+    assert mismatches(tmp_path / "fp8", tmp_path / "plain") == []
+    written = headers(tmp_path / "fp8")
+    names = quantized_names(tmp_path / "fp8")
+    assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight" in names and "model.layers.1.mlp.experts.7.down_proj.weight" in names
+    assert written["model.layers.0.mlp.down_proj.weight_scale_inv"] == ("F32", (2, 1))  # 160 rows: 128 and 32
+    assert not any(".gate." in name or "norm" in name or "embed" in name or "head" in name for name in names)
