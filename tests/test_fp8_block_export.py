@@ -195,6 +195,8 @@ def test_hf_to_mcore_reads_the_fp8_export_back_and_requantizing_gives_its_bytes(
     first, again = tensors(root / "fp8"), tensors(tmp_path / "again")
     assert first.keys() == again.keys()
     assert [name for name in first if not torch.equal(bits(first[name]), bits(again[name]))] == []
+    quantization = [json.loads((directory / "config.json").read_text())["quantization_config"] for directory in (root / "fp8", tmp_path / "again")]
+    assert quantization[0] == quantization[1]
 
 
 def test_a_fused_projection_written_in_parts_is_one_line(tmp_path, capsys):
