@@ -300,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--model-size", default=None, help="the family, as hf-to-mcore's --model-size names it; must agree with the checkpoint (default: told from its args)")
     to_hf.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None, help="written dtype (default: the checkpoint's)")
     to_hf.add_argument("--max-shard-size", default=None, help="largest safetensors file (default 2GB: each file is hashed on one core, so files of a few GB finish together where many workers convert)")
-    to_hf.add_argument("--quantize", default=None, help="as-source: write the tensors that the --hf-config checkpoint stores quantized (FP8 blocks, INT4, MXFP4) so again, with its quantization_config; fp8-block: write the decoder's linear layers in FP8 (e4m3, an fp32 weight_scale_inv per 128x128 block) as DeepSeek-V3's release does, whatever the source (default: unquantized)")
+    to_hf.add_argument("--quantize", default=None, help="as-source: write the tensors that the --hf-config checkpoint stores quantized (FP8 blocks, INT4, MXFP4) so again, with its quantization_config; fp8-block: write the decoder's linear layers in FP8 (e4m3, an fp32 weight_scale_inv per 128x128 block) as DeepSeek-V3's release does, whatever the source; fp8-block-ue8m0: the same with power-of-two scales (scale_fmt ue8m0, DeepSeek-V3.1's) (default: unquantized)")
     to_hf.add_argument("--adapter", default=None, metavar="ADAPTER_DIR", help="a Megatron-Bridge LoRA adapter save to merge in: W + alpha/dim B A in fp32, rounded once")
     to_hf.add_argument("--overwrite", action="store_true", help="replace --save-dir if it exists")
     _add_workers_flag(to_hf)

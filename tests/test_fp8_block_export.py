@@ -31,7 +31,7 @@ from mconvert.converters.quantized_export import FP8_BLOCK_CONFIG, is_fp8_on_the
 from mconvert.mcore.parallelism import Parallelism
 from mconvert.synthetic import make_hf_checkpoint, real_config, shrink
 from tests.cli_runner import assert_nothing_left
-from tests.test_fp8_export import bits, headers, reference_quantize, tensors
+from tests.test_fp8_export import bits, headers, reference_quantize, tensors, ue8m0_quantize
 
 BLOCK = (128, 128)
 SIZES = {"hidden_size": 128, "head_dim": 32, "intermediate_size": 256, "num_key_value_heads": 4, "moe_intermediate_size": 128}
@@ -51,7 +51,8 @@ PROMPT = (2, 48)
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
-    """model -> directory with `source` (bf16), `mcore` (bf16, TP 2), `plain` and `fp8` (the exports)."""
+    """model -> directory with `source` (bf16), `mcore` (bf16, TP 2), `plain` and `fp8` (the exports), and for Qwen3
+    `fp8-ue8m0` (--quantize fp8-block-ue8m0)."""
     made = {}
     for model, name in MODELS.items():
         root = tmp_path_factory.mktemp(model)
@@ -61,6 +62,9 @@ def work(tmp_path_factory):
         convert_mcore_to_hf(root / "mcore", root / "plain", hf_config_dir=root / "source", dtype=torch.bfloat16)
         args = ["mcore-to-hf", "--load-dir", str(root / "mcore"), "--save-dir", str(root / "fp8"), "--hf-config", str(root / "source")]
         assert main([*args, "--quantize", "fp8-block"]) == 0
+        if model == "qwen3":
+            args[4] = str(root / "fp8-ue8m0")
+            assert main([*args, "--quantize", "fp8-block-ue8m0"]) == 0
         made[model] = root
     return made
 
@@ -84,15 +88,15 @@ def test_the_decoders_linear_layers_are_fp8_with_deepseeks_config(work, model):
         assert len(names) > 8 * 3 * 2 and "mlp.gate" in quantization["modules_to_not_convert"]
 
 
-def mismatches(fp8_dir, plain_dir) -> list[str]:
-    """The tensors of the FP8 export that are not the reference quantizer's output for the bf16 export's tensor
-    (bytes and fp32 scales), or, unquantized, not that tensor bit for bit."""
+def mismatches(fp8_dir, plain_dir, reference=reference_quantize) -> list[str]:
+    """The tensors of the FP8 export that are not the `reference` quantizer's output for the bf16 export's tensor
+    (bytes, and scales as fp32), or, unquantized, not that tensor bit for bit."""
     fp8, plain = tensors(fp8_dir), tensors(plain_dir)
     wrong = sorted(set(plain) ^ {name for name in fp8 if not name.endswith("_scale_inv")})
     for name, tensor in plain.items():
         if name + "_scale_inv" in fp8:
-            q, scale = reference_quantize(tensor, BLOCK)
-            if not (torch.equal(bits(fp8[name]), bits(q)) and torch.equal(fp8[name + "_scale_inv"], scale)):
+            q, scale = reference(tensor, BLOCK)
+            if not (torch.equal(bits(fp8[name]), bits(q)) and torch.equal(fp8[name + "_scale_inv"], scale.float())):
                 wrong.append(name)
         elif not torch.equal(fp8[name], tensor):
             wrong.append(name)
@@ -102,6 +106,18 @@ def mismatches(fp8_dir, plain_dir) -> list[str]:
 @pytest.mark.parametrize("model", MODELS)
 def test_each_tensor_is_the_reference_quantizers_or_the_bf16_exports_bit_for_bit(work, model):
     assert mismatches(work[model] / "fp8", work[model] / "plain") == []
+
+
+def test_ue8m0_scales_are_deepgemms_powers_of_two_bit_for_bit(work, tmp_path):
+    """--quantize fp8-block-ue8m0: the same tensors, scale_fmt ue8m0 in the config, scales (fp32) rounded up to powers
+    of two as DeepGEMM's per_block_cast_to_fp8 with use_ue8m0 rounds them; transformers runs it as its dequantized
+    weights. The fp8-block export is not that (its scales are amax / 448)."""
+    directory, plain = work["qwen3"] / "fp8-ue8m0", work["qwen3"] / "plain"
+    assert quantized_names(directory) == quantized_names(work["qwen3"] / "fp8")
+    assert json.loads((directory / "config.json").read_text())["quantization_config"]["scale_fmt"] == "ue8m0"
+    assert mismatches(directory, plain, ue8m0_quantize) == []
+    assert mismatches(work["qwen3"] / "fp8", plain, ue8m0_quantize) != []
+    assert torch.equal(logits(directory), logits(dequantized(directory, tmp_path / "exact")))
 
 
 def test_a_doubled_scale_or_a_changed_norm_is_caught(work, tmp_path):

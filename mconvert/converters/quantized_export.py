@@ -44,10 +44,11 @@ from mconvert.formats.quantized import (
 )
 from mconvert.formats.safetensors import INDEX_FILE, SINGLE_FILE, Rows
 
-AS_SOURCE, FP8_BLOCK = "as-source", "fp8-block"
-QUANTIZE_CHOICES = (AS_SOURCE, FP8_BLOCK)
+AS_SOURCE, FP8_BLOCK, FP8_BLOCK_UE8M0 = "as-source", "fp8-block", "fp8-block-ue8m0"
+QUANTIZE_CHOICES = (AS_SOURCE, FP8_BLOCK, FP8_BLOCK_UE8M0)
 # `--quantize fp8-block`'s quantization_config: DeepSeek-V3's release's (Qwen3's FP8 releases state the same), which
-# transformers' FineGrainedFP8Config and vLLM's Fp8Config read; modules_to_not_convert is added per export.
+# transformers' FineGrainedFP8Config and vLLM's Fp8Config read; modules_to_not_convert is added per export, and
+# `scale_fmt: ue8m0` (DeepSeek-V3.1's and V3.2's power-of-two scales, stored here in fp32) for `fp8-block-ue8m0`.
 FP8_BLOCK_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 # A decoder layer's (or an MTP layer's) tensors, and a vision tower's, which keeps its dtype.
 DECODER_LAYER, VISION = re.compile(r"^(.*\.)?layers\.\d+\."), re.compile(r"(^|\.)(visual|vision_tower|vision_model)\.")
@@ -213,7 +214,10 @@ def quantized_export(quantize: str | None, hf_config_dir: str | os.PathLike | No
         return Unquantized()
     if quantize not in QUANTIZE_CHOICES:
         raise ConversionError(f"--quantize {quantize}: not one of {', '.join(QUANTIZE_CHOICES)}")
-    export = fp8_block(plan) if quantize == FP8_BLOCK else as_source(quantize, hf_config_dir, reference, plan)
+    if quantize in (FP8_BLOCK, FP8_BLOCK_UE8M0):
+        export: Unquantized = fp8_block(plan, power_of_two=quantize == FP8_BLOCK_UE8M0)
+    else:
+        export = as_source(quantize, hf_config_dir, reference, plan)
     for piece in plan.pieces:
         for ref in piece.sources:
             # A tensor written in sections of rows (a fused projection Megatron stores in parts) is never whole in
@@ -244,11 +248,12 @@ def as_source(quantize: str, hf_config_dir: str | os.PathLike | None, reference:
     return {"fp8": fp8_blocks, COMPRESSED_TENSORS: packed_int4, "mxfp4": mxfp4}[method](quantize, directory, reference, plan)
 
 
-def fp8_block(plan: Plan) -> FP8Blocks:
+def fp8_block(plan: Plan, power_of_two: bool = False) -> FP8Blocks:
     """`--quantize fp8-block`: the linear layers of the export `plan`'s decoder (and MTP) layers, the weights that
     DeepSeek-V3's release stores in FP8 (`is_fp8_on_the_hub`: attention and MLP projections, experts), in 128 x 128
     blocks (partial blocks at the edges, as the release's kv_a_proj_with_mqa has, counted), quantized afresh; the rest
-    in the export's dtype. modules_to_not_convert names each other module with a matrix (lm_head, routers, a vision
+    in the export's dtype; `power_of_two` (`fp8-block-ue8m0`): the scales rounded up to powers of two, in fp32, as
+    transformers and mconvert read them under `scale_fmt: ue8m0`. modules_to_not_convert names each other module with a matrix (lm_head, routers, a vision
     tower's): transformers' FineGrainedFP8 would otherwise make an FP8 layer of any nn.Linear but the output layer, and
     when given the list it adds nothing to it. A decoder layer's module is named by its name within the layer, which
     transformers matches as a suffix, in every layer."""
@@ -256,7 +261,8 @@ def fp8_block(plan: Plan) -> FP8Blocks:
     names = frozenset(name for name, shape in shapes.items() if len(shape) == 2 and is_fp8_on_the_hub(name) and DECODER_LAYER.match(name) and not VISION.search(name))
     kept = {name.rsplit(".", 1)[0] for name, shape in shapes.items() if len(shape) >= 2 and name not in names}
     skipped = sorted({module if VISION.search(module) else DECODER_LAYER.sub("", module) for module in kept})
-    return FP8Blocks({**FP8_BLOCK_CONFIG, "modules_to_not_convert": skipped}, False, names, tuple(FP8_BLOCK_CONFIG["weight_block_size"]))
+    quantization = {**FP8_BLOCK_CONFIG, **({"scale_fmt": "ue8m0"} if power_of_two else {}), "modules_to_not_convert": skipped}
+    return FP8Blocks(quantization, False, names, tuple(FP8_BLOCK_CONFIG["weight_block_size"]), power_of_two)
 
 
 def fp8_blocks(quantize: str, directory: Path, reference: dict[str, Any], plan: Plan) -> FP8Blocks:
