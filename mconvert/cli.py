@@ -188,7 +188,7 @@ def _mcore_to_hf(options: argparse.Namespace) -> int:
     )
     print(*result.notes, sep="\n")  # what the export's tensors were checked against, what it left out
     if result.quantized:
-        given = f"as {options.hf_config} stores them" if options.quantize == AS_SOURCE else "as DeepSeek-V3's FP8 release states it"
+        given = f"as {options.hf_config} stores them" if options.quantize == AS_SOURCE else "in DeepSeek-V3's FP8 release format"
         print(f"wrote {result.quantized} tensors {result.quantized_as}, and the quantization_config, {given}")
     elif result.dequantized:
         print(f"wrote the weights unquantized: config.json leaves out the quantization_config of {options.hf_config}")
