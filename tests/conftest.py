@@ -7,10 +7,21 @@ import pytest
 from mconvert.synthetic import add_mtp_layers, make_hf_checkpoint, real_config, shrink
 
 
-@pytest.fixture(autouse=True)
-def class_verdict_cache(tmp_path_factory, monkeypatch):
-    """Each test's exports keep what transformers' class holds (converters/class_verdicts.py) in a directory of its
-    own, empty at its start (so that its first export makes the verdict, as before there was a cache), never the user's."""
+@pytest.fixture(scope="session", autouse=True)
+def class_verdict_cache(tmp_path_factory):
+    """The exports of the whole session keep what transformers' class holds (converters/class_verdicts.py) in one
+    directory of its own, never the user's, set before any fixture exports (module- and session-scoped ones too): a
+    config's class is built once in the session (seconds each), and a kept verdict refuses what the class would
+    (tests/test_class_verdicts.py shows each refusal)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MCONVERT_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture
+def empty_verdict_cache(tmp_path_factory, monkeypatch):
+    """A directory of the test's own, empty at its start, for a test whose export must build the class itself (in a
+    child process, or to keep the first verdict)."""
     monkeypatch.setenv("MCONVERT_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
 
 

@@ -23,6 +23,8 @@ from mconvert.converters.hf_to_mcore import convert_hf_to_mcore
 from tests.cli_runner import REPO, assert_nothing_left, assert_one_line_error
 from tests.test_whole_export import export, run_cli_in_process, without
 
+# Each test starts from an empty cache: what it asserts is which export makes, keeps and reads a verdict.
+pytestmark = pytest.mark.usefixtures("empty_verdict_cache")
 CHECKED = "checked against transformers' {}: every tensor it holds is written, and no other"
 KEPT = "(the class's tensors as kept in "
 # Each process ending records what it imported of torch and transformers, and its command line.

@@ -147,6 +147,7 @@ def test_overwrite_killed_between_its_renames(stopper, hf, reference, tmp_path):
 
 
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+@pytest.mark.usefixtures("empty_verdict_cache")  # a kept verdict would start no child to interrupt
 def test_interrupted_while_its_check_runs_the_check_ends_with_it(stopper, reference, tmp_path, sig):
     """mcore-to-hf checks what it writes against transformers' class in a child process that imports torch and
     transformers beside the writes (converters/whole_export.py): the export interrupted as it writes is the same one

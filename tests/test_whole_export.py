@@ -227,6 +227,7 @@ def test_mtp_layers_of_a_family_without_a_place_for_them_are_left_out_and_said_s
     assert hf_tensors(tmp_path / "back").keys() == hf_tensors(hf).keys()
 
 
+@pytest.mark.usefixtures("empty_verdict_cache")  # a verdict kept by the test above would refuse without a child
 def test_a_refusal_comes_through_the_child_in_one_line(hf_model_factory, tmp_path):
     """The fault of test_a_config_of_a_class_without_a_tensor_the_export_writes..., in a whole mcore-to-hf process
     that imports neither torch nor transformers: the child refuses, the export says it in one line, nothing is left."""
