@@ -135,9 +135,12 @@ VLLM_MLA = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128
 VLLM_DELTA_NET = {"linear_key_head_dim": 128, "linear_value_head_dim": 128}
 
 # vLLM's multimodal rope asserts that the sections cover the rotated half of a head (transformers' text positions, the
-# same in all three sections, do not mind): the shrunk Qwen3.5's 32-wide heads rotate a quarter, 8 dims.
+# same in all three sections, do not mind): the shrunk Qwen3.5's 32-wide heads rotate a quarter, 8 dims; the shrunk
+# Qwen3-VL's 16-wide heads all of theirs.
 QWEN3_5_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25,
                                     "mrope_interleaved": True, "mrope_section": [2, 1, 1]}}
+QWEN3_VL_ROPE = {"rope_parameters": {"rope_type": "default", "rope_theta": 5_000_000, "mrope_interleaved": True,
+                                     "mrope_section": [4, 2, 2]}}
 
 # Qwen3-MoE in vLLM: bf16 router logits (transformers' fp32) meet near-ties between experts' scores, and a position
 # whose top-k experts differ gets another mixture: measured on 2 x H200 (2026-11-27), vLLM's tokens within 0.037 of
@@ -169,6 +172,8 @@ FAMILIES = [
            **DELTA_NET),
     Family("qwen3_5", "qwen3.5-0.8b", layers=4, vllm_overrides={**VLLM_DELTA_NET, **QWEN3_5_ROPE}, **DENSE, **DELTA_NET),
     Family("qwen3_5_text", "qwen3.5-35b-a3b", layers=4, text_only=True, **DELTA_NET),
+    # Qwen3-VL's language model (its vision tower left out of Megatron-LM's layout and copied back by the export).
+    Family("qwen3_vl", "qwen3-vl-8b-instruct", vllm_overrides=QWEN3_VL_ROPE, **DENSE),
     # transformers 5.17 (the GPU machines') turns rope on the head's dims that partial_rotary_factor says, not rotary_dim.
     Family("minimax_m2", "minimax-m2.7", overrides={"partial_rotary_factor": 0.5}, vllm_logprob=MOE_ROUTING_LOGPROB),
     # Rope on interleaved pairs: the printed flags keep Transformer Engine's fused rope (TE >= 2.3 rotates pairs).

@@ -56,7 +56,8 @@ def test_without_gpus_the_gpu_tests_are_skipped_with_the_count_and_nothing_heavy
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     families, layouts = len(training_cases()), len(layout_cases())
     quantized = 4 + 1  # test_quantized_exports.py: two releases, each as exported and with a fault; the FP8 weights
-    vllm = len(test_vllm.SERVED) + len(test_vllm.TP2) + len(test_vllm.QUANTIZED) + 1  # tests/gpu/test_vllm.py
+    # tests/gpu/test_vllm.py: every family (served or not), TP 2, the adapters, the quantized releases, the sync.
+    vllm = len(test_vllm.SERVED) + len(test_vllm.NOT_SERVED) + len(test_vllm.TP2) + len(test_vllm.ADAPTERS) + len(test_vllm.QUANTIZED) + 1
     mxfp4 = 1  # test_mxfp4_quantizer.py
     sync = len(test_engine_sync.CASES)
     assert f"{2 * layouts + families + quantized + vllm + mxfp4 + sync} skipped" in run.stdout, run.stdout[-2000:]

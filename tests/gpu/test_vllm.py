@@ -45,7 +45,7 @@ VLLM_SITE = Path(os.environ.get("VLLM_SITE", "/tmp/site-vllm"))
 # released dims; the delta-net and Mamba layers run vLLM's own Triton kernels): a job that hangs takes only the time of
 # those after it in its engine's queue.
 SERVED = ("llama", "qwen2", "qwen3", "qwen3_moe", "gpt_oss", "mixtral", "qwen2_moe", "glm4_moe", "olmoe", "olmo2",
-          "ernie4_5", "dots1", "minimax_m2", "hy_v3", "gemma3_text", "gemma3", "qwen3_5", "qwen3_next", "nemotron_h",
+          "ernie4_5", "dots1", "minimax_m2", "hy_v3", "gemma3_text", "gemma3", "qwen3_vl", "qwen3_5", "qwen3_next", "nemotron_h",
           "nemotron_h_latent", "deepseek", "glm4_moe_lite", "kimi_k25")
 # Families mconvert converts that vLLM 0.25.0 does not serve, and why (its model registry and code, read in its wheel).
 NOT_SERVED = {
