@@ -20,8 +20,6 @@ import torch
 if os.environ.get("MCONVERT_REQUIRE_MEGATRON_LM") != "1":
     pytest.importorskip("megatron.training", reason="Megatron-LM's training package: the Python 3.12 environment")
 
-import transformers  # noqa: E402
-
 from mconvert.converters.hf_to_mcore import convert_hf_to_mcore  # noqa: E402
 from mconvert.formats import dcp_writer  # noqa: E402
 from mconvert.mcore.checkpoint import iteration_dir, read_args  # noqa: E402
@@ -29,6 +27,7 @@ from mconvert.mcore.parallelism import Parallelism, PipelineSplit  # noqa: E402
 from mconvert.megatron_lm.args import FLAG_OF_ARG, MEGATRON_LM_DEFAULTS, RESTORED_BY_CHECKPOINT_ARGS  # noqa: E402
 from mconvert.megatron_lm.flags import pipeline_split_flags  # noqa: E402
 from mconvert.synthetic import write_word_tokenizer  # noqa: E402
+from mconvert.verify.hf_side import load_hf_model  # noqa: E402
 from mconvert.verify.distributed import ParallelLayout, run_ranks  # noqa: E402
 from mconvert.verify.megatron_lm import (  # noqa: E402
     CPU_FLAGS,
@@ -65,6 +64,9 @@ MODELS = {
     # gated shared expert; Qwen3.5 as its image-text checkpoint.
     "qwen3-next-tp2ep2": ("qwen3-next-80b-a3b-instruct", 4, {}, Parallelism(tp=2, ep=2)),
     "qwen3.5-tp2pp2": ("qwen3.5-0.8b", 4, {}, Parallelism(tp=2, pp=2)),
+    # Qwen3-VL's language model (Qwen3 under the image-text checkpoint's prefix; text positions make its multimodal rope
+    # plain rope).
+    "qwen3-vl-tp2pp2": ("qwen3-vl-8b-instruct", 4, {}, Parallelism(tp=2, pp=2)),
     # TP above the 2 query groups (megatron-core splits the fused QKV's rows evenly still; 4 linear key heads).
     "qwen3-next-tp4": ("qwen3-next-80b-a3b-instruct", 4, {"linear_num_key_heads": 4, "linear_num_value_heads": 8}, Parallelism(tp=4)),
     # DeepSeek Sparse Attention beside multi-latent attention: the indexer's halves rope (DeepSeek-V3.2), its
@@ -360,7 +362,9 @@ def megatron_lm_logits(argv: list[str], tokens: torch.Tensor) -> torch.Tensor:
 
 
 def hf_logits(hf: Path) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    """transformers' logits as mconvert verify builds the reference (an image-text model without a causal-LM class,
+    Qwen3-VL's, as its image-text class on text)."""
+    model = load_hf_model(hf, torch.float32).eval()
     with torch.no_grad():
         return model(TOKENS).logits
 
@@ -380,8 +384,8 @@ def run_megatron_lm(name: str, argv: list[str]) -> torch.Tensor:
 # DotProductAttention does not take; megatron-core's check (tests/test_deepseek_megatron.py) shims that.
 @pytest.mark.parametrize(
     "name", ["llama3.1-tp2", "mistral-window-tp2", "gpt-oss-tp2ep2etp1", "qwen3-pp2", "qwen2moe-ep2", "qwen3moe-dense-first-tp2ep2etp1", "glm4.5-air-pp2",
-             "qwen3-pp2-first-stage-1", "llama3.1-pp2-embedding-counts", "qwen2.5-pp2-layout", "qwen3-next-tp2ep2", "qwen3.5-tp2pp2", "qwen3-next-tp4",
-             "deepseek-v3.2-tp2ep2", "glm-5.1-tp2pp2-latent-epsilon", "minimax-m2-tp2ep2", "ernie4.5-tp2pp2",
+             "qwen3-pp2-first-stage-1", "llama3.1-pp2-embedding-counts", "qwen2.5-pp2-layout", "qwen3-next-tp2ep2", "qwen3.5-tp2pp2", "qwen3-vl-tp2pp2",
+             "qwen3-next-tp4", "deepseek-v3.2-tp2ep2", "glm-5.1-tp2pp2-latent-epsilon", "minimax-m2-tp2ep2", "ernie4.5-tp2pp2",
              "olmoe-tp2ep2", "dots1-window-tp2ep2", "hy3-tp2ep2", "olmo2-tp2", "olmo3-pp2", "gemma3-text-tp2pp2"]
 )
 def test_megatron_lm_load_checkpoint_gives_transformers_logits(name, converted):
